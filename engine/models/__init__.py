@@ -1,0 +1,1 @@
+"""Model implementations whose attention reads the paged KV cache."""

@@ -1,0 +1,59 @@
+"""User-facing results (vLLM-compatible names): RequestOutput and CompletionOutput."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class OutputKind(enum.Enum):
+    """What each RequestOutput of a request carries."""
+
+    FINAL_ONLY = "final"  # one output when the request ends (offline generate)
+    CUMULATIVE = "cumulative"  # every update carries the whole text so far
+    DELTA = "delta"  # every update carries only what is new (streaming)
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
+    finish_reason: str | None = None  # stop | length | abort
+    stop_reason: int | str | None = None  # stop string or stop token id that ended it
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None
+    prompt_logprobs: None = None
+    extra: dict = field(default_factory=dict)

@@ -1,0 +1,73 @@
+"""Request: one sequence's state inside the engine core (tokens, blocks, progress)."""
+from __future__ import annotations
+
+import enum
+import time
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self.value in ("stop", "length", "abort")
+
+
+class Request:
+    """Engine-side request. Progress is num_computed_tokens over all_token_ids.
+
+    A request samples a token only in the step that computes its last known
+    token; chunked prefill steps before that advance num_computed_tokens only.
+    """
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 eos_token_ids: tuple[int, ...], arrival_time: float | None = None,
+                 priority: int = 0) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.all_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.params = params
+        self.eos_token_ids = eos_token_ids
+        self.arrival_time = time.time() if arrival_time is None else arrival_time
+        self.priority = priority
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hits at first schedule; -1 = not yet
+        self.block_ids: list[int] = []
+        self.block_hashes: list[int] = []  # hash chain of the full blocks registered so far
+        self.stop_reason: int | str | None = None
+        self.num_preemptions = 0
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:
+            self.generator = torch.Generator()
+            self.generator.manual_seed(params.seed)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, {self.status.value}, "
+                f"computed={self.num_computed_tokens}/{self.num_tokens})")

@@ -1,0 +1,73 @@
+"""Shared fixtures: tiny random-weight checkpoints (Llama, Qwen2, Qwen3) and the default model.
+
+Tiny models reuse the default model's tokenizer, so text prompts work; their
+weights are random but seeded, with a large init scale so greedy argmaxes are
+well separated (parity checks do not hinge on float ties).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.model_loader import load_tokenizer, resolve_model
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+            initializer_range=0.2, rms_norm_eps=1e-6, tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _single_thread_torch():
+    # Tests share 2 cores with other processes; 2 torch threads then stall each other.
+    torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    return resolve_model("default")
+
+
+def build_tiny_model(out: Path, arch: str, tokenizer_dir: Path, **overrides) -> Path:
+    """Save a random-weight HF checkpoint of `arch` (llama, qwen2, qwen3) under out."""
+    from transformers import (AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config)
+    tokenizer = load_tokenizer(tokenizer_dir)
+    kwargs = dict(TINY, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                  eos_token_id=tokenizer.eos_token_id, **overrides)
+    config = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[arch](**kwargs)
+    if arch == "qwen3":
+        config.head_dim = 16
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory, default_model_dir) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny")
+    return {arch: build_tiny_model(root / arch, arch, default_model_dir)
+            for arch in ("llama", "qwen2", "qwen3")}
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_models) -> Path:
+    return tiny_models["llama"]
+
+
+def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Reference: transformers generate, fp32, greedy, EOS ignored; one prompt at a time."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    results = []
+    for ids in prompts:
+        x = torch.tensor([ids])
+        out = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                             max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                             eos_token_id=None, pad_token_id=0)
+        results.append(out[0, len(ids):].tolist())
+    return results
