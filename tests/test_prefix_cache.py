@@ -1,0 +1,59 @@
+"""Prefix caching: shared prefixes reuse KV blocks, results stay identical, reset works."""
+import random
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.outputs import OutputKind
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama):
+    return LLM(str(tiny_llama), dtype="float32", block_size=8)
+
+
+def test_shared_prefix_is_served_from_cache_with_same_output(llm):
+    rng = random.Random(1)
+    prefix = [rng.randrange(100, 40000) for _ in range(40)]
+    first = llm.generate([prefix + [11, 12, 13]], GREEDY, use_tqdm=False)[0]
+    second = llm.generate([prefix + [11, 12, 13]], GREEDY, use_tqdm=False)[0]
+    assert first.num_cached_tokens == 0
+    assert second.num_cached_tokens == 40  # 5 full blocks of 8
+    assert second.outputs[0].token_ids == first.outputs[0].token_ids
+    other = llm.generate([prefix + [99]], GREEDY, use_tqdm=False)[0]
+    assert other.num_cached_tokens == 40
+
+
+def test_reset_prefix_cache_forgets_blocks(llm):
+    prompt = list(range(200, 250))
+    llm.generate([prompt], GREEDY, use_tqdm=False)
+    assert llm.generate([prompt], GREEDY, use_tqdm=False)[0].num_cached_tokens > 0
+    assert llm.reset_prefix_cache() is True
+    assert llm.generate([prompt], GREEDY, use_tqdm=False)[0].num_cached_tokens == 0
+
+
+def test_reset_prefix_cache_refused_while_requests_hold_blocks(llm):
+    engine = llm.llm_engine
+    engine.add_request("busy", list(range(300, 340)), GREEDY, OutputKind.DELTA)
+    outputs = engine.step()
+    assert engine.reset_prefix_cache() is False
+    assert engine.reset_prefix_cache(reset_running_requests=True) is True
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    tokens = [t for o in outputs for t in o.outputs[0].token_ids]
+    assert len(tokens) == 16  # the preempted request recomputed and finished normally
+    kv = engine.engine_core.kv
+    assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_cached_prefix_matches_uncached_run(tiny_llama):
+    rng = random.Random(2)
+    prompts = [[rng.randrange(100, 40000) for _ in range(33)] for _ in range(3)]
+    shared = [prompts[0][:24] + p[24:] for p in prompts]
+    with_cache = LLM(str(tiny_llama), dtype="float32", block_size=8)
+    without = LLM(str(tiny_llama), dtype="float32", block_size=8, enable_prefix_caching=False)
+    a = [o.outputs[0].token_ids for o in with_cache.generate(shared, GREEDY, use_tqdm=False)]
+    b = [o.outputs[0].token_ids for o in without.generate(shared, GREEDY, use_tqdm=False)]
+    assert a == b

@@ -1,0 +1,90 @@
+"""Detokenization and stop strings, on the default model's real tokenizer."""
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.detokenizer import IncrementalDetokenizer
+from engine.model_loader import load_tokenizer
+from engine.outputs import OutputKind
+from engine.stop_strings import find_stop_string
+
+TEXTS = ["naïve café — 東京 🚀 emoji, ℝ² and ΔΩ", "  leading spaces\tand\nnewlines ",
+         "Hello world! Привет, мир. こんにちは"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model_dir):
+    return load_tokenizer(default_model_dir)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_incremental_detokenization_round_trips_non_ascii(tokenizer, text):
+    prompt = tokenizer.encode("Say:")
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer, prompt)
+    pieces = [detok.update([t]) for t in ids]
+    assert "".join(pieces) == text
+    assert detok.output_text == text
+    assert all("\ufffd" not in p for p in pieces)  # no half characters ever emitted
+
+
+def test_find_stop_string_spanning_tokens():
+    text = "abc STO"
+    assert find_stop_string(text, 3, ["STOP"]) is None
+    text += "P tail"
+    assert find_stop_string(text, 6, ["STOP", "tail"]) == ("STOP", 4)
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(tiny_llama):
+    return LLM(str(tiny_llama), dtype="float32")
+
+
+def _free_text(llm, prompt, n=24):
+    return llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+
+
+def test_stop_string_spanning_token_boundary_is_cut(tiny_llm):
+    prompt = list(range(3000, 3010))
+    free = _free_text(tiny_llm, prompt)
+    tok = tiny_llm.get_tokenizer()
+    # a stop string made of the end of token 4's text and the start of token 5's text
+    t4, t5 = tok.decode(free.token_ids[4:5]), tok.decode(free.token_ids[5:6])
+    stop = t4[-2:] + t5[:2]
+    assert len(stop) >= 2
+    out = tiny_llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=24, stop=[stop],
+                                                     ignore_eos=True), use_tqdm=False)
+    completion = out[0].outputs[0]
+    index = free.text.find(stop)
+    assert completion.text == free.text[:index]
+    assert completion.finish_reason == "stop" and completion.stop_reason == stop
+    assert len(completion.token_ids) < 24
+    kept = tiny_llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=24,
+                                                      stop=[stop], include_stop_str_in_output=True,
+                                                      ignore_eos=True), use_tqdm=False)
+    assert kept[0].outputs[0].text == free.text[:index + len(stop)]
+    kv = tiny_llm.llm_engine.engine_core.kv
+    assert kv.num_free_blocks == kv.num_blocks  # the stop string aborted it at the engine
+
+
+def test_streamed_deltas_add_up_and_hold_back_partial_stops(tiny_llm):
+    prompt = list(range(3100, 3110))
+    free = _free_text(tiny_llm, prompt)
+    engine = tiny_llm.llm_engine
+    stop = free.text[len(free.text) // 2:len(free.text) // 2 + 3]
+    engine.add_request("s", prompt, SamplingParams(temperature=0.0, max_tokens=24, stop=[stop],
+                                                   ignore_eos=True), OutputKind.DELTA)
+    deltas = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            deltas.append(out.outputs[0].text)
+            assert stop not in "".join(deltas)
+    assert "".join(deltas) == free.text[:free.text.find(stop)]
+
+
+def test_chat_uses_template(default_model_dir):
+    llm = LLM("default", dtype="float32", max_model_len=256)
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)[0]
+    assert "<|im_start|>assistant" in out.prompt
+    assert "Paris" in out.outputs[0].text
