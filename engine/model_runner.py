@@ -12,7 +12,8 @@ import time
 import torch
 
 from engine.config import EngineConfig
-from engine.layers.attention import AttentionMetadata, PrefillSpan
+from engine.layers.attention import AttentionMetadata, PrefillGroup
+from engine.layers.rotary import RotaryEmbedding
 from engine.model_loader import iter_weights
 from engine.models.llama import LlamaForCausalLM, ModelShape
 from engine.scheduler import SchedulerOutput
@@ -41,10 +42,8 @@ class ModelRunner:
             model = LlamaForCausalLM(self.shape, self.hf_config, self.max_model_len)
         model = model.to_empty(device=self.device)
         # Buffers (the RoPE table) are not in the checkpoint: rebuild them for real.
-        rotary = type(model.layers[0].self_attn.rotary)(self.hf_config, self.shape.head_dim,
-                                                         self.max_model_len).to(self.device)
-        for layer in model.layers:
-            layer.self_attn.rotary = rotary
+        model.rotary = RotaryEmbedding(self.hf_config, self.shape.head_dim,
+                                       self.max_model_len).to(self.device)
         if self.shape.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight
         model.load_weights(iter_weights(self.checkpoint))
@@ -62,8 +61,9 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         s = self.shape
         self.num_blocks = num_blocks
-        self.kv_caches = torch.zeros(s.num_layers, 2, num_blocks, self.block_size,
-                                     s.num_kv_heads, s.head_dim, dtype=self.dtype,
+        # zeros, not empty: masked-out slots still enter the matmuls, and 0 * NaN = NaN
+        self.kv_caches = torch.zeros(s.num_layers, 2, s.num_kv_heads, num_blocks,
+                                     self.block_size, s.head_dim, dtype=self.dtype,
                                      device=self.device)
 
     def free_kv_cache(self) -> None:
@@ -80,13 +80,14 @@ class ModelRunner:
         slots: list[int] = []
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
-        prefills: list[PrefillSpan] = []
+        prefills: list[PrefillGroup] = []
         sample_rows: list[int] = []  # index into sched.requests
         logit_positions: list[int] = []  # token index in the flat batch
         for i in order:
             request, n = sched.requests[i], sched.num_new_tokens[i]
             start = request.num_computed_tokens
             end = start + n
+            first = len(ids)
             ids.extend(request.all_token_ids[start:end])
             positions.extend(range(start, end))
             blocks = request.block_ids
@@ -95,9 +96,14 @@ class ModelRunner:
             if n == 1:
                 decode_tables.append(blocks[:num_ctx_blocks])
                 decode_lens.append(end)
-            else:
-                prefills.append(PrefillSpan(len(ids) - n, n, end, torch.tensor(
+            elif start > 0:
+                prefills.append(PrefillGroup(first, n, 1, end, torch.tensor(
                     blocks[:num_ctx_blocks], dtype=torch.long, device=self.device)))
+            elif (prefills and prefills[-1].block_table is None
+                  and prefills[-1].query_len == n):
+                prefills[-1].count += 1  # batch equal-length fresh prefills in one call
+            else:
+                prefills.append(PrefillGroup(first, n, 1, n, None))
             if end == request.num_tokens:
                 sample_rows.append(i)
                 logit_positions.append(len(ids) - 1)
@@ -113,17 +119,18 @@ class ModelRunner:
         return logits, sample_rows
 
     def _attention_metadata(self, slots: list[int], decode_tables: list[list[int]],
-                            decode_lens: list[int], prefills: list[PrefillSpan]
+                            decode_lens: list[int], prefills: list[PrefillGroup]
                             ) -> AttentionMetadata:
-        tables = mask = None
+        tables = bias = None
         if decode_tables:
             width = max(len(t) for t in decode_tables)
             padded = [t + [0] * (width - len(t)) for t in decode_tables]
             tables = torch.tensor(padded, dtype=torch.long, device=self.device)
             lens = torch.tensor(decode_lens, dtype=torch.long, device=self.device)
             span = torch.arange(width * self.block_size, device=self.device)
-            mask = (span.unsqueeze(0) < lens.unsqueeze(1))[:, None, None, :]
+            bias = torch.zeros(len(decode_lens), width * self.block_size, device=self.device)
+            bias.masked_fill_(span.unsqueeze(0) >= lens.unsqueeze(1), float("-inf"))
         return AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
-            num_decodes=len(decode_tables), decode_block_tables=tables, decode_mask=mask,
+            num_decodes=len(decode_tables), decode_block_tables=tables, decode_bias=bias,
             prefills=prefills)

@@ -67,13 +67,14 @@ class Sampler:
                 if blocked:
                     row[blocked] = float("-inf")
             if p.repetition_penalty != 1.0:
-                seen = torch.tensor(sorted(set(r.all_token_ids)), dtype=torch.long)
+                seen = torch.tensor(sorted(set(r.all_token_ids)), dtype=torch.long,
+                                    device=logits.device)
                 vals = row[seen]
                 row[seen] = torch.where(vals > 0, vals / p.repetition_penalty,
                                         vals * p.repetition_penalty)
             if (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0) and r.output_token_ids:
-                out = torch.tensor(r.output_token_ids, dtype=torch.long)
-                counts = torch.zeros(self.vocab_size, dtype=logits.dtype)
+                out = torch.tensor(r.output_token_ids, dtype=torch.long, device=logits.device)
+                counts = torch.zeros(self.vocab_size, dtype=logits.dtype, device=logits.device)
                 counts.scatter_add_(0, out, torch.ones_like(out, dtype=logits.dtype))
                 row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
         return logits
@@ -83,7 +84,7 @@ class Sampler:
                 greedy: list[bool]) -> torch.Tensor:
         params = [r.params for r in requests]
         temps = torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)],
-                             dtype=logits.dtype).unsqueeze(1)
+                             dtype=logits.dtype, device=logits.device).unsqueeze(1)
         scaled = logits / temps
         top_k = [0 if g else p.top_k for p, g in zip(params, greedy)]
         top_p = [1.0 if g else p.top_p for p, g in zip(params, greedy)]
@@ -92,17 +93,17 @@ class Sampler:
         probs = torch.softmax(scaled, dim=-1)
         min_p = [0.0 if g else p.min_p for p, g in zip(params, greedy)]
         if any(m > 0.0 for m in min_p):
-            m = torch.tensor(min_p, dtype=probs.dtype).unsqueeze(1)
+            m = torch.tensor(min_p, dtype=probs.dtype, device=probs.device).unsqueeze(1)
             probs = probs.masked_fill(probs < m * probs.max(dim=-1, keepdim=True).values, 0.0)
-        noise = torch.empty_like(probs)
+        noise = torch.empty_like(probs).exponential_()
         for i, r in enumerate(requests):
             if r.generator is not None and not greedy[i]:
-                noise[i].exponential_(generator=r.generator)
-            else:
-                noise[i].exponential_()
+                # seeded rows draw on the CPU from their own generator: device-independent
+                row = torch.empty(probs.shape[1], dtype=probs.dtype)
+                noise[i] = row.exponential_(generator=r.generator).to(probs.device)
         sampled = (probs / noise).argmax(dim=-1)
         if any(greedy):
-            mask = torch.tensor(greedy)
+            mask = torch.tensor(greedy, device=logits.device)
             sampled = torch.where(mask, logits.argmax(dim=-1), sampled)
         return sampled
 
@@ -134,10 +135,11 @@ def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> 
     """Mask logits outside each row's top-k and top-p (nucleus) sets with -inf."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     vocab = logits.shape[-1]
-    k = torch.tensor([kk if kk > 0 else vocab for kk in top_k]).clamp(max=vocab)
-    positions = torch.arange(vocab).unsqueeze(0)
+    device = logits.device
+    k = torch.tensor([kk if kk > 0 else vocab for kk in top_k], device=device).clamp(max=vocab)
+    positions = torch.arange(vocab, device=device).unsqueeze(0)
     remove = positions >= k.unsqueeze(1)
-    p = torch.tensor(top_p, dtype=logits.dtype).unsqueeze(1)
+    p = torch.tensor(top_p, dtype=logits.dtype, device=device).unsqueeze(1)
     if (p < 1.0).any():
         probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
         before = probs.cumsum(dim=-1) - probs  # mass strictly ahead of each token

@@ -1,14 +1,21 @@
 """Paged attention over the block-structured KV cache, written with torch ops.
 
+Cache layout per layer: k and v each [KVH, num_blocks, block_size, D], so that
+gathering a sequence's blocks for one KV head yields a contiguous [L, D] run
+and batched matmuls need no extra copy.
+
 Every step first writes the new keys/values of all scheduled tokens into their
 cache slots, then computes attention. Because the writes of a layer precede its
 reads, a request may read blocks that another request fills in the same step
 (prefix-cache hits on blocks scheduled in the same batch stay correct).
 
-Requests with one query token (decodes, or a one-token prefill chunk) are
-batched: their context is gathered block-wise from the cache and attended in
-one masked SDPA call. Longer queries (prefill chunks) go one request at a time;
-a prefill without cached context attends to its fresh k/v with no gather.
+- Single-token queries (decodes, one-token chunks) are batched: their blocks are
+  gathered and attended with two batched matmuls and a masked softmax (SDPA's
+  CPU kernel is slow for one query row).
+- Prefill chunks without cached context attend to their fresh k/v; consecutive
+  chunks of equal length share one SDPA call.
+- Prefill chunks with cached context (chunked prefill, prefix-cache hits) gather
+  their blocks and use SDPA with an offset causal mask.
 """
 from __future__ import annotations
 
@@ -19,71 +26,100 @@ import torch.nn.functional as F
 
 
 @dataclass
-class PrefillSpan:
-    """One request with query_len > 1: tokens [start, start+query_len) of the batch."""
+class PrefillGroup:
+    """Prefill chunks [start, start + count * query_len) of the batch, one after another.
+
+    count > 1 only for chunks without cached context (context_len == query_len).
+    """
 
     start: int
     query_len: int
-    context_len: int  # tokens in the cache after this step, query included
-    block_table: torch.Tensor  # [num_blocks] int64 block ids covering context_len
+    count: int
+    context_len: int  # tokens in the cache after this step, queries included
+    block_table: torch.Tensor | None  # [num_blocks] block ids; only when context > query
 
 
 @dataclass
 class AttentionMetadata:
     """Where this step's tokens go in the cache and what each query attends to.
 
-    The batch holds the num_decodes single-token queries first, then the prefill spans.
+    The batch holds the num_decodes single-token queries first, then the prefills.
     """
 
     slot_mapping: torch.Tensor  # [T] int64 flat slot index of each token
     num_decodes: int
     decode_block_tables: torch.Tensor | None  # [D, max_blocks] int64
-    decode_mask: torch.Tensor | None  # [D, 1, 1, max_blocks * block_size] bool
-    prefills: list[PrefillSpan]
+    decode_bias: torch.Tensor | None  # [D, max_blocks * block_size] 0 or -inf, float32
+    prefills: list[PrefillGroup]
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    kv_heads, _, _, head_dim = k_cache.shape
+    k_cache.view(kv_heads, -1, head_dim).index_copy_(1, slot_mapping, k.transpose(0, 1))
+    v_cache.view(kv_heads, -1, head_dim).index_copy_(1, slot_mapping, v.transpose(0, 1))
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q: [T, H, D]; k, v: [T, KVH, D]; caches: [num_blocks, block_size, KVH, D].
+    """q: [T, H, D]; k, v: [T, KVH, D]; caches: [KVH, num_blocks, block_size, D].
 
     Returns the attention output [T, H, D].
     """
-    num_blocks, block_size, kv_heads, head_dim = k_cache.shape
-    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    if meta.num_decodes == q.shape[0]:
+        return _decode_attention(q, k_cache, v_cache, meta, scale)
     out = torch.empty_like(q)
-    gqa = q.shape[1] != kv_heads
-
-    d = meta.num_decodes
-    if d:
-        tables = meta.decode_block_tables
-        ctx = tables.shape[1] * block_size
-        kd = k_cache[tables].view(d, ctx, kv_heads, head_dim).transpose(1, 2)
-        vd = v_cache[tables].view(d, ctx, kv_heads, head_dim).transpose(1, 2)
-        qd = q[:d].unsqueeze(2)  # [D, H, 1, Dh]
-        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask,
-                                           scale=scale, enable_gqa=gqa)
-        out[:d] = o.squeeze(2)
-
-    for span in meta.prefills:
-        s, n, c = span.start, span.query_len, span.context_len
-        qs = q[s:s + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, Dh]
-        if c == n:
-            ks = k[s:s + n].transpose(0, 1).unsqueeze(0)
-            vs = v[s:s + n].transpose(0, 1).unsqueeze(0)
+    if meta.num_decodes:
+        out[:meta.num_decodes] = _decode_attention(q[:meta.num_decodes], k_cache, v_cache,
+                                                   meta, scale)
+    gqa = q.shape[1] != k.shape[1]
+    for g in meta.prefills:
+        s, n, b = g.start, g.query_len, g.count
+        e = s + n * b
+        qs = q[s:e].view(b, n, *q.shape[1:]).transpose(1, 2)  # [B, H, n, D]
+        if g.block_table is None:
+            ks = k[s:e].view(b, n, *k.shape[1:]).transpose(1, 2)
+            vs = v[s:e].view(b, n, *v.shape[1:]).transpose(1, 2)
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
                                                enable_gqa=gqa)
         else:
-            ks = k_cache[span.block_table].view(-1, kv_heads, head_dim)[:c]
-            vs = v_cache[span.block_table].view(-1, kv_heads, head_dim)[:c]
-            ks = ks.transpose(0, 1).unsqueeze(0)
-            vs = vs.transpose(0, 1).unsqueeze(0)
+            c = g.context_len
+            ks = _gather(k_cache, g.block_table)[:, :c].unsqueeze(0)  # [1, KVH, c, D]
+            vs = _gather(v_cache, g.block_table)[:, :c].unsqueeze(0)
             mask = _offset_causal_mask(n, c, q.device)
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale,
                                                enable_gqa=gqa)
-        out[s:s + n] = o.squeeze(0).transpose(0, 1)
+        out[s:e] = o.transpose(1, 2).reshape(e - s, *q.shape[1:])
     return out
+
+
+def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """[KVH, num_blocks, bs, D] -> [KVH, len(block_table) * bs, D] for one sequence."""
+    kv_heads, _, bs, d = cache.shape
+    return cache[:, block_table].view(kv_heads, -1, d)
+
+
+def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    d_reqs, heads, head_dim = q.shape
+    kv_heads, _, bs, _ = k_cache.shape
+    group = heads // kv_heads
+    tables = meta.decode_block_tables
+    ctx = tables.shape[1] * bs
+    # [KVH, D_reqs, blocks, bs, Dh] -> [KVH * D_reqs, ctx, Dh], contiguous from the gather
+    keys = k_cache[:, tables].view(kv_heads * d_reqs, ctx, head_dim)
+    values = v_cache[:, tables].view(kv_heads * d_reqs, ctx, head_dim)
+    qg = q.view(d_reqs, kv_heads, group, head_dim).transpose(0, 1).reshape(
+        kv_heads * d_reqs, group, head_dim)
+    scores = torch.bmm(qg, keys.transpose(1, 2)).float()  # [KVH * D_reqs, group, ctx]
+    scores = scores.view(kv_heads, d_reqs, group, ctx).mul_(scale)
+    scores.add_(meta.decode_bias[None, :, None, :])
+    probs = torch.softmax(scores, dim=-1).to(q.dtype).view(kv_heads * d_reqs, group, ctx)
+    out = torch.bmm(probs, values)  # [KVH * D_reqs, group, Dh]
+    return out.view(kv_heads, d_reqs, group, head_dim).transpose(0, 1).reshape(
+        d_reqs, heads, head_dim)
 
 
 def _offset_causal_mask(query_len: int, context_len: int, device: torch.device) -> torch.Tensor:

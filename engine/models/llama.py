@@ -18,7 +18,7 @@ from transformers import PretrainedConfig
 from engine.errors import UnsupportedModelError
 from engine.layers.attention import AttentionMetadata, paged_attention
 from engine.layers.norm import RMSNorm
-from engine.layers.rotary import RotaryEmbedding
+from engine.layers.rotary import RotaryEmbedding, apply_rotary
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                            "Qwen3ForCausalLM")
@@ -87,7 +87,7 @@ class ModelShape:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, shape: ModelShape, rotary: RotaryEmbedding) -> None:
+    def __init__(self, shape: ModelShape) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
             shape.num_heads, shape.num_kv_heads, shape.head_dim)
@@ -98,11 +98,10 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, shape.hidden_size, bias=shape.o_bias)
         self.q_norm = RMSNorm(shape.head_dim, shape.rms_norm_eps) if shape.qk_norm else None
         self.k_norm = RMSNorm(shape.head_dim, shape.rms_norm_eps) if shape.qk_norm else None
-        self.rotary = rotary
         self.scale = shape.head_dim ** -0.5
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
@@ -110,7 +109,7 @@ class LlamaAttention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = apply_rotary(q, k, *rope)
         o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(o.reshape(t, self.q_size))
 
@@ -130,16 +129,16 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, shape: ModelShape, rotary: RotaryEmbedding) -> None:
+    def __init__(self, shape: ModelShape) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
-        self.self_attn = LlamaAttention(shape, rotary)
+        self.self_attn = LlamaAttention(shape)
         self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
         self.mlp = LlamaMLP(shape)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(rope, self.input_layernorm(x), kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -149,9 +148,9 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, shape: ModelShape, hf_config: PretrainedConfig, max_positions: int) -> None:
         super().__init__()
         self.shape = shape
-        rotary = RotaryEmbedding(hf_config, shape.head_dim, max_positions)
+        self.rotary = RotaryEmbedding(hf_config, shape.head_dim, max_positions)
         self.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(shape, rotary)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(shape)
                                     for _ in range(shape.num_layers))
         self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
         self.lm_head = nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
@@ -160,10 +159,11 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """kv_caches: [num_layers, 2, num_blocks, block_size, KVH, D]."""
+        """kv_caches: [num_layers, 2, KVH, num_blocks, block_size, D]."""
         x = self.embed_tokens(input_ids)
+        rope = self.rotary.lookup(positions, x.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(positions, x, kv_cache, meta)
+            x = layer(rope, x, kv_cache, meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
