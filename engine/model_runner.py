@@ -14,6 +14,7 @@ import torch
 from engine.config import EngineConfig
 from engine.layers.attention import AttentionMetadata, PrefillGroup
 from engine.layers.rotary import RotaryEmbedding
+from engine.kernels import cpu_kernels
 from engine.model_loader import iter_weights
 from engine.models.llama import LlamaForCausalLM, ModelShape
 from engine.scheduler import SchedulerOutput
@@ -35,6 +36,10 @@ class ModelRunner:
         self.model = self._load_model()
         self.kv_caches: torch.Tensor | None = None
         self.num_blocks = 0
+        self.native_decode = None
+        if device.type == "cpu" and shape.head_dim % 16 == 0:
+            kernels = cpu_kernels()
+            self.native_decode = kernels.paged_decode_attention if kernels else None
 
     def _load_model(self) -> LlamaForCausalLM:
         start = time.perf_counter()
@@ -121,16 +126,18 @@ class ModelRunner:
     def _attention_metadata(self, slots: list[int], decode_tables: list[list[int]],
                             decode_lens: list[int], prefills: list[PrefillGroup]
                             ) -> AttentionMetadata:
-        tables = bias = None
+        tables = bias = lens = None
         if decode_tables:
             width = max(len(t) for t in decode_tables)
             padded = [t + [0] * (width - len(t)) for t in decode_tables]
             tables = torch.tensor(padded, dtype=torch.long, device=self.device)
             lens = torch.tensor(decode_lens, dtype=torch.long, device=self.device)
             span = torch.arange(width * self.block_size, device=self.device)
-            bias = torch.zeros(len(decode_lens), width * self.block_size, device=self.device)
-            bias.masked_fill_(span.unsqueeze(0) >= lens.unsqueeze(1), float("-inf"))
+            if self.native_decode is None:
+                bias = torch.zeros(len(decode_lens), width * self.block_size,
+                                   device=self.device)
+                bias.masked_fill_(span.unsqueeze(0) >= lens.unsqueeze(1), float("-inf"))
         return AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
-            num_decodes=len(decode_tables), decode_block_tables=tables, decode_bias=bias,
-            prefills=prefills)
+            num_decodes=len(decode_tables), decode_block_tables=tables, decode_seq_lens=lens,
+            decode_bias=bias, prefills=prefills, native_decode=self.native_decode)

@@ -9,7 +9,8 @@ cache slots, then computes attention. Because the writes of a layer precede its
 reads, a request may read blocks that another request fills in the same step
 (prefix-cache hits on blocks scheduled in the same batch stay correct).
 
-- Single-token queries (decodes, one-token chunks) are batched: their blocks are
+- Single-token queries (decodes, one-token chunks) are batched. On CPU a compiled
+  kernel (engine/kernels) reads their blocks in place; otherwise the blocks are
   gathered and attended with two batched matmuls and a masked softmax (SDPA's
   CPU kernel is slow for one query row).
 - Prefill chunks without cached context attend to their fresh k/v; consecutive
@@ -20,6 +21,7 @@ reads, a request may read blocks that another request fills in the same step
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -49,8 +51,10 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64 flat slot index of each token
     num_decodes: int
     decode_block_tables: torch.Tensor | None  # [D, max_blocks] int64
-    decode_bias: torch.Tensor | None  # [D, max_blocks * block_size] 0 or -inf, float32
+    decode_seq_lens: torch.Tensor | None  # [D] int64 context length of each decode
+    decode_bias: torch.Tensor | None  # [D, max_blocks * block_size] 0 or -inf (torch path)
     prefills: list[PrefillGroup]
+    native_decode: Callable | None = None  # compiled CPU kernel (engine.kernels), if any
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -103,6 +107,9 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
 
 def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    if meta.native_decode is not None:
+        return meta.native_decode(q.contiguous(), k_cache, v_cache, meta.decode_block_tables,
+                                  meta.decode_seq_lens, scale)
     d_reqs, heads, head_dim = q.shape
     kv_heads, _, bs, _ = k_cache.shape
     group = heads // kv_heads

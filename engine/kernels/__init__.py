@@ -1,0 +1,48 @@
+"""Optional native CPU kernels, compiled once per machine with torch's C++ extension tools.
+
+The engine works without them (pure torch ops); when a compiler is present the
+decode attention kernel reads the paged cache directly instead of gathering it.
+Set FLOTILLA_NATIVE_KERNELS=0 to use the torch path.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+from pathlib import Path
+from types import ModuleType
+
+logger = logging.getLogger(__name__)
+_SOURCE = Path(__file__).with_name("decode_attention.cpp")
+
+
+def _cpu_tag() -> str:
+    """Builds use -march=native, so the cache is keyed by the CPU they were built for."""
+    try:
+        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags"))
+    except (OSError, StopIteration):
+        flags = platform.processor()
+    return hashlib.sha256(flags.encode()).hexdigest()[:12]
+
+
+@functools.cache
+def cpu_kernels() -> ModuleType | None:
+    """The compiled CPU kernel module, or None when disabled or unbuildable."""
+    if os.environ.get("FLOTILLA_NATIVE_KERNELS", "1") == "0":
+        return None
+    try:
+        import torch
+        from torch.utils import cpp_extension
+
+        from engine.model_loader import cache_root
+        build = cache_root() / "kernels" / f"torch{torch.__version__}-{_cpu_tag()}"
+        build.mkdir(parents=True, exist_ok=True)
+        return cpp_extension.load(
+            name="flotilla_cpu_kernels", sources=[str(_SOURCE)], build_directory=str(build),
+            extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"], extra_ldflags=["-fopenmp"],
+            verbose=False)
+    except Exception as exc:  # no compiler, no headers, ...: fall back to torch ops
+        logger.warning("native CPU kernels unavailable (%s); using torch ops", exc)
+        return None
