@@ -33,18 +33,18 @@ class ModelRunner:
         self.checkpoint = checkpoint
         self.hf_config = hf_config
         self.max_model_len = max_model_len
+        self.kernels = cpu_kernels() if device.type == "cpu" else None
+        self.native_decode = None
+        if self.kernels is not None and shape.head_dim % 16 == 0:
+            self.native_decode = self.kernels.paged_decode_attention
         self.model = self._load_model()
         self.kv_caches: torch.Tensor | None = None
         self.num_blocks = 0
-        self.native_decode = None
-        if device.type == "cpu" and shape.head_dim % 16 == 0:
-            kernels = cpu_kernels()
-            self.native_decode = kernels.paged_decode_attention if kernels else None
 
     def _load_model(self) -> LlamaForCausalLM:
         start = time.perf_counter()
         with torch.device("meta"):
-            model = LlamaForCausalLM(self.shape, self.hf_config, self.max_model_len)
+            model = LlamaForCausalLM(self.shape, self.hf_config, self.max_model_len, self.kernels)
         model = model.to_empty(device=self.device)
         # Buffers (the RoPE table) are not in the checkpoint: rebuild them for real.
         model.rotary = RotaryEmbedding(self.hf_config, self.shape.head_dim,

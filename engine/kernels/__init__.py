@@ -15,7 +15,7 @@ from pathlib import Path
 from types import ModuleType
 
 logger = logging.getLogger(__name__)
-_SOURCE = Path(__file__).with_name("decode_attention.cpp")
+_SOURCES = [Path(__file__).with_name(n) for n in ("decode_attention.cpp", "fused_ops.cpp")]
 
 
 def _cpu_tag() -> str:
@@ -40,7 +40,7 @@ def cpu_kernels() -> ModuleType | None:
         build = cache_root() / "kernels" / f"torch{torch.__version__}-{_cpu_tag()}"
         build.mkdir(parents=True, exist_ok=True)
         return cpp_extension.load(
-            name="flotilla_cpu_kernels", sources=[str(_SOURCE)], build_directory=str(build),
+            name="flotilla_cpu_kernels", sources=[str(p) for p in _SOURCES], build_directory=str(build),
             extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"], extra_ldflags=["-fopenmp"],
             verbose=False)
     except Exception as exc:  # no compiler, no headers, ...: fall back to torch ops

@@ -127,6 +127,14 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   return out;
 }
 
+void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
+torch::Tensor silu_and_mul(torch::Tensor gate_up);
+void rotary_inplace(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
+                    int64_t num_rotated_heads, int64_t head_dim);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
+  m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual add + RMSNorm, in place");
+  m.def("silu_and_mul", &silu_and_mul, "SwiGLU activation");
+  m.def("rotary_inplace", &rotary_inplace, "neox RoPE on q and k, in place");
 }

@@ -6,6 +6,8 @@ static scaling type; dynamic NTK changes with sequence length and is refused.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -40,11 +42,19 @@ class RotaryEmbedding(torch.nn.Module):
         self.register_buffer("cos", emb.cos() * scale, persistent=False)
         self.register_buffer("sin", emb.sin() * scale, persistent=False)
 
-    def lookup(self, positions: torch.Tensor, dtype: torch.dtype
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin rows for the positions, [T, 1, D], shared by every layer of a step."""
-        return (self.cos[positions].unsqueeze(1).to(dtype),
-                self.sin[positions].unsqueeze(1).to(dtype))
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> "Rope":
+        """What every layer of a step needs to rotate its q and k."""
+        return Rope(positions, self.cos[positions].unsqueeze(1).to(dtype),
+                    self.sin[positions].unsqueeze(1).to(dtype), self.cos, self.sin)
+
+
+@dataclass
+class Rope:
+    positions: torch.Tensor  # [T] int64
+    cos: torch.Tensor  # [T, 1, D] rows for the positions (torch path)
+    sin: torch.Tensor
+    cos_table: torch.Tensor  # [max_positions, D] whole tables (native kernel)
+    sin_table: torch.Tensor
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor

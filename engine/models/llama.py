@@ -18,7 +18,7 @@ from transformers import PretrainedConfig
 from engine.errors import UnsupportedModelError
 from engine.layers.attention import AttentionMetadata, paged_attention
 from engine.layers.norm import RMSNorm
-from engine.layers.rotary import RotaryEmbedding, apply_rotary
+from engine.layers.rotary import Rope, RotaryEmbedding, apply_rotary
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                            "Qwen3ForCausalLM")
@@ -87,8 +87,9 @@ class ModelShape:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, shape: ModelShape) -> None:
+    def __init__(self, shape: ModelShape, kernels=None) -> None:
         super().__init__()
+        self.kernels = kernels
         self.num_heads, self.num_kv_heads, self.head_dim = (
             shape.num_heads, shape.num_kv_heads, shape.head_dim)
         self.q_size = shape.num_heads * shape.head_dim
@@ -100,23 +101,30 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(shape.head_dim, shape.rms_norm_eps) if shape.qk_norm else None
         self.scale = shape.head_dim ** -0.5
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, rope: Rope, x: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
+        native_rope = self.kernels is not None and self.q_norm is None
+        if native_rope:  # rotate q and k heads in place inside the fused qkv rows
+            self.kernels.rotary_inplace(qkv, rope.positions, rope.cos_table, rope.sin_table,
+                                        self.num_heads + self.num_kv_heads, self.head_dim)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, k, *rope)
+        if not native_rope:
+            q, k = apply_rotary(q, k, rope.cos, rope.sin)
         o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(o.reshape(t, self.q_size))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, shape: ModelShape) -> None:
+    def __init__(self, shape: ModelShape, kernels=None) -> None:
         super().__init__()
+        self.kernels = kernels
         self.intermediate = shape.intermediate_size
         self.gate_up_proj = nn.Linear(shape.hidden_size, 2 * shape.intermediate_size,
                                       bias=shape.mlp_bias)
@@ -124,35 +132,48 @@ class LlamaMLP(nn.Module):
                                    bias=shape.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.kernels is not None:
+            return self.down_proj(self.kernels.silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, shape: ModelShape) -> None:
+    def __init__(self, shape: ModelShape, kernels=None) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
-        self.self_attn = LlamaAttention(shape)
-        self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
-        self.mlp = LlamaMLP(shape)
+        eps = shape.rms_norm_eps
+        self.input_layernorm = RMSNorm(shape.hidden_size, eps, kernels)
+        self.self_attn = LlamaAttention(shape, kernels)
+        self.post_attention_layernorm = RMSNorm(shape.hidden_size, eps, kernels)
+        self.mlp = LlamaMLP(shape, kernels)
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(rope, self.input_layernorm(x), kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, rope: Rope, x: torch.Tensor, residual: torch.Tensor | None,
+                kv_cache: torch.Tensor, meta: AttentionMetadata
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Takes the previous layer's output and the running residual stream."""
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(rope, x, kv_cache, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaForCausalLM(nn.Module):
     """The decoder stack plus LM head; forward returns hidden states of every token."""
 
-    def __init__(self, shape: ModelShape, hf_config: PretrainedConfig, max_positions: int) -> None:
+    def __init__(self, shape: ModelShape, hf_config: PretrainedConfig, max_positions: int,
+                 kernels=None) -> None:
+        """kernels: the compiled CPU ops module (engine.kernels), or None for torch ops."""
         super().__init__()
         self.shape = shape
         self.rotary = RotaryEmbedding(hf_config, shape.head_dim, max_positions)
         self.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(shape)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(shape, kernels)
                                     for _ in range(shape.num_layers))
-        self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+        self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, kernels)
         self.lm_head = nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
         if shape.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -162,9 +183,10 @@ class LlamaForCausalLM(nn.Module):
         """kv_caches: [num_layers, 2, KVH, num_blocks, block_size, D]."""
         x = self.embed_tokens(input_ids)
         rope = self.rotary.lookup(positions, x.dtype)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(rope, x, kv_cache, meta)
-        return self.norm(x)
+            x, residual = layer(rope, x, residual, kv_cache, meta)
+        return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

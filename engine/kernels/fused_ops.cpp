@@ -1,0 +1,125 @@
+// Fused element-wise CPU ops for the Llama layer: each replaces 3-6 torch ops (and as
+// many passes over memory) with one. They round to the tensor dtype at the same points
+// as the reference PyTorch code (HF transformers), so bf16 results match it bit for bit
+// wherever the float math agrees.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstring>
+
+namespace {
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::Half x) { return static_cast<float>(x); }
+inline float to_float(c10::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+// Round a float to the storage type and back: what a torch op on T tensors produces.
+template <typename T> inline float round_to(float x) { return to_float(static_cast<T>(x)); }
+
+template <typename T>
+void add_rms_norm_impl(torch::Tensor& x, torch::Tensor& residual, const torch::Tensor& weight,
+                       double eps) {
+  const int64_t rows = x.size(0), cols = x.size(1);
+  T* xp = x.data_ptr<T>();
+  T* rp = residual.data_ptr<T>();
+  const T* wp = weight.data_ptr<T>();
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      T* xr = xp + r * cols;
+      T* rr = rp + r * cols;
+      float sq = 0.f;
+      for (int64_t c = 0; c < cols; ++c) {
+        T h = static_cast<T>(to_float(rr[c]) + to_float(xr[c]));
+        rr[c] = h;
+        float hf = to_float(h);
+        sq += hf * hf;
+      }
+      const float inv = 1.f / std::sqrt(sq / cols + float(eps));
+      for (int64_t c = 0; c < cols; ++c)
+        xr[c] = static_cast<T>(to_float(wp[c]) * round_to<T>(to_float(rr[c]) * inv));
+    }
+  });
+}
+
+template <typename T>
+void silu_and_mul_impl(const torch::Tensor& gate_up, torch::Tensor& out) {
+  const int64_t rows = out.size(0), cols = out.size(1);
+  const T* gp = gate_up.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* g = gp + r * 2 * cols;
+      const T* u = g + cols;
+      T* o = op + r * cols;
+      for (int64_t c = 0; c < cols; ++c) {
+        const float gf = to_float(g[c]);
+        const float act = round_to<T>(gf / (1.f + std::exp(-gf)));
+        o[c] = static_cast<T>(act * to_float(u[c]));
+      }
+    }
+  });
+}
+
+template <typename T>
+void rotary_impl(torch::Tensor& qkv, const torch::Tensor& positions, const torch::Tensor& cos,
+                 const torch::Tensor& sin, int64_t num_rotated_heads, int64_t head_dim) {
+  const int64_t tokens = qkv.size(0), width = qkv.size(1), half = head_dim / 2;
+  T* base = qkv.data_ptr<T>();
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const T* cp = cos.data_ptr<T>();
+  const T* sp = sin.data_ptr<T>();
+  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* c = cp + pos[t] * head_dim;
+      const T* s = sp + pos[t] * head_dim;
+      for (int64_t h = 0; h < num_rotated_heads; ++h) {
+        T* x = base + t * width + h * head_dim;
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = to_float(x[i]), x2 = to_float(x[i + half]);
+          // x * cos + rotate_half(x) * sin, rounded after each op like the torch code
+          const float a1 = round_to<T>(x1 * to_float(c[i]));
+          const float b1 = round_to<T>(-x2 * to_float(s[i]));
+          const float a2 = round_to<T>(x2 * to_float(c[i + half]));
+          const float b2 = round_to<T>(x1 * to_float(s[i + half]));
+          x[i] = static_cast<T>(a1 + b1);
+          x[i + half] = static_cast<T>(a2 + b2);
+        }
+      }
+    }
+  });
+}
+
+#define DISPATCH(dtype, NAME, ...)                                        \
+  if (dtype == torch::kBFloat16) { NAME<c10::BFloat16>(__VA_ARGS__); }   \
+  else if (dtype == torch::kHalf) { NAME<c10::Half>(__VA_ARGS__); }      \
+  else { TORCH_CHECK(dtype == torch::kFloat, "unsupported dtype"); NAME<float>(__VA_ARGS__); }
+
+}  // namespace
+
+// residual += x; x = weight * rms_norm(residual), both in place. x, residual: [T, C].
+void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.is_contiguous() && residual.is_contiguous() && weight.is_contiguous());
+  DISPATCH(x.scalar_type(), add_rms_norm_impl, x, residual, weight, eps);
+}
+
+// gate_up: [T, 2I] (gate then up) -> silu(gate) * up: [T, I].
+torch::Tensor silu_and_mul(torch::Tensor gate_up) {
+  TORCH_CHECK(gate_up.is_contiguous());
+  auto out = torch::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+  DISPATCH(gate_up.scalar_type(), silu_and_mul_impl, gate_up, out);
+  return out;
+}
+
+// Rotates, in place, the first num_rotated_heads heads of each row of qkv [T, W] (q heads
+// then k heads, head_dim apart) with the cos/sin tables [max_pos, head_dim] at positions.
+void rotary_inplace(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
+                    int64_t num_rotated_heads, int64_t head_dim) {
+  TORCH_CHECK(qkv.is_contiguous() && cos.is_contiguous() && sin.is_contiguous());
+  TORCH_CHECK(cos.scalar_type() == qkv.scalar_type(), "cos/sin must have the dtype of qkv");
+  DISPATCH(qkv.scalar_type(), rotary_impl, qkv, positions, cos, sin, num_rotated_heads, head_dim);
+}
