@@ -137,7 +137,10 @@ class ModelRunner:
                 bias = torch.zeros(len(decode_lens), width * self.block_size,
                                    device=self.device)
                 bias.masked_fill_(span.unsqueeze(0) >= lens.unsqueeze(1), float("-inf"))
+        slot_mapping = torch.tensor(slots, dtype=torch.long, device=self.device)
         return AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
+            slot_mapping=slot_mapping,
+            slot_blocks=slot_mapping // self.block_size,
+            slot_offsets=slot_mapping % self.block_size,
             num_decodes=len(decode_tables), decode_block_tables=tables, decode_seq_lens=lens,
             decode_bias=bias, prefills=prefills, native_decode=self.native_decode)

@@ -25,6 +25,8 @@ def _reference(q, kc, vc, tables, lens, scale):
 def test_decode_paths_match_dense_attention(dtype, tol, heads, kv_heads):
     torch.manual_seed(0)
     seqs, d, bs, blocks, width = 5, 64, 16, 40, 6
+    if heads == 4:
+        d, bs, blocks, width = 16, 8, 80, 12  # the kernel takes any head and block size
     kc = torch.randn(kv_heads, blocks, bs, d).to(dtype)
     vc = torch.randn(kv_heads, blocks, bs, d).to(dtype)
     q = torch.randn(seqs, heads, d).to(dtype)
@@ -34,13 +36,14 @@ def test_decode_paths_match_dense_attention(dtype, tol, heads, kv_heads):
     bias = torch.zeros(seqs, width * bs).masked_fill_(span[None] >= lens[:, None], float("-inf"))
     expected = _reference(q, kc, vc, tables, lens, 0.125)
 
+    kc_t = kc.transpose(2, 3).contiguous()  # the cache stores key blocks transposed
     torch_path = AttentionMetadata(None, seqs, tables, lens, bias, [])
-    got = _decode_attention(q, kc, vc, torch_path, 0.125).float()
+    got = _decode_attention(q, kc_t, vc, torch_path, 0.125).float()
     assert torch.allclose(got, expected, atol=tol, rtol=tol)
 
     kernels = cpu_kernels()
     assert kernels is not None, "the native CPU kernel should build on this machine"
     native = AttentionMetadata(None, seqs, tables, lens, None, [],
                                native_decode=kernels.paged_decode_attention)
-    got = _decode_attention(q, kc, vc, native, 0.125).float()
+    got = _decode_attention(q, kc_t, vc, native, 0.125).float()
     assert torch.allclose(got, expected, atol=tol, rtol=tol)

@@ -1,58 +1,55 @@
 // Paged decode attention for the CPU: one query token per sequence, keys and values
 // read straight from the block-structured cache (no gather copy, no padding).
 //
-// Cache layout (see engine/layers/attention.py): [KVH, num_blocks, block_size, D].
-// Work is split over (sequence, kv head) pairs; each pair computes the scores of its
-// G = H / KVH query heads against the sequence's tokens, a softmax in float32, and the
-// weighted sum of values. Inner loops run over 16 independent lanes so the compiler
-// vectorizes them; -ffast-math (see engine/kernels/__init__.py) lets it vectorize exp too.
-// Each key/value row is widened to float32 once and reused by all G query heads.
+// Cache layout (see engine/layers/attention.py): keys [KVH, num_blocks, D, bs] (each
+// block stored transposed, so the scores of a block's bs tokens are bs-wide vector
+// FMAs with no horizontal sums), values [KVH, num_blocks, bs, D]. Work is split over
+// (sequence, kv head) pairs; each computes its G = H / KVH query heads' scores, a
+// float32 softmax, and the weighted sum of values.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cfloat>
 #include <cmath>
-#include <cstring>
 #include <vector>
+
+#include "convert.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define FLOTILLA_AVX512 1
+#else
+#define FLOTILLA_AVX512 0
+#endif
 
 namespace {
 
-constexpr int kLanes = 16;
-
-inline float to_float(float x) { return x; }
-inline float to_float(c10::Half x) { return static_cast<float>(x); }
-inline float to_float(c10::BFloat16 x) {
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;  // bf16 is the top half of a float32
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
+#if FLOTILLA_AVX512
+// 16 consecutive elements widened to float32 lanes.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
-
-template <typename T>
-inline void widen(const T* src, float* dst, int64_t d) {
-  for (int64_t i = 0; i < d; ++i) dst[i] = to_float(src[i]);
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
+#endif
 
-inline float dot(const float* q, const float* k, int64_t d) {
-  float acc[kLanes] = {0};
-  for (int64_t i = 0; i < d; i += kLanes)
-    for (int j = 0; j < kLanes; ++j) acc[j] += q[i + j] * k[i + j];
-  float s = 0.f;
-  for (int j = 0; j < kLanes; ++j) s += acc[j];
-  return s;
-}
+using flotilla::from_float;
+using flotilla::to_float;
 
-inline void axpy(float a, const float* v, float* out, int64_t d) {
-  for (int64_t i = 0; i < d; ++i) out[i] += a * v[i];
-}
-
-template <typename T>
+// BS and D are the block and head sizes when known at compile time (0: read at run time);
+// fixed sizes let the compiler turn the short inner loops into straight vector code.
+template <typename T, int64_t BS, int64_t D>
 void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
          const torch::Tensor& block_tables, const torch::Tensor& seq_lens, torch::Tensor& out,
          double scale) {
-  const int64_t num_seqs = q.size(0), heads = q.size(1), d = q.size(2);
+  const int64_t num_seqs = q.size(0), heads = q.size(1);
+  const int64_t d = D ? D : q.size(2);
   const int64_t kv_heads = k_cache.size(0), num_blocks = k_cache.size(1);
-  const int64_t bs = k_cache.size(2), max_blocks = block_tables.size(1);
+  const int64_t bs = BS ? BS : k_cache.size(3), max_blocks = block_tables.size(1);
   const int64_t group = heads / kv_heads;
   const T* qp = q.data_ptr<T>();
   const T* kp = k_cache.data_ptr<T>();
@@ -62,67 +59,132 @@ void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tens
   T* op = out.data_ptr<T>();
 
   at::parallel_for(0, num_seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * d), acc(group * d), row_f(d), scores;
+    std::vector<float> qf(group * d), acc(group * d), scores;
     for (int64_t work = begin; work < end; ++work) {
       const int64_t s = work / kv_heads, h = work % kv_heads;
-      const int64_t len = lens[s];
-      scores.resize(group * len);
+      const int64_t len = lens[s], nblocks = (len + bs - 1) / bs;
+      const int64_t* table = tables + s * max_blocks;
+      scores.resize(group * nblocks * bs);
       for (int64_t g = 0; g < group; ++g)
         for (int64_t i = 0; i < d; ++i)
           qf[g * d + i] = to_float(qp[(s * heads + h * group + g) * d + i]) * float(scale);
-      const T* k_head = kp + h * num_blocks * bs * d;
+      const T* k_head = kp + h * num_blocks * d * bs;
       const T* v_head = vp + h * num_blocks * bs * d;
-      for (int64_t t = 0; t < len; ++t) {
-        widen(k_head + (tables[s * max_blocks + t / bs] * bs + t % bs) * d, row_f.data(), d);
-        for (int64_t g = 0; g < group; ++g)
-          scores[g * len + t] = dot(&qf[g * d], row_f.data(), d);
+      // scores[g, t] = q_g . k_t, a block of bs tokens at a time; with fixed sizes the
+      // running block scores (and below, the output row) stay in vector registers
+      for (int64_t b = 0; b < nblocks; ++b) {
+        const T* kb = k_head + table[b] * d * bs;  // [d][bs]
+        for (int64_t g = 0; g < group; ++g) {
+          float sc[BS ? BS : 1] = {};
+          float* __restrict out_sc = &scores[g * nblocks * bs + b * bs];
+#if FLOTILLA_AVX512
+          if constexpr (BS == 16) {
+            __m512 acc16 = _mm512_setzero_ps();
+            for (int64_t i = 0; i < d; ++i)
+              acc16 = _mm512_fmadd_ps(_mm512_set1_ps(qf[g * d + i]), load16(kb + i * 16), acc16);
+            _mm512_storeu_ps(out_sc, acc16);
+            continue;
+          }
+#endif
+          if constexpr (BS != 0) {
+            for (int64_t i = 0; i < d; ++i) {
+              const float qi = qf[g * d + i];
+              for (int64_t j = 0; j < BS; ++j) sc[j] += qi * to_float(kb[i * BS + j]);
+            }
+            for (int64_t j = 0; j < BS; ++j) out_sc[j] = sc[j];
+          } else {
+            for (int64_t j = 0; j < bs; ++j) out_sc[j] = 0.f;
+            for (int64_t i = 0; i < d; ++i) {
+              const float qi = qf[g * d + i];
+              for (int64_t j = 0; j < bs; ++j) out_sc[j] += qi * to_float(kb[i * bs + j]);
+            }
+          }
+        }
       }
       std::vector<float> inv_sum(group);
       for (int64_t g = 0; g < group; ++g) {
-        float* row = &scores[g * len];
+        float* sc = &scores[g * nblocks * bs];
         float m = -FLT_MAX;
-        for (int64_t t = 0; t < len; ++t) m = std::max(m, row[t]);
+        for (int64_t t = 0; t < len; ++t) m = std::max(m, sc[t]);
         float sum = 0.f;
         for (int64_t t = 0; t < len; ++t) {
-          row[t] = std::exp(row[t] - m);
-          sum += row[t];
+          sc[t] = std::exp(sc[t] - m);
+          sum += sc[t];
         }
         inv_sum[g] = 1.f / sum;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < len; ++t) {
-        widen(v_head + (tables[s * max_blocks + t / bs] * bs + t % bs) * d, row_f.data(), d);
-        for (int64_t g = 0; g < group; ++g)
-          axpy(scores[g * len + t], row_f.data(), &acc[g * d], d);
+      for (int64_t g = 0; g < group; ++g) {
+        const float* p = &scores[g * nblocks * bs];
+#if FLOTILLA_AVX512
+        if constexpr (D != 0 && D % 16 == 0 && D <= 256) {
+          __m512 a[D / 16];
+          for (int64_t c = 0; c < D / 16; ++c) a[c] = _mm512_setzero_ps();
+          for (int64_t t = 0; t < len; ++t) {
+            const T* vrow = v_head + (table[t / bs] * bs + t % bs) * D;
+            const __m512 pt = _mm512_set1_ps(p[t]);
+            for (int64_t c = 0; c < D / 16; ++c)
+              a[c] = _mm512_fmadd_ps(pt, load16(vrow + c * 16), a[c]);
+          }
+          for (int64_t c = 0; c < D / 16; ++c) _mm512_storeu_ps(&acc[g * D + c * 16], a[c]);
+          continue;
+        }
+#endif
+        if constexpr (D != 0) {
+          float a[D] = {};
+          for (int64_t t = 0; t < len; ++t) {
+            const T* vrow = v_head + (table[t / bs] * bs + t % bs) * D;
+            const float pt = p[t];
+            for (int64_t i = 0; i < D; ++i) a[i] += pt * to_float(vrow[i]);
+          }
+          for (int64_t i = 0; i < D; ++i) acc[g * D + i] = a[i];
+        } else {
+          float* __restrict a = &acc[g * d];
+          for (int64_t t = 0; t < len; ++t) {
+            const T* vrow = v_head + (table[t / bs] * bs + t % bs) * d;
+            const float pt = p[t];
+            for (int64_t i = 0; i < d; ++i) a[i] += pt * to_float(vrow[i]);
+          }
+        }
       }
       for (int64_t g = 0; g < group; ++g)
         for (int64_t i = 0; i < d; ++i)
-          op[(s * heads + h * group + g) * d + i] = static_cast<T>(acc[g * d + i] * inv_sum[g]);
+          op[(s * heads + h * group + g) * d + i] = from_float<T>(acc[g * d + i] * inv_sum[g]);
     }
   });
 }
 
+template <typename T>
+void dispatch_sizes(const torch::Tensor& q, const torch::Tensor& k_cache,
+                    const torch::Tensor& v_cache, const torch::Tensor& tables,
+                    const torch::Tensor& lens, torch::Tensor& out, double scale) {
+  const int64_t bs = k_cache.size(3), d = q.size(2);
+  if (bs == 16 && d == 64) return run<T, 16, 64>(q, k_cache, v_cache, tables, lens, out, scale);
+  if (bs == 16 && d == 128) return run<T, 16, 128>(q, k_cache, v_cache, tables, lens, out, scale);
+  run<T, 0, 0>(q, k_cache, v_cache, tables, lens, out, scale);
+}
+
 }  // namespace
 
-// q: [S, H, D] contiguous; caches: [KVH, num_blocks, bs, D]; block_tables: [S, max_blocks]
+// q: [S, H, D] contiguous; k_cache [KVH, num_blocks, D, bs], v_cache [KVH, num_blocks, bs, D];
+// block_tables: [S, max_blocks]
 // int64; seq_lens: [S] int64 (tokens of context, the query's own included). Returns [S, H, D].
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor seq_lens,
                                      double scale) {
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "paged_decode_attention needs contiguous inputs");
-  TORCH_CHECK(q.size(2) % kLanes == 0, "head_dim must be a multiple of 16");
   TORCH_CHECK(q.size(1) % k_cache.size(0) == 0, "heads must be a multiple of kv heads");
   auto tables = block_tables.contiguous();
   auto lens = seq_lens.contiguous();
   auto out = torch::empty_like(q);
   if (q.scalar_type() == torch::kBFloat16) {
-    run<c10::BFloat16>(q, k_cache, v_cache, tables, lens, out, scale);
+    dispatch_sizes<c10::BFloat16>(q, k_cache, v_cache, tables, lens, out, scale);
   } else if (q.scalar_type() == torch::kHalf) {
-    run<c10::Half>(q, k_cache, v_cache, tables, lens, out, scale);
+    dispatch_sizes<c10::Half>(q, k_cache, v_cache, tables, lens, out, scale);
   } else {
     TORCH_CHECK(q.scalar_type() == torch::kFloat, "unsupported dtype");
-    run<float>(q, k_cache, v_cache, tables, lens, out, scale);
+    dispatch_sizes<float>(q, k_cache, v_cache, tables, lens, out, scale);
   }
   return out;
 }

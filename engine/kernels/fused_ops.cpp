@@ -6,20 +6,14 @@
 #include <ATen/Parallel.h>
 
 #include <cmath>
-#include <cstring>
+
+#include "convert.h"
 
 namespace {
 
-inline float to_float(float x) { return x; }
-inline float to_float(c10::Half x) { return static_cast<float>(x); }
-inline float to_float(c10::BFloat16 x) {
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-// Round a float to the storage type and back: what a torch op on T tensors produces.
-template <typename T> inline float round_to(float x) { return to_float(static_cast<T>(x)); }
+using flotilla::from_float;
+using flotilla::round_to;
+using flotilla::to_float;
 
 template <typename T>
 void add_rms_norm_impl(torch::Tensor& x, torch::Tensor& residual, const torch::Tensor& weight,
@@ -34,14 +28,14 @@ void add_rms_norm_impl(torch::Tensor& x, torch::Tensor& residual, const torch::T
       T* rr = rp + r * cols;
       float sq = 0.f;
       for (int64_t c = 0; c < cols; ++c) {
-        T h = static_cast<T>(to_float(rr[c]) + to_float(xr[c]));
+        T h = from_float<T>(to_float(rr[c]) + to_float(xr[c]));
         rr[c] = h;
         float hf = to_float(h);
         sq += hf * hf;
       }
       const float inv = 1.f / std::sqrt(sq / cols + float(eps));
       for (int64_t c = 0; c < cols; ++c)
-        xr[c] = static_cast<T>(to_float(wp[c]) * round_to<T>(to_float(rr[c]) * inv));
+        xr[c] = from_float<T>(to_float(wp[c]) * round_to<T>(to_float(rr[c]) * inv));
     }
   });
 }
@@ -59,7 +53,7 @@ void silu_and_mul_impl(const torch::Tensor& gate_up, torch::Tensor& out) {
       for (int64_t c = 0; c < cols; ++c) {
         const float gf = to_float(g[c]);
         const float act = round_to<T>(gf / (1.f + std::exp(-gf)));
-        o[c] = static_cast<T>(act * to_float(u[c]));
+        o[c] = from_float<T>(act * to_float(u[c]));
       }
     }
   });
@@ -86,8 +80,8 @@ void rotary_impl(torch::Tensor& qkv, const torch::Tensor& positions, const torch
           const float b1 = round_to<T>(-x2 * to_float(s[i]));
           const float a2 = round_to<T>(x2 * to_float(c[i + half]));
           const float b2 = round_to<T>(x1 * to_float(s[i + half]));
-          x[i] = static_cast<T>(a1 + b1);
-          x[i + half] = static_cast<T>(a2 + b2);
+          x[i] = from_float<T>(a1 + b1);
+          x[i + half] = from_float<T>(a2 + b2);
         }
       }
     }

@@ -1,8 +1,8 @@
 """Paged attention over the block-structured KV cache, written with torch ops.
 
-Cache layout per layer: k and v each [KVH, num_blocks, block_size, D], so that
-gathering a sequence's blocks for one KV head yields a contiguous [L, D] run
-and batched matmuls need no extra copy.
+Cache layout per layer: one tensor [2, KVH, num_blocks, block_size, D]. Values
+use it as is; keys store each block transposed, [KVH, num_blocks, D, block_size],
+so a block's scores are block_size-wide vector operations in the CPU kernel.
 
 Every step first writes the new keys/values of all scheduled tokens into their
 cache slots, then computes attention. Because the writes of a layer precede its
@@ -48,30 +48,35 @@ class AttentionMetadata:
     The batch holds the num_decodes single-token queries first, then the prefills.
     """
 
-    slot_mapping: torch.Tensor  # [T] int64 flat slot index of each token
+    slot_mapping: torch.Tensor  # [T] int64 flat slot index (block * block_size + offset)
     num_decodes: int
     decode_block_tables: torch.Tensor | None  # [D, max_blocks] int64
     decode_seq_lens: torch.Tensor | None  # [D] int64 context length of each decode
     decode_bias: torch.Tensor | None  # [D, max_blocks * block_size] 0 or -inf (torch path)
     prefills: list[PrefillGroup]
     native_decode: Callable | None = None  # compiled CPU kernel (engine.kernels), if any
+    slot_blocks: torch.Tensor | None = None  # [T] slot_mapping // block_size
+    slot_offsets: torch.Tensor | None = None  # [T] slot_mapping % block_size
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    kv_heads, _, _, head_dim = k_cache.shape
-    k_cache.view(kv_heads, -1, head_dim).index_copy_(1, slot_mapping, k.transpose(0, 1))
-    v_cache.view(kv_heads, -1, head_dim).index_copy_(1, slot_mapping, v.transpose(0, 1))
+             meta: AttentionMetadata) -> None:
+    """Store this step's keys [T, KVH, D] and values into their slots."""
+    kv_heads, _, head_dim, _ = k_cache.shape
+    k_cache.permute(1, 3, 0, 2)[meta.slot_blocks, meta.slot_offsets] = k
+    v_cache.view(kv_heads, -1, head_dim).index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    k_cache: torch.Tensor, v_cache: torch.Tensor,
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q: [T, H, D]; k, v: [T, KVH, D]; caches: [KVH, num_blocks, block_size, D].
+    """q: [T, H, D]; k, v: [T, KVH, D]; kv_cache: [2, KVH, num_blocks, block_size, D].
 
     Returns the attention output [T, H, D].
     """
-    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    _, kv_heads, num_blocks, block_size, head_dim = kv_cache.shape
+    k_cache = kv_cache[0].view(kv_heads, num_blocks, head_dim, block_size)
+    v_cache = kv_cache[1]
+    write_kv(k, v, k_cache, v_cache, meta)
     if meta.num_decodes == q.shape[0]:
         return _decode_attention(q, k_cache, v_cache, meta, scale)
     out = torch.empty_like(q)
@@ -90,8 +95,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                                enable_gqa=gqa)
         else:
             c = g.context_len
-            ks = _gather(k_cache, g.block_table)[:, :c].unsqueeze(0)  # [1, KVH, c, D]
-            vs = _gather(v_cache, g.block_table)[:, :c].unsqueeze(0)
+            ks = gather_keys(k_cache, g.block_table)[:, :c].unsqueeze(0)  # [1, KVH, c, D]
+            vs = gather_values(v_cache, g.block_table)[:, :c].unsqueeze(0)
             mask = _offset_causal_mask(n, c, q.device)
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale,
                                                enable_gqa=gqa)
@@ -99,32 +104,39 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out
 
 
-def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+def gather_keys(k_cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """[KVH, num_blocks, D, bs] -> [KVH, len(block_table) * bs, D] for one sequence."""
+    kv_heads, _, d, bs = k_cache.shape
+    return k_cache[:, block_table].transpose(2, 3).reshape(kv_heads, -1, d)
+
+
+def gather_values(v_cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
     """[KVH, num_blocks, bs, D] -> [KVH, len(block_table) * bs, D] for one sequence."""
-    kv_heads, _, bs, d = cache.shape
-    return cache[:, block_table].view(kv_heads, -1, d)
+    kv_heads, _, bs, d = v_cache.shape
+    return v_cache[:, block_table].view(kv_heads, -1, d)
 
 
 def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q: [S, H, D]; k_cache: [KVH, num_blocks, D, bs]; v_cache: [KVH, num_blocks, bs, D]."""
     if meta.native_decode is not None:
         return meta.native_decode(q.contiguous(), k_cache, v_cache, meta.decode_block_tables,
                                   meta.decode_seq_lens, scale)
     d_reqs, heads, head_dim = q.shape
-    kv_heads, _, bs, _ = k_cache.shape
+    kv_heads, _, _, bs = k_cache.shape
     group = heads // kv_heads
     tables = meta.decode_block_tables
     ctx = tables.shape[1] * bs
-    # [KVH, D_reqs, blocks, bs, Dh] -> [KVH * D_reqs, ctx, Dh], contiguous from the gather
-    keys = k_cache[:, tables].view(kv_heads * d_reqs, ctx, head_dim)
+    # keys^T: [KVH, S, blocks, D, bs] -> [KVH * S, D, ctx]; values: [KVH * S, ctx, D]
+    keys_t = k_cache[:, tables].permute(0, 1, 3, 2, 4).reshape(kv_heads * d_reqs, head_dim, ctx)
     values = v_cache[:, tables].view(kv_heads * d_reqs, ctx, head_dim)
     qg = q.view(d_reqs, kv_heads, group, head_dim).transpose(0, 1).reshape(
         kv_heads * d_reqs, group, head_dim)
-    scores = torch.bmm(qg, keys.transpose(1, 2)).float()  # [KVH * D_reqs, group, ctx]
+    scores = torch.bmm(qg, keys_t).float()  # [KVH * S, group, ctx]
     scores = scores.view(kv_heads, d_reqs, group, ctx).mul_(scale)
     scores.add_(meta.decode_bias[None, :, None, :])
     probs = torch.softmax(scores, dim=-1).to(q.dtype).view(kv_heads * d_reqs, group, ctx)
-    out = torch.bmm(probs, values)  # [KVH * D_reqs, group, Dh]
+    out = torch.bmm(probs, values)  # [KVH * S, group, D]
     return out.view(kv_heads, d_reqs, group, head_dim).transpose(0, 1).reshape(
         d_reqs, heads, head_dim)
 
