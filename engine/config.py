@@ -6,6 +6,7 @@ Scheduler, the KV cache and the model runner; nothing else threads kwargs.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 
 import torch
@@ -16,8 +17,7 @@ _DTYPES = {"auto": None, "float32": torch.float32, "fp32": torch.float32,
            "float": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
 
-# Measured on the 2-core CPU machine (docs/benchmarks.md): bf16 beats fp32 by about 1.35x
-# on SmolLM2 W1 where the CPU has avx512_bf16; elsewhere bf16 matmuls are emulated and slow.
+# CPU KV cache budget when kv_cache_memory_bytes is not set (vLLM's CPU default is 4 GiB).
 CPU_DEFAULT_KV_CACHE_BYTES = 2 << 30
 
 
@@ -36,7 +36,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None  # exact KV pool size (tests, debugging)
     enable_prefix_caching: bool = True
-    num_threads: int | None = None  # torch intra-op threads on CPU; None: engine default
+    num_threads: int | None = None  # torch intra-op threads on CPU; None: default_num_threads()
     seed: int = 0
     tensor_parallel_size: int = 1
     max_logprobs: int = 20
@@ -77,7 +77,31 @@ class EngineConfig:
             return chosen
         if device.type == "cuda":
             return torch.bfloat16
+        # bf16 matmuls ran 2.2x faster than fp32 here (avx512_bf16); without native bf16
+        # dot products they are emulated and slower than fp32 (docs/benchmarks.md).
         return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+
+    def cpu_threads(self) -> int:
+        return self.num_threads or default_num_threads()
+
+
+def default_num_threads() -> int:
+    """torch threads when the config names none: OMP_NUM_THREADS if set, else every core
+    this process may run on.
+
+    Measured on the 2-core machine (docs/benchmarks.md): on a quiet machine two threads
+    ran W1 1.85x faster than one; with another process busy on one core, two threads
+    ran 1.9x slower than one (each op waits for the descheduled thread). A serving
+    engine owns its cores, so the default is all of them; Ray sets OMP_NUM_THREADS
+    from an actor's num_cpus, so engine replicas follow their resource request.
+    """
+    env = os.environ.get("OMP_NUM_THREADS", "")
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:
+        return max(1, os.cpu_count() or 1)
 
 
 def cpu_has_native_bf16() -> bool:

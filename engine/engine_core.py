@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from engine.config import EngineConfig
+from engine.config import CPU_DEFAULT_KV_CACHE_BYTES, EngineConfig
 from engine.errors import DuplicateRequestError, InvalidRequestError, PromptTooLongError
 from engine.kv_cache_manager import KVCacheManager
 from engine.model_loader import load_hf_config, resolve_model
@@ -39,8 +39,8 @@ class EngineCore:
         self.shape = ModelShape.from_hf_config(hf_config)
         self.device = config.torch_device()
         self.dtype = config.torch_dtype(self.device)
-        if self.device.type == "cpu" and config.num_threads is not None:
-            torch.set_num_threads(config.num_threads)
+        if self.device.type == "cpu":
+            torch.set_num_threads(config.cpu_threads())
         max_len = self._max_model_len(self.shape)
         self.eos_token_ids = _eos_ids(self.checkpoint, hf_config)
         self.runner = ModelRunner(config, self.shape, hf_config, self.checkpoint, max_len,
@@ -80,7 +80,6 @@ class EngineCore:
             if self.config.kv_cache_memory_bytes:
                 budget = min(budget, self.config.kv_cache_memory_bytes)
         else:
-            from engine.config import CPU_DEFAULT_KV_CACHE_BYTES
             budget = self.config.kv_cache_memory_bytes or CPU_DEFAULT_KV_CACHE_BYTES
         blocks = int(budget // per_block)
         if blocks < 1:

@@ -20,10 +20,10 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             initializer_range=0.2, rms_norm_eps=1e-6, tie_word_embeddings=False)
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _single_thread_torch():
-    # Tests share 2 cores with other processes; 2 torch threads then stall each other.
-    torch.set_num_threads(1)
+# Tests share 2 cores with other processes, where 2 torch threads stall each other:
+# engines started by tests take their default thread count from OMP_NUM_THREADS.
+os.environ["OMP_NUM_THREADS"] = "1"
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

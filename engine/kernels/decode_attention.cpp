@@ -79,10 +79,19 @@ void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tens
           float* __restrict out_sc = &scores[g * nblocks * bs + b * bs];
 #if FLOTILLA_AVX512
           if constexpr (BS == 16) {
-            __m512 acc16 = _mm512_setzero_ps();
-            for (int64_t i = 0; i < d; ++i)
-              acc16 = _mm512_fmadd_ps(_mm512_set1_ps(qf[g * d + i]), load16(kb + i * 16), acc16);
-            _mm512_storeu_ps(out_sc, acc16);
+            // four independent FMA chains hide the FMA latency
+            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            const float* qg = &qf[g * d];
+            int64_t i = 0;
+            for (; i + 4 <= d; i += 4) {
+              a0 = _mm512_fmadd_ps(_mm512_set1_ps(qg[i]), load16(kb + i * 16), a0);
+              a1 = _mm512_fmadd_ps(_mm512_set1_ps(qg[i + 1]), load16(kb + (i + 1) * 16), a1);
+              a2 = _mm512_fmadd_ps(_mm512_set1_ps(qg[i + 2]), load16(kb + (i + 2) * 16), a2);
+              a3 = _mm512_fmadd_ps(_mm512_set1_ps(qg[i + 3]), load16(kb + (i + 3) * 16), a3);
+            }
+            for (; i < d; ++i)
+              a0 = _mm512_fmadd_ps(_mm512_set1_ps(qg[i]), load16(kb + i * 16), a0);
+            _mm512_storeu_ps(out_sc, _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
             continue;
           }
 #endif
