@@ -3,6 +3,8 @@
 Never imports ray: it runs in a plain process, in any actor, or behind the
 engine-core server.
 """
+__version__ = "0.1.0"
+
 from engine.config import EngineConfig
 from engine.errors import (DuplicateRequestError, EngineDeadError, FlotillaError,
                            InvalidRequestError, ModelNotFoundError, PromptTooLongError,

@@ -14,13 +14,14 @@ import time
 import torch
 
 from engine.config import CPU_DEFAULT_KV_CACHE_BYTES, EngineConfig
-from engine.errors import DuplicateRequestError, InvalidRequestError, PromptTooLongError
+from engine.errors import (DuplicateRequestError, EngineSleepingError, InvalidRequestError,
+                           PromptTooLongError)
 from engine.kv_cache_manager import KVCacheManager
 from engine.model_loader import load_hf_config, resolve_model
 from engine.model_runner import ModelRunner
 from engine.models.llama import ModelShape
-from engine.protocol import (FINISH_ABORT, EngineCoreOutput, EngineCoreRequest,
-                             SchedulerStats)
+from engine.protocol import (FINISH_ABORT, EngineCoreOutput, EngineCoreReadyResponse,
+                             EngineCoreRequest, SchedulerStats)
 from engine.request import Request, RequestStatus
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler
@@ -54,6 +55,7 @@ class EngineCore:
         self.sampler = Sampler(self.shape.vocab_size)
         self.requests: dict[str, Request] = {}
         self._aborted: list[EngineCoreOutput] = []
+        self._sleep_level = 0  # 0 awake; 1 KV cache freed (weights off GPU); 2 weights freed
         logger.info("engine ready: %s on %s/%s, %d KV blocks of %d tokens, max_model_len %d",
                     self.shape.architecture, self.device, self.dtype, self.num_blocks,
                     config.block_size, self.max_model_len)
@@ -94,6 +96,8 @@ class EngineCore:
     # ---- requests ---------------------------------------------------------------------
     def add_request(self, req: EngineCoreRequest) -> None:
         """Queue a request; raises a typed InvalidRequestError if it cannot run."""
+        if self._sleep_level:
+            raise EngineSleepingError("the engine is asleep (sleep mode); call wake_up first")
         if req.request_id in self.requests:
             raise DuplicateRequestError(f"request id {req.request_id!r} is already running")
         n = len(req.prompt_token_ids)
@@ -125,7 +129,8 @@ class EngineCore:
                                                   num_cached_tokens=max(0, request.num_cached_tokens)))
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """True while a step has something to do or to report (aborts included)."""
+        return self.scheduler.has_unfinished() or bool(self._aborted)
 
     def step(self) -> list[EngineCoreOutput]:
         """Run one scheduling step; return the outputs it produced (possibly none)."""
@@ -169,12 +174,75 @@ class EngineCore:
         return None
 
     # ---- utilities --------------------------------------------------------------------
-    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+    def reset_prefix_cache(self, reset_running_requests: bool = False,
+                           reset_connector: bool = False) -> bool:
         """Drop the prefix cache. With running requests it refuses (False) unless told
-        to preempt them first; they then recompute from scratch."""
+        to preempt them first; they then recompute from scratch. There is no KV
+        connector, so reset_connector has nothing to reset."""
         if reset_running_requests:
             self.scheduler.preempt_all()
         return self.kv.reset_prefix_cache()
+
+    # ---- sleep mode -------------------------------------------------------------------
+    def is_sleeping(self) -> bool:
+        return self._sleep_level > 0
+
+    def sleep(self, level: int = 1) -> None:
+        """Free memory while idle. In-flight requests are aborted.
+
+        Level 1 discards the KV cache and moves the weights off the accelerator (on
+        CPU they stay); level 2 also discards the weights, reloaded by wake_up.
+        """
+        if level not in (1, 2):
+            raise InvalidRequestError(f"sleep level must be 1 or 2, got {level}")
+        self.abort_requests(list(self.requests))
+        self.runner.free_kv_cache()
+        self.kv = KVCacheManager(self.num_blocks, self.config.block_size,
+                                 self.config.enable_prefix_caching)
+        self.scheduler.kv = self.kv
+        if level == 2:
+            self.runner.free_weights()
+        elif self.device.type != "cpu":
+            self.runner.offload_weights()
+        self._sleep_level = max(self._sleep_level, level)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restore what sleep() freed (tags: "weights", "kv_cache"; default both)."""
+        if not self._sleep_level:
+            return
+        tags = ["weights", "kv_cache"] if tags is None else list(tags)
+        unknown = set(tags) - {"weights", "kv_cache"}
+        if unknown:
+            raise InvalidRequestError(f"unknown wake_up tags {sorted(unknown)}")
+        if "weights" in tags:
+            self.runner.restore_weights()
+        if "kv_cache" in tags and self.runner.kv_caches is None:
+            self.runner.allocate_kv_cache(self.num_blocks)
+        if self.runner.has_weights() and self.runner.kv_caches is not None:
+            self._sleep_level = 0
+
+    def get_memory_usage(self) -> dict[str, int]:
+        """Bytes held on the engine's device by the weights and the KV cache."""
+        return self.runner.memory_usage()
+
+    # ---- description ------------------------------------------------------------------
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+    def get_supported_tasks(self) -> list[str]:
+        return ["generate"]
+
+    def ready_response(self, engine_index: int) -> EngineCoreReadyResponse:
+        from engine import __version__
+        return EngineCoreReadyResponse(
+            engine_index=engine_index, max_model_len=self.max_model_len,
+            num_gpu_blocks=self.num_blocks, block_size=self.block_size,
+            dtype=self.dtype_name, version=__version__,
+            supported_tasks=self.get_supported_tasks(), max_num_seqs=self.config.max_num_seqs,
+            model=self.config.model)
 
     def get_stats(self) -> SchedulerStats:
         return SchedulerStats(

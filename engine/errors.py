@@ -27,3 +27,28 @@ class DuplicateRequestError(InvalidRequestError):
 
 class EngineDeadError(FlotillaError):
     """The engine core stopped; in-flight requests cannot finish."""
+
+
+class EngineSleepingError(FlotillaError):
+    """The engine is asleep (sleep mode); wake it up first."""
+
+
+class EngineRequestError(FlotillaError):
+    """The engine refused or failed one request (its message says why)."""
+
+
+class UtilityCallError(FlotillaError):
+    """A utility call failed on one or more engines; the message names them."""
+
+
+class NoEnginesError(FlotillaError):
+    """No engine answered (none connected, or none left alive)."""
+
+
+class InconsistentUtilityResults(FlotillaError):
+    """Engines that must agree on a utility result did not."""
+
+    def __init__(self, method: str, values: list) -> None:
+        super().__init__(f"engines disagree on {method}: {values}")
+        self.method = method
+        self.values = values

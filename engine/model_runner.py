@@ -74,6 +74,32 @@ class ModelRunner:
     def free_kv_cache(self) -> None:
         self.kv_caches = None
 
+    # ---- sleep mode -------------------------------------------------------------------
+    def has_weights(self) -> bool:
+        return self.model is not None and next(self.model.parameters()).device == self.device
+
+    def offload_weights(self) -> None:
+        """Move the weights to host memory (sleep level 1 on an accelerator)."""
+        self.model.to("cpu")
+
+    def free_weights(self) -> None:
+        """Drop the weights (sleep level 2); restore_weights reloads the checkpoint."""
+        self.model = None
+
+    def restore_weights(self) -> None:
+        if self.model is None:
+            self.model = self._load_model()
+        elif not self.has_weights():
+            self.model.to(self.device)
+
+    def memory_usage(self) -> dict[str, int]:
+        weights = 0
+        if self.model is not None:
+            weights = sum(p.numel() * p.element_size() for p in self.model.parameters()
+                          if p.device == self.device)
+        kv = 0 if self.kv_caches is None else self.kv_caches.numel() * self.kv_caches.element_size()
+        return {"weights_bytes": weights, "kv_cache_bytes": kv}
+
     # ---- one step ---------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:

@@ -1,14 +1,40 @@
 """Wire types between the frontend (Processor/OutputProcessor) and the EngineCore.
 
 msgspec Structs, array_like on the hot ones, so they encode as compact msgpack
-arrays; the engine-core server and client exchange exactly these. In-process
-(offline LLM) the same objects are passed without encoding.
+arrays; the engine-core server and client exchange exactly these (msgpack only:
+nothing is ever pickled). In-process (offline LLM) the same objects are passed
+without encoding.
+
+Frames (ZMQ multipart, after the ROUTER's routing id on the engine side):
+  client -> engine: [type byte, msgpack payload]
+    ADD            EngineCoreRequest
+    ABORT          list[str]: request ids (one message may abort many)
+    START_DP_WAVE  StartDPWave
+    UTILITY        UtilityRequest
+    HELLO          Hello (first frame of every connection)
+  engine -> client: [type byte, msgpack payload]
+    READY          EngineCoreReadyResponse (answer to HELLO)
+    OUTPUTS        EngineCoreOutputs
 """
 from __future__ import annotations
+
+from typing import Any
 
 import msgspec
 
 from engine.sampling_params import SamplingParams
+
+PROTOCOL_VERSION = 1
+
+# client -> engine request types (ARCHITECTURE.md)
+ADD = b"\x00"
+ABORT = b"\x01"
+START_DP_WAVE = b"\x02"
+UTILITY = b"\x03"
+HELLO = b"\x10"
+# engine -> client frame types
+READY = b"\x20"
+OUTPUTS = b"\x21"
 
 # Finish reasons carried by EngineCoreOutput.finish_reason.
 FINISH_STOP = "stop"
@@ -59,3 +85,59 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
     num_free_blocks: int = 0
+
+
+class Hello(msgspec.Struct, omit_defaults=True):
+    """First message of a connection; the engine answers with READY."""
+
+    client_id: str
+    protocol_version: int = PROTOCOL_VERSION
+
+
+class EngineCoreReadyResponse(msgspec.Struct, omit_defaults=True):
+    """What a client can only learn from a started engine (the values it really uses)."""
+
+    engine_index: int
+    max_model_len: int
+    num_gpu_blocks: int
+    block_size: int
+    dtype: str
+    version: str
+    supported_tasks: list[str] = msgspec.field(default_factory=lambda: ["generate"])
+    max_num_seqs: int = 256
+    protocol_version: int = PROTOCOL_VERSION
+    model: str = ""
+
+
+class UtilityRequest(msgspec.Struct, array_like=True, omit_defaults=True):
+    """UTILITY payload: call `method(*args, **kwargs)` on the engine core."""
+
+    call_id: int
+    method: str
+    args: list[Any] = []
+    kwargs: dict[str, Any] = {}
+
+
+class UtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    """Answer to one UtilityRequest: a result or a failure message, never both."""
+
+    call_id: int
+    result: Any = None
+    failure_message: str | None = None
+
+
+class StartDPWave(msgspec.Struct, array_like=True):
+    """START_DP_WAVE payload: the data-parallel wave the engines should run."""
+
+    wave: int
+
+
+class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
+    """Everything one engine sends one client after a step (or for a utility call)."""
+
+    engine_index: int = 0
+    outputs: list[EngineCoreOutput] = []
+    utility_output: UtilityOutput | None = None
+    timestamp: float = 0.0
+    scheduler_stats: SchedulerStats | None = None
+    wave_complete: int | None = None  # set when the engine went idle ending this wave
