@@ -54,9 +54,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
+    from engine.mock import add_mock_arguments, run_mock_engines
+    mock = sub.add_parser("mock-engine", help="model-free engine-core server(s) for benchmarks")
+    add_mock_arguments(mock)
     args = parser.parse_args(argv)
     if args.command == "generate":
         return _generate(args)
+    if args.command == "mock-engine":
+        return run_mock_engines(args)
     return 1
 
 

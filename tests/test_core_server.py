@@ -1,0 +1,225 @@
+"""Engine-core server + async client with the real engine (tiny model) behind them."""
+import asyncio
+import socket
+import time
+
+import pytest
+import zmq
+import zmq.asyncio
+
+from engine import LLM, SamplingParams
+from engine.config import EngineConfig
+from engine.core_client import EngineClient
+from engine.core_server import EngineCoreServer
+from engine.engine_core import EngineCore
+from engine.errors import EngineRequestError
+from engine.model_loader import load_tokenizer
+from engine.protocol import ADD
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+PROMPTS = [[5, 6, 7, 8, 9], list(range(300, 340)), [1000, 1001]]
+
+
+def free_tcp_address() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+class RecordingCore(EngineCore):
+    """The real engine core, recording every ABORT it receives."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.abort_calls: list[tuple[float, list[str]]] = []
+
+    def abort_requests(self, request_ids):
+        self.abort_calls.append((time.monotonic(), list(request_ids)))
+        super().abort_requests(request_ids)
+
+
+@pytest.fixture(scope="module", params=["tcp", "ipc"])
+def served(request, tiny_llama, tmp_path_factory):
+    core = RecordingCore(EngineConfig(model=str(tiny_llama), dtype="float32", block_size=8))
+    if request.param == "tcp":
+        address = free_tcp_address()
+    else:
+        address = f"ipc://{tmp_path_factory.mktemp('ipc')}/engine.sock"
+    server = EngineCoreServer(core, address).start()
+    yield core, address
+    server.shutdown()
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def _connect(core, address):
+    return await EngineClient.connect([address], load_tokenizer(core.checkpoint),
+                                      handshake_timeout_s=10)
+
+
+async def _collect(client, request_id, prompt, params):
+    tokens, chunks = [], 0
+    async for out in client.generate(request_id, prompt, params):
+        tokens += out.outputs[0].token_ids
+        chunks += 1
+    return tokens, chunks, out
+
+
+def test_greedy_through_client_equals_offline_llm(served, tiny_llama):
+    core, address = served
+    expected = [o.outputs[0].token_ids for o in LLM(str(tiny_llama), dtype="float32").generate(
+        PROMPTS, GREEDY, use_tqdm=False)]
+
+    async def main():
+        client = await _connect(core, address)
+        assert client.block_size == 8 and client.max_model_len == core.max_model_len
+        results = await asyncio.gather(*(_collect(client, f"p{i}", p, GREEDY)
+                                         for i, p in enumerate(PROMPTS)))
+        await client.shutdown()
+        return results
+
+    results = run(main())
+    assert [r[0] for r in results] == expected
+    assert all(chunks == 12 for _, chunks, _ in results)  # one streamed chunk per token
+    assert all(out.outputs[0].finish_reason == "length" for *_, out in results)
+    assert core.kv.num_free_blocks == core.kv.num_blocks
+
+
+def test_dropped_streams_abort_in_one_message(served):
+    core, address = served
+
+    async def main():
+        client = await _connect(core, address)
+        long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+        streams = [client.generate(f"drop{i}", PROMPTS[0], long) for i in range(3)]
+        for s in streams:
+            await s.__anext__()  # each is running at the engine
+        core.abort_calls.clear()
+        for s in streams:
+            await s.aclose()
+        await asyncio.sleep(0.3)
+        await client.shutdown()
+        return client
+
+    client = run(main())
+    assert len(core.abort_calls) == 1
+    assert sorted(core.abort_calls[0][1]) == ["drop0", "drop1", "drop2"]
+    assert client.abort_causes["client_disconnect"] == 3
+    deadline = time.monotonic() + 5
+    while core.has_unfinished_requests() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert core.kv.num_free_blocks == core.kv.num_blocks
+
+
+def test_stop_string_aborts_at_engine(served):
+    core, address = served
+
+    async def main():
+        client = await _connect(core, address)
+        free, _, out = await _collect(client, "free", PROMPTS[1], GREEDY)
+        tok = client.processor.tokenizer
+        full = tok.decode(free)
+        stop = full[len(full) // 2:len(full) // 2 + 2]
+        core.abort_calls.clear()
+        params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True, stop=[stop])
+        pieces = []
+        async for o in client.generate("stopped", PROMPTS[1], params):
+            pieces.append(o.outputs[0].text)
+        await asyncio.sleep(0.2)
+        await client.shutdown()
+        return full, stop, "".join(pieces), o, client
+
+    full, stop, text, last, client = run(main())
+    assert text == full[:full.find(stop)]
+    assert last.outputs[0].finish_reason == "stop" and last.outputs[0].stop_reason == stop
+    assert [ids for _, ids in core.abort_calls] == [["stopped"]]
+    assert client.abort_causes["stop_string"] == 1
+
+
+def test_bad_input_gets_error_output_and_engine_keeps_serving(served):
+    core, address = served
+    import msgspec
+    from engine.errors import PromptTooLongError
+    from engine.protocol import (HELLO, OUTPUTS, READY, EngineCoreOutputs, EngineCoreRequest,
+                                 Hello)
+
+    async def main():
+        client = await _connect(core, address)
+        with pytest.raises(PromptTooLongError):  # caught by the client's own checks
+            await _collect(client, "long", list(range(100, 100 + core.max_model_len)), GREEDY)
+        slow = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+        running = client.generate("dup", PROMPTS[0], slow)
+        await running.__anext__()
+        with pytest.raises(EngineRequestError, match="already running"):
+            await _collect(client, "dup", PROMPTS[0], GREEDY)
+
+        # a second, raw connection sends garbage and requests the engine must refuse
+        ctx = zmq.asyncio.Context()
+        raw = ctx.socket(zmq.DEALER)
+        raw.connect(address)
+        enc = msgspec.msgpack.encode
+        await raw.send_multipart([HELLO, enc(Hello("raw"))])
+        kind, _ = await asyncio.wait_for(raw.recv_multipart(), 5)
+        assert kind == READY
+        await raw.send_multipart([ADD, b"\xc1garbage"])
+        await raw.send_multipart([b"\x7f", b"\x00"])
+        await raw.send_multipart([b"only one frame"])
+        await raw.send_multipart([ADD, enc(EngineCoreRequest("dup", [1, 2, 3], GREEDY))])
+        too_long = list(range(100, 100 + core.max_model_len))
+        await raw.send_multipart([ADD, enc(EngineCoreRequest("raw-long", too_long, GREEDY))])
+        errors = {}
+        while len(errors) < 2:
+            kind, payload = await asyncio.wait_for(raw.recv_multipart(), 5)
+            msg = msgspec.msgpack.decode(payload, type=EngineCoreOutputs)
+            for out in msg.outputs:
+                errors[out.request_id] = (out.finish_reason, out.error)
+        raw.close(0)
+        ctx.term()
+
+        tokens = []
+        async for out in running:  # the client's "dup" is untouched by the raw duplicate
+            tokens += out.outputs[0].token_ids
+        after, _, _ = await _collect(client, "after", PROMPTS[0], GREEDY)
+        await client.shutdown()
+        return errors, tokens, after
+
+    errors, tokens, after = run(main())
+    assert errors["dup"][0] == "error" and "Duplicate" in errors["dup"][1]
+    assert errors["raw-long"][0] == "error" and "PromptTooLong" in errors["raw-long"][1]
+    assert len(tokens) == 59 and len(after) == 12
+
+
+def test_sleep_frees_memory_and_refuses_requests(served):
+    core, address = served
+
+    async def main():
+        client = await _connect(core, address)
+        before = (await client.call_utility("get_memory_usage"))[0]
+        await client.call_utility("sleep", 2)
+        asleep = (await client.call_utility("get_memory_usage"))[0]
+        assert await client.is_sleeping() is True
+        with pytest.raises(EngineRequestError, match="asleep"):
+            await _collect(client, "zz", PROMPTS[0], GREEDY)
+        await client.call_utility("wake_up")
+        assert await client.is_sleeping() is False
+        tokens, _, _ = await _collect(client, "awake", PROMPTS[0], GREEDY)
+        assert await client.reset_prefix_cache() is True
+        await client.shutdown()
+        return before, asleep, tokens
+
+    before, asleep, tokens = run(main())
+    assert before["weights_bytes"] > 0 and before["kv_cache_bytes"] > 0
+    assert asleep == {"weights_bytes": 0, "kv_cache_bytes": 0}
+    assert len(tokens) == 12
+
+
+def test_idle_server_does_not_spin(served):
+    core, address = served
+    import resource
+    start = resource.getrusage(resource.RUSAGE_SELF)
+    time.sleep(1.0)
+    end = resource.getrusage(resource.RUSAGE_SELF)
+    used = (end.ru_utime - start.ru_utime) + (end.ru_stime - start.ru_stime)
+    assert used < 0.2  # the server threads block on their sockets and queues
