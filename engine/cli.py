@@ -42,6 +42,31 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve_engine(args: argparse.Namespace) -> int:
+    import logging
+
+    from engine import EngineConfig, FlotillaError
+    from engine.core_server import EngineCoreServer
+    from engine.engine_core import EngineCore
+    logging.basicConfig(level=logging.INFO)
+    try:
+        core = EngineCore(EngineConfig(
+            model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
+            max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+            num_threads=args.num_threads))
+    except FlotillaError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    server = EngineCoreServer(core, args.address, args.engine_index)
+    import signal
+    signal.signal(signal.SIGTERM, lambda *_: server.shutdown())
+    try:
+        server.run()
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="flotilla", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -54,12 +79,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
+    serve_engine = sub.add_parser("serve-engine", help="run one engine-core server (ZMQ)")
+    _engine_args(serve_engine)
+    serve_engine.add_argument("--address", required=True, help="tcp://host:port or ipc://path")
+    serve_engine.add_argument("--engine-index", type=int, default=0)
     from engine.mock import add_mock_arguments, run_mock_engines
     mock = sub.add_parser("mock-engine", help="model-free engine-core server(s) for benchmarks")
     add_mock_arguments(mock)
     args = parser.parse_args(argv)
     if args.command == "generate":
         return _generate(args)
+    if args.command == "serve-engine":
+        return _serve_engine(args)
     if args.command == "mock-engine":
         return run_mock_engines(args)
     return 1

@@ -256,6 +256,11 @@ class EngineClient:
             raise UtilityCallError(f"{method} failed on " + "; ".join(failures))
         return list(done)
 
+    async def get_stats(self) -> list[SchedulerStats]:
+        """Every engine's scheduler stats, fresh (not the last ones seen with outputs)."""
+        return [msgspec.convert(v, SchedulerStats)
+                for v in await self.call_utility("get_stats")]
+
     async def is_sleeping(self) -> bool:
         return consensus("is_sleeping", await self.call_utility("is_sleeping"))
 

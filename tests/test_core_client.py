@@ -239,3 +239,30 @@ def test_killed_engine_ends_streams_with_engine_dead_error(tokenizer):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_explicit_abort_and_a_mixed_queue(engines):
+    core = engines.add(itl_s=0.01, max_num_seqs=3)
+    mixed = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (3, 20, 7, 1, 12)]
+
+    async def main():
+        client = await engines.client()
+        tasks = [asyncio.create_task(_tokens(client, f"m{i}", [4, 5, 6], p))
+                 for i, p in enumerate(mixed)]
+        victim = client.generate("victim", [9, 9], SamplingParams(max_tokens=500,
+                                                                  ignore_eos=True))
+        await victim.__anext__()
+        stats = await client.get_stats()
+        await client.abort(["victim"])
+        with pytest.raises(Exception, match="aborted"):
+            async for _ in victim:
+                pass
+        results = await asyncio.gather(*tasks)
+        await asyncio.sleep(0.1)
+        await client.shutdown()
+        return results, stats
+
+    results, stats = asyncio.run(main())
+    assert [len(t) for t, _ in results] == [3, 20, 7, 1, 12]
+    assert stats[0].num_running_reqs + stats[0].num_waiting_reqs >= 1
+    assert not core.has_unfinished_requests()
