@@ -9,13 +9,11 @@ server loop.
 from __future__ import annotations
 
 import logging
-import time
 
 import torch
 
 from engine.config import CPU_DEFAULT_KV_CACHE_BYTES, EngineConfig
-from engine.errors import (DuplicateRequestError, EngineSleepingError, InvalidRequestError,
-                           PromptTooLongError)
+from engine.errors import DuplicateRequestError, EngineSleepingError, InvalidRequestError
 from engine.kv_cache_manager import KVCacheManager
 from engine.model_loader import load_hf_config, resolve_model
 from engine.model_runner import ModelRunner
@@ -23,6 +21,7 @@ from engine.models.llama import ModelShape
 from engine.protocol import (FINISH_ABORT, EngineCoreOutput, EngineCoreReadyResponse,
                              EngineCoreRequest, SchedulerStats)
 from engine.request import Request, RequestStatus
+from engine.request_checks import check_params, check_prompt
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler
 
@@ -100,19 +99,8 @@ class EngineCore:
             raise EngineSleepingError("the engine is asleep (sleep mode); call wake_up first")
         if req.request_id in self.requests:
             raise DuplicateRequestError(f"request id {req.request_id!r} is already running")
-        n = len(req.prompt_token_ids)
-        if n == 0:
-            raise InvalidRequestError("the prompt is empty")
-        if n >= self.max_model_len:
-            raise PromptTooLongError(
-                f"prompt has {n} tokens; max_model_len is {self.max_model_len} "
-                f"(prompt plus at least one generated token must fit)")
-        vocab = self.shape.vocab_size
-        if any(t < 0 or t >= vocab for t in req.prompt_token_ids):
-            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
-        if (req.sampling_params.logprobs or 0) > self.config.max_logprobs:
-            raise InvalidRequestError(
-                f"logprobs must be <= {self.config.max_logprobs}")
+        check_prompt(req.prompt_token_ids, self.max_model_len, self.shape.vocab_size)
+        check_params(req.sampling_params, self.config.max_logprobs)
         request = Request(req.request_id, req.prompt_token_ids, req.sampling_params,
                           self.eos_token_ids, req.arrival_time or None, req.priority)
         self.requests[req.request_id] = request

@@ -26,11 +26,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from engine.errors import (DuplicateRequestError, EngineSleepingError, InvalidRequestError,
-                           PromptTooLongError)
+from engine.errors import DuplicateRequestError, EngineSleepingError, InvalidRequestError
 from engine.protocol import (FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, EngineCoreOutput,
                              EngineCoreReadyResponse, EngineCoreRequest, SchedulerStats,
                              TokenLogprobs)
+from engine.request_checks import check_prompt
 from engine.sampling_params import SamplingParams
 
 # Drawn token ids lie in [FIRST_TOKEN_ID, vocab_size): ids below are specials (pad, bos, eos).
@@ -123,14 +123,7 @@ class MockEngineCore:
         rid, ids = req.request_id, req.prompt_token_ids
         if rid in self._running or rid in self._waiting:
             raise DuplicateRequestError(f"request id {rid!r} is already running")
-        if not ids:
-            raise InvalidRequestError("the prompt is empty")
-        if len(ids) >= self.max_model_len:
-            raise PromptTooLongError(
-                f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len} "
-                f"(prompt plus at least one generated token must fit)")
-        if min(ids) < 0 or max(ids) >= self.config.vocab_size:
-            raise InvalidRequestError(f"prompt token ids must be in [0, {self.config.vocab_size})")
+        check_prompt(ids, self.max_model_len, self.config.vocab_size)
         room = self.max_model_len - len(ids)
         max_tokens = req.sampling_params.max_tokens
         limit = room if max_tokens is None else min(max_tokens, room)

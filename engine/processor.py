@@ -11,9 +11,10 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from engine.errors import InvalidRequestError, PromptTooLongError
+from engine.errors import InvalidRequestError
 from engine.output_processor import child_request_id
 from engine.protocol import EngineCoreRequest
+from engine.request_checks import check_params, check_prompt
 from engine.sampling_params import SamplingParams
 
 Prompt = str | list[int] | dict[str, Any]
@@ -56,17 +57,8 @@ class Processor:
                       priority: int = 0, data_parallel_rank: int | None = None
                       ) -> list[EngineCoreRequest]:
         """Validate and build one EngineCoreRequest per sequence (n of them)."""
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise InvalidRequestError("the prompt is empty")
-        if n >= self.max_model_len:
-            raise PromptTooLongError(
-                f"this model's maximum context length is {self.max_model_len} tokens, "
-                f"but the prompt has {n} tokens (plus at least one to generate)")
-        if any(not 0 <= t < self.vocab_size for t in prompt_token_ids):
-            raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size})")
-        if params.logprobs is not None and params.logprobs > self.max_logprobs:
-            raise InvalidRequestError(f"logprobs must be <= {self.max_logprobs}")
+        check_prompt(prompt_token_ids, self.max_model_len, self.vocab_size)
+        check_params(params, self.max_logprobs)
         arrival = arrival_time or time.time()
         requests = []
         for i in range(params.n):

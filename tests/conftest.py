@@ -7,7 +7,6 @@ well separated (parity checks do not hinge on float ties).
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 
 import pytest

@@ -1,6 +1,5 @@
 """The `flotilla` command line, run as a user would."""
 import asyncio
-import os
 import signal
 import socket
 import subprocess

@@ -1,6 +1,5 @@
 """The async engine client against mock engines: routing, handshake values, utilities, death."""
 import asyncio
-import os
 import signal
 import socket
 import subprocess

@@ -142,7 +142,7 @@ def test_bad_input_gets_error_output_and_engine_keeps_serving(served):
     core, address = served
     import msgspec
     from engine.errors import PromptTooLongError
-    from engine.protocol import (HELLO, OUTPUTS, READY, EngineCoreOutputs, EngineCoreRequest,
+    from engine.protocol import (HELLO, READY, EngineCoreOutputs, EngineCoreRequest,
                                  Hello)
 
     async def main():

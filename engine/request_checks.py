@@ -1,0 +1,28 @@
+"""Checks every request passes, shared by the frontend Processor and the engine cores.
+
+The frontend checks first, to answer bad input before it travels; engines check
+again because anything can reach their socket.
+"""
+from __future__ import annotations
+
+from engine.errors import InvalidRequestError, PromptTooLongError
+from engine.sampling_params import SamplingParams
+
+
+def check_prompt(token_ids: list[int], max_model_len: int, vocab_size: int) -> None:
+    """Non-empty, fits max_model_len with one token to spare, ids inside the vocabulary."""
+    n = len(token_ids)
+    if n == 0:
+        raise InvalidRequestError("the prompt is empty")
+    if n >= max_model_len:
+        raise PromptTooLongError(
+            f"this model's maximum context length is {max_model_len} tokens, but the "
+            f"prompt has {n} tokens (plus at least one to generate)")
+    if min(token_ids) < 0 or max(token_ids) >= vocab_size:
+        raise InvalidRequestError(f"prompt token ids must be in [0, {vocab_size})")
+
+
+def check_params(params: SamplingParams, max_logprobs: int) -> None:
+    """What SamplingParams cannot check by itself: limits of this engine."""
+    if params.logprobs is not None and params.logprobs > max_logprobs:
+        raise InvalidRequestError(f"logprobs must be <= {max_logprobs}")
