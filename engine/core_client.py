@@ -26,8 +26,9 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from engine.errors import (EngineDeadError, EngineRequestError, FlotillaError, NoEnginesError,
-                           UtilityCallError)
+from engine.errors import (DuplicateRequestError, EngineDeadError, EngineRequestError,
+                           EngineSleepingError, FlotillaError, InvalidRequestError,
+                           NoEnginesError, PromptTooLongError, UtilityCallError)
 from engine.output_processor import OutputProcessor
 from engine.outputs import OutputKind, RequestOutput
 from engine.processor import Processor, Prompt
@@ -40,6 +41,14 @@ from engine.utility_results import all_true, consensus
 logger = logging.getLogger(__name__)
 
 ABORT_BATCH = 1024
+
+
+def _typed_error(message: str) -> FlotillaError:
+    """Rebuild the engine's typed error from its "TypeName: message" error output."""
+    name, _, text = message.partition(": ")
+    cls = {c.__name__: c for c in (EngineSleepingError, PromptTooLongError,
+                                   DuplicateRequestError, InvalidRequestError)}.get(name)
+    return cls(text) if cls else EngineRequestError(message)
 
 
 class HandshakeError(FlotillaError):
@@ -312,7 +321,7 @@ class EngineClient:
                         self._queue_abort(engine_id, "sibling_error")
                 q = self._queues.get(parent)
                 if q is not None:
-                    q.put_nowait(EngineRequestError(out.error or "the engine refused it"))
+                    q.put_nowait(_typed_error(out.error or "the engine refused the request"))
             else:
                 normal.append(out)
         processed = self.output_processor.process_outputs(normal)

@@ -12,7 +12,7 @@ from engine.config import EngineConfig
 from engine.core_client import EngineClient
 from engine.core_server import EngineCoreServer
 from engine.engine_core import EngineCore
-from engine.errors import EngineRequestError
+from engine.errors import EngineRequestError, EngineSleepingError
 from engine.model_loader import load_tokenizer
 from engine.protocol import ADD
 
@@ -200,7 +200,7 @@ def test_sleep_frees_memory_and_refuses_requests(served):
         await client.call_utility("sleep", 2)
         asleep = (await client.call_utility("get_memory_usage"))[0]
         assert await client.is_sleeping() is True
-        with pytest.raises(EngineRequestError, match="asleep"):
+        with pytest.raises(EngineSleepingError, match="asleep"):
             await _collect(client, "zz", PROMPTS[0], GREEDY)
         await client.call_utility("wake_up")
         assert await client.is_sleeping() is False

@@ -1,0 +1,334 @@
+"""The OpenAI-compatible HTTP API as a Starlette app over an EngineClient.
+
+Independent of Ray: the Serve ingress deployment wraps this app, tests drive it
+in-process. Every error is OpenAI-style JSON with a fitting status, and the app
+keeps serving after each one. A streamed request whose client goes away is closed,
+which closes its EngineClient stream, which aborts it at its engine.
+"""
+from __future__ import annotations
+
+import hmac
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+from pydantic import ValidationError
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from deployments.openai_protocol import (ChatCompletionRequest, CompletionRequest,
+                                         DetokenizeRequest, TokenizeRequest)
+from engine.core_client import EngineClient
+from engine.errors import (EngineDeadError, EngineSleepingError, FlotillaError,
+                           InconsistentUtilityResults, InvalidRequestError, NoEnginesError)
+from engine.outputs import RequestOutput
+
+
+@dataclass(frozen=True)
+class IngressOptions:
+    served_model_name: str
+    api_key: str | None = None  # Bearer key for /v1/* and /tokenize (none: open)
+    admin_key: str | None = None  # Bearer key for the control endpoints
+    dev_mode: bool = False  # control endpoints without a key (never in production)
+    max_body_bytes: int = 1 << 20
+
+
+class HTTPError(Exception):
+    def __init__(self, status: int, message: str, err_type: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.err_type, self.param = status, message, err_type, param
+
+
+def error_response(status: int, message: str, err_type: str, param: str | None = None,
+                   extra: dict | None = None) -> JSONResponse:
+    body = {"error": {"message": message, "type": err_type, "param": param, "code": status}}
+    if extra:
+        body["error"].update(extra)
+    return JSONResponse(body, status_code=status)
+
+
+def _map_error(exc: BaseException) -> HTTPError:
+    if isinstance(exc, HTTPError):
+        return exc
+    if isinstance(exc, (InvalidRequestError, ValueError)):
+        return HTTPError(400, str(exc), "BadRequestError")
+    if isinstance(exc, EngineSleepingError):
+        return HTTPError(503, str(exc), "ServiceUnavailableError")
+    if isinstance(exc, (EngineDeadError, NoEnginesError)):
+        return HTTPError(503, str(exc), "ServiceUnavailableError")
+    if isinstance(exc, FlotillaError):
+        return HTTPError(500, str(exc), "InternalServerError")
+    return HTTPError(500, f"internal error: {type(exc).__name__}", "InternalServerError")
+
+
+def build_openai_app(get_client: Callable[[], Awaitable[EngineClient]],
+                     options: IngressOptions) -> Starlette:
+    """Routes of the OpenAI API (+ tokenize, health, control) over the engines."""
+    model = options.served_model_name
+
+    async def _body(request: Request, schema):
+        length = request.headers.get("content-length")
+        if length and length.isdigit() and int(length) > options.max_body_bytes:
+            raise HTTPError(413, f"request body over {options.max_body_bytes} bytes",
+                            "RequestTooLargeError")
+        raw = await request.body()
+        if len(raw) > options.max_body_bytes:
+            raise HTTPError(413, f"request body over {options.max_body_bytes} bytes",
+                            "RequestTooLargeError")
+        try:
+            body = schema.model_validate_json(raw)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            param = ".".join(str(p) for p in first.get("loc", ()))
+            raise HTTPError(400, f"{param}: {first.get('msg')}" if param else first.get("msg"),
+                            "BadRequestError", param or None) from None
+        if getattr(body, "model", None) not in (None, model):
+            raise HTTPError(404, f"The model `{body.model}` does not exist.", "NotFoundError",
+                            "model")
+        return body
+
+    def _check_key(request: Request, key: str | None) -> None:
+        if key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+            raise HTTPError(401, "invalid or missing API key", "AuthenticationError")
+
+    def _check_admin(request: Request) -> None:
+        if options.admin_key is not None:
+            _check_key(request, options.admin_key)
+        elif not options.dev_mode:
+            raise HTTPError(404, "control endpoints are disabled (set an admin key or dev mode)",
+                            "NotFoundError")
+
+    def endpoint(handler, *, auth: bool = True, admin: bool = False):
+        async def wrapped(request: Request) -> Response:
+            rid = request.headers.get("x-request-id") or uuid.uuid4().hex
+            try:
+                if admin:
+                    _check_admin(request)
+                elif auth:
+                    _check_key(request, options.api_key)
+                response = await handler(request, rid)
+            except Exception as exc:  # noqa: BLE001 - every error becomes OpenAI JSON
+                err = _map_error(exc)
+                extra = {"values": exc.values} if isinstance(exc, InconsistentUtilityResults) else None
+                response = error_response(err.status, err.message, err.err_type, err.param, extra)
+            response.headers["x-request-id"] = rid
+            return response
+        return wrapped
+
+    # ---- generation ---------------------------------------------------------------------------
+    async def completions(request: Request, rid: str) -> Response:
+        body = await _body(request, CompletionRequest)
+        params = body.sampling_params(body.max_tokens, body.logprobs)
+        return await _generate(f"cmpl-{rid}-{uuid.uuid4().hex[:8]}", body.single_prompt(),
+                               params, body, chat=False)
+
+    async def chat_completions(request: Request, rid: str) -> Response:
+        body = await _body(request, ChatCompletionRequest)
+        params = body.sampling_params(body.token_limit(), body.logprob_count())
+        client = await get_client()
+        text = client.processor.apply_chat_template(
+            body.conversation(), body.add_generation_prompt, **(body.chat_template_kwargs or {}))
+        ids = client.processor.tokenizer.encode(text, add_special_tokens=False)
+        return await _generate(f"chatcmpl-{rid}-{uuid.uuid4().hex[:8]}",
+                               {"prompt": text, "prompt_token_ids": ids}, params, body, chat=True)
+
+    async def _generate(request_id: str, prompt, params, body, chat: bool) -> Response:
+        client = await get_client()
+        stream = client.generate(request_id, prompt, params)
+        created = int(time.time())
+        top_k = params.logprobs or 0
+        if body.stream:
+            first = await _first(stream)  # errors before the first token stay HTTP errors
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(
+                _sse(stream, first, request_id, created, chat, include_usage, top_k),
+                media_type="text/event-stream")
+        return JSONResponse(await _full(stream, request_id, created, chat, params.n, top_k))
+
+    async def _first(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
+        try:
+            return await stream.__anext__()
+        except BaseException:
+            await stream.aclose()
+            raise
+
+    async def _full(stream, request_id, created, chat, n, top_k) -> dict:
+        texts = [""] * n
+        tokens = [0] * n
+        logprobs: list[list] = [[] for _ in range(n)]
+        finish: list[str | None] = [None] * n
+        prompt_tokens = 0
+        try:
+            async for out in stream:
+                prompt_tokens = len(out.prompt_token_ids)
+                for c in out.outputs:
+                    texts[c.index] += c.text
+                    tokens[c.index] += len(c.token_ids)
+                    if c.logprobs:
+                        logprobs[c.index] += _logprob_entries(c, top_k)
+                    finish[c.index] = c.finish_reason or finish[c.index]
+        finally:
+            await stream.aclose()
+        choices = []
+        for i in range(n):
+            lp = _format_logprobs(logprobs[i], chat) if logprobs[i] else None
+            if chat:
+                choices.append({"index": i, "message": {"role": "assistant", "content": texts[i]},
+                                "logprobs": lp, "finish_reason": finish[i]})
+            else:
+                choices.append({"index": i, "text": texts[i], "logprobs": lp,
+                                "finish_reason": finish[i]})
+        completion = sum(tokens)
+        return {"id": request_id, "object": "chat.completion" if chat else "text_completion",
+                "created": created, "model": model, "choices": choices,
+                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                          "total_tokens": prompt_tokens + completion}}
+
+    async def _sse(stream, first, request_id, created, chat, include_usage, top_k):
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        started: set[int] = set()
+        completion = 0
+        prompt_tokens = len(first.prompt_token_ids)
+
+        def event(payload: dict) -> str:
+            return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+        try:
+            out: RequestOutput | None = first
+            while out is not None:
+                for c in out.outputs:
+                    completion += len(c.token_ids)
+                    if not c.text and not c.token_ids and c.finish_reason is None:
+                        continue
+                    lp = (_format_logprobs(_logprob_entries(c, top_k), chat)
+                          if c.logprobs else None)
+                    if chat:
+                        delta: dict[str, Any] = {"content": c.text}
+                        if c.index not in started:
+                            delta["role"] = "assistant"
+                            started.add(c.index)
+                        choice = {"index": c.index, "delta": delta, "logprobs": lp,
+                                  "finish_reason": c.finish_reason}
+                    else:
+                        choice = {"index": c.index, "text": c.text, "logprobs": lp,
+                                  "finish_reason": c.finish_reason}
+                    yield event({"id": request_id, "object": obj, "created": created,
+                                 "model": model, "choices": [choice]})
+                out = await anext(stream, None)
+            if include_usage:
+                yield event({"id": request_id, "object": obj, "created": created, "model": model,
+                             "choices": [], "usage": {
+                                 "prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                                 "total_tokens": prompt_tokens + completion}})
+        except Exception as exc:  # noqa: BLE001 - reported in-band: the status is already sent
+            err = _map_error(exc)
+            yield event({"error": {"message": err.message, "type": err.err_type,
+                                   "code": err.status}})
+        finally:
+            await stream.aclose()
+        yield "data: [DONE]\n\n"
+
+    # ---- other routes -------------------------------------------------------------------------
+    async def models(request: Request, rid: str) -> Response:
+        client = await get_client()
+        return JSONResponse({"object": "list", "data": [{
+            "id": model, "object": "model", "created": 0, "owned_by": "flotilla",
+            "max_model_len": client.max_model_len}]})
+
+    async def health(request: Request, rid: str) -> Response:
+        client = await get_client()
+        if not client.healthy:
+            raise HTTPError(503, str(client.dead_error or "unhealthy"), "ServiceUnavailableError")
+        return Response(status_code=200)
+
+    async def tokenize(request: Request, rid: str) -> Response:
+        body = await _body(request, TokenizeRequest)
+        client = await get_client()
+        processor = client.processor
+        if body.messages is not None:
+            text = processor.apply_chat_template([m.model_dump() for m in body.messages])
+            ids = processor.tokenizer.encode(text, add_special_tokens=False)
+        elif body.prompt is not None:
+            ids = processor.tokenizer.encode(body.prompt,
+                                             add_special_tokens=body.add_special_tokens)
+        else:
+            raise HTTPError(400, "give a prompt or messages", "BadRequestError")
+        return JSONResponse({"tokens": ids, "count": len(ids),
+                             "max_model_len": client.max_model_len})
+
+    async def detokenize(request: Request, rid: str) -> Response:
+        body = await _body(request, DetokenizeRequest)
+        client = await get_client()
+        vocab = client.processor.vocab_size
+        if any(not 0 <= t < vocab for t in body.tokens):
+            raise HTTPError(400, f"token ids must be in [0, {vocab})", "BadRequestError", "tokens")
+        return JSONResponse({"prompt": client.processor.tokenizer.decode(body.tokens)})
+
+    # ---- control (admin) ------------------------------------------------------------------------
+    async def is_sleeping(request: Request, rid: str) -> Response:
+        return JSONResponse({"is_sleeping": await (await get_client()).is_sleeping()})
+
+    async def sleep(request: Request, rid: str) -> Response:
+        level = request.query_params.get("level", "1")
+        if level not in ("1", "2"):
+            raise HTTPError(400, "level must be 1 or 2", "BadRequestError", "level")
+        await (await get_client()).call_utility("sleep", int(level))
+        return Response(status_code=200)
+
+    async def wake_up(request: Request, rid: str) -> Response:
+        tags = request.query_params.getlist("tags") or None
+        await (await get_client()).call_utility("wake_up", tags)
+        return Response(status_code=200)
+
+    async def reset_prefix_cache(request: Request, rid: str) -> Response:
+        flag = lambda name: request.query_params.get(name, "false").lower() in ("1", "true")
+        ok = await (await get_client()).reset_prefix_cache(flag("reset_running_requests"),
+                                                           flag("reset_external"))
+        return JSONResponse({"success": ok}, status_code=200)
+
+    routes = [
+        Route("/v1/completions", endpoint(completions), methods=["POST"]),
+        Route("/v1/chat/completions", endpoint(chat_completions), methods=["POST"]),
+        Route("/v1/models", endpoint(models), methods=["GET"]),
+        Route("/tokenize", endpoint(tokenize), methods=["POST"]),
+        Route("/detokenize", endpoint(detokenize), methods=["POST"]),
+        Route("/health", endpoint(health, auth=False), methods=["GET"]),
+        Route("/is_sleeping", endpoint(is_sleeping, admin=True), methods=["GET"]),
+        Route("/sleep", endpoint(sleep, admin=True), methods=["POST"]),
+        Route("/wake_up", endpoint(wake_up, admin=True), methods=["POST"]),
+        Route("/reset_prefix_cache", endpoint(reset_prefix_cache, admin=True), methods=["POST"]),
+    ]
+    return Starlette(routes=routes)
+
+
+def _logprob_entries(completion, top_k: int) -> list[dict]:
+    """Per generated token: the sampled token's logprob and the top_k alternatives."""
+    entries = []
+    for token_id, lp in zip(completion.token_ids, completion.logprobs or []):
+        sampled = lp.get(token_id)
+        top = sorted(((t, l) for t, l in lp.items() if l.rank is not None and l.rank <= top_k),
+                     key=lambda x: x[1].rank)
+        entries.append({"token": sampled.decoded_token if sampled else "",
+                        "logprob": sampled.logprob if sampled else None,
+                        "top": [(l.decoded_token, l.logprob) for _, l in top]})
+    return entries
+
+
+def _format_logprobs(entries: list[dict], chat: bool) -> dict:
+    if chat:
+        return {"content": [{
+            "token": e["token"], "logprob": e["logprob"],
+            "bytes": list(e["token"].encode()),
+            "top_logprobs": [{"token": t, "logprob": l, "bytes": list(t.encode())}
+                             for t, l in e["top"]]} for e in entries]}
+    return {"tokens": [e["token"] for e in entries],
+            "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [dict(e["top"]) for e in entries],
+            "text_offset": []}

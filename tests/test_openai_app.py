@@ -1,0 +1,222 @@
+"""The OpenAI-compatible app (no Ray) over mock engines, driven by the official client."""
+import asyncio
+import json
+
+import httpx
+import openai
+import pytest
+
+from deployments.openai_app import IngressOptions, build_openai_app
+from engine.core_client import EngineClient
+from tests.test_core_client import Engines
+
+MODEL = "mock-model"
+
+
+@pytest.fixture
+def engines(tokenizer):
+    e = Engines(tokenizer)
+    yield e
+    e.stop()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model_dir):
+    from engine.model_loader import load_tokenizer
+    return load_tokenizer(default_model_dir)
+
+
+def serve(engines, test, **options):
+    """Run `test(http, oai)` against the app over the engines, all in one event loop."""
+    async def main():
+        client = await engines.client()
+
+        async def get_client():
+            return client
+        app = build_openai_app(get_client, IngressOptions(MODEL, **options))
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://flotilla") as http:
+            oai = openai.AsyncOpenAI(base_url="http://flotilla/v1", api_key=options.get(
+                "api_key") or "none", http_client=http, max_retries=0)
+            try:
+                return await test(http, oai)
+            finally:
+                await client.shutdown()
+    return asyncio.run(main())
+
+
+def test_completions_with_the_openai_client(engines):
+    engines.add(itl_s=0.001)
+
+    async def test(http, oai):
+        full = await oai.completions.create(model=MODEL, prompt="Hello", max_tokens=8,
+                                            extra_body={"ignore_eos": True})
+        streamed = ""
+        chunks = 0
+        usage = None
+        async for chunk in await oai.completions.create(
+                model=MODEL, prompt="Hello", max_tokens=8, stream=True,
+                stream_options={"include_usage": True}, extra_body={"ignore_eos": True}):
+            if chunk.choices:
+                streamed += chunk.choices[0].text
+                chunks += 1
+            if chunk.usage:
+                usage = chunk.usage
+        two = await oai.completions.create(model=MODEL, prompt="Hi", max_tokens=4, n=2,
+                                           logprobs=2, extra_body={"ignore_eos": True})
+        return full, streamed, chunks, usage, two
+
+    full, streamed, chunks, usage, two = serve(engines, test)
+    assert full.choices[0].finish_reason == "length"
+    assert full.usage.completion_tokens == 8 and full.usage.prompt_tokens > 0
+    assert streamed and chunks >= 2  # (mock tokens depend on the request id)
+    assert usage.completion_tokens == 8
+    assert [c.index for c in two.choices] == [0, 1] and two.usage.completion_tokens == 8
+    lp = two.choices[0].logprobs
+    assert len(lp.token_logprobs) == 4 and len(lp.top_logprobs) == 4
+    # top_logprobs is keyed by token text: two byte tokens both shown as U+FFFD collide
+    assert all(1 <= len(t) <= 2 for t in lp.top_logprobs)
+    assert sum(len(t) == 2 for t in lp.top_logprobs) >= 3
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tiny_llama):
+    """The real engine (tiny model, greedy is deterministic) behind a server."""
+    from engine.config import EngineConfig
+    from engine.core_server import EngineCoreServer
+    from engine.engine_core import EngineCore
+    from tests.test_core_client import free_address
+    core = EngineCore(EngineConfig(model=str(tiny_llama), dtype="float32"))
+    address = free_address()
+    server = EngineCoreServer(core, address).start()
+    yield address
+    server.shutdown()
+
+
+class _Real:
+    def __init__(self, address, tokenizer):
+        self.address, self.tokenizer = address, tokenizer
+
+    async def client(self):
+        return await EngineClient.connect([self.address], self.tokenizer, handshake_timeout_s=10)
+
+
+def test_chat_completions_and_stop(tiny_server, tiny_llama):
+    from engine.model_loader import load_tokenizer
+    real = _Real(tiny_server, load_tokenizer(tiny_llama))
+
+    async def test(http, oai):
+        msgs = [{"role": "user", "content": "What is 2+2?"}]
+        greedy = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
+        chat = await oai.chat.completions.create(model=MODEL, messages=msgs,
+                                                 max_completion_tokens=12, logprobs=True,
+                                                 top_logprobs=1, **greedy)
+        pieces, roles = [], []
+        async for chunk in await oai.chat.completions.create(model=MODEL, messages=msgs,
+                                                             max_tokens=12, stream=True,
+                                                             **greedy):
+            if chunk.choices:
+                pieces.append(chunk.choices[0].delta.content or "")
+                roles.append(chunk.choices[0].delta.role)
+        text = chat.choices[0].message.content
+        stop = text[3:5]
+        stopped = await oai.chat.completions.create(model=MODEL, messages=msgs, max_tokens=12,
+                                                    stop=[stop], **greedy)
+        return chat, "".join(pieces), roles, stop, stopped
+
+    chat, streamed, roles, stop, stopped = serve(real, test)
+    text = chat.choices[0].message.content
+    assert chat.object == "chat.completion" and chat.usage.completion_tokens == 12
+    assert len(chat.choices[0].logprobs.content) == 12
+    assert streamed == text and roles[0] == "assistant"
+    assert stopped.choices[0].message.content == text[:text.find(stop)]
+    assert stopped.choices[0].finish_reason == "stop"
+
+
+def test_errors_are_openai_json_and_the_server_keeps_serving(engines):
+    engines.add(max_model_len=64)
+
+    async def test(http, oai):
+        results = {}
+        r = await http.post("/v1/completions", json={"prompt": "x", "temperature": -1},
+                            headers={"x-request-id": "abc"})
+        results["bad"] = (r.status_code, r.json()["error"]["type"], r.headers["x-request-id"])
+        r = await http.post("/v1/completions", json={"model": "other", "prompt": "x"})
+        results["model"] = r.status_code
+        r = await http.post("/v1/completions", json={"prompt": list(range(100, 200))})
+        results["long"] = (r.status_code, r.json()["error"]["message"])
+        r = await http.post("/v1/completions", content=b"{not json")
+        results["json"] = r.status_code
+        r = await http.post("/v1/completions", content=b"x" * (2 << 20))
+        results["big"] = r.status_code
+        r = await http.post("/sleep")
+        results["control_off"] = r.status_code
+        r = await http.post("/v1/completions", json={"prompt": "ok", "max_tokens": 3})
+        results["after"] = r.status_code
+        r = await http.get("/v1/models")
+        results["models"] = r.json()["data"][0]["id"]
+        r = await http.post("/tokenize", json={"prompt": "Hello world"})
+        ids = r.json()["tokens"]
+        r = await http.post("/detokenize", json={"tokens": ids})
+        results["roundtrip"] = r.json()["prompt"]
+        results["health"] = (await http.get("/health")).status_code
+        return results
+
+    r = serve(engines, test)
+    assert r["bad"] == (400, "BadRequestError", "abc")
+    assert r["model"] == 404 and r["json"] == 400 and r["big"] == 413
+    assert r["long"][0] == 400 and "64" in r["long"][1]
+    assert r["control_off"] == 404
+    assert r["after"] == 200 and r["models"] == MODEL
+    assert r["roundtrip"] == "Hello world" and r["health"] == 200
+
+
+def test_api_key_is_required_when_set(engines):
+    engines.add()
+
+    async def test(http, oai):
+        ok = await oai.completions.create(model=MODEL, prompt="x", max_tokens=2)
+        r = await http.post("/v1/completions", json={"prompt": "x"},
+                            headers={"authorization": "Bearer wrong"})
+        health = await http.get("/health")
+        return ok, r.status_code, health.status_code
+
+    ok, status, health = serve(engines, test, api_key="s3cret")
+    assert ok.usage.completion_tokens == 2 and status == 401 and health == 200
+
+
+def test_sleep_wake_and_inconsistent_is_sleeping(engines):
+    engines.add()
+    engines.add()
+
+    async def test(http, oai):
+        out = {}
+        out["sleep"] = (await http.post("/sleep?level=1")).status_code
+        out["is_sleeping"] = (await http.get("/is_sleeping")).json()
+        r = await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        out["asleep"] = r.status_code
+        out["wake"] = (await http.post("/wake_up")).status_code
+        r = await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        out["awake"] = r.status_code
+        out["reset"] = (await http.post("/reset_prefix_cache")).json()
+        return out
+
+    r = serve(engines, test, dev_mode=True)
+    assert r["sleep"] == 200 and r["is_sleeping"] == {"is_sleeping": True}
+    assert r["asleep"] == 503 and r["wake"] == 200 and r["awake"] == 200
+    assert r["reset"] == {"success": True}
+
+
+def test_disagreeing_engines_give_500_with_values(engines):
+    engines.add()
+    engines.add(force_is_sleeping=True, force_reset_prefix_cache=False)
+
+    async def test(http, oai):
+        r = await http.get("/is_sleeping", headers={"authorization": "Bearer adm"})
+        reset = await http.post("/reset_prefix_cache", headers={"authorization": "Bearer adm"})
+        denied = await http.get("/is_sleeping")
+        return r.status_code, r.json(), reset.json(), denied.status_code
+
+    status, body, reset, denied = serve(engines, test, admin_key="adm")
+    assert status == 500 and body["error"]["values"] == [False, True]
+    assert reset == {"success": False} and denied == 401
