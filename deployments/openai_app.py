@@ -65,10 +65,35 @@ def _map_error(exc: BaseException) -> HTTPError:
     return HTTPError(500, f"internal error: {type(exc).__name__}", "InternalServerError")
 
 
+class ClientControl:
+    """Control calls answered by the ingress's own EngineClient (no coordinator)."""
+
+    def __init__(self, get_client: Callable[[], Awaitable[EngineClient]]) -> None:
+        self.get_client = get_client
+
+    async def is_sleeping(self) -> bool:
+        return await (await self.get_client()).is_sleeping()
+
+    async def sleep(self, level: int) -> None:
+        await (await self.get_client()).call_utility("sleep", level)
+
+    async def wake_up(self, tags: list[str] | None) -> None:
+        await (await self.get_client()).call_utility("wake_up", tags)
+
+    async def reset_prefix_cache(self, reset_running_requests: bool, reset_external: bool) -> bool:
+        return await (await self.get_client()).reset_prefix_cache(reset_running_requests,
+                                                                  reset_external)
+
+
 def build_openai_app(get_client: Callable[[], Awaitable[EngineClient]],
-                     options: IngressOptions) -> Starlette:
-    """Routes of the OpenAI API (+ tokenize, health, control) over the engines."""
+                     options: IngressOptions, control=None) -> Starlette:
+    """Routes of the OpenAI API (+ tokenize, health, control) over the engines.
+
+    control: what answers the control endpoints (the coordinator in Serve);
+    by default the ingress's own client, with the same aggregation rules.
+    """
     model = options.served_model_name
+    control = control or ClientControl(get_client)
 
     async def _body(request: Request, schema):
         length = request.headers.get("content-length")
@@ -273,24 +298,24 @@ def build_openai_app(get_client: Callable[[], Awaitable[EngineClient]],
 
     # ---- control (admin) ------------------------------------------------------------------------
     async def is_sleeping(request: Request, rid: str) -> Response:
-        return JSONResponse({"is_sleeping": await (await get_client()).is_sleeping()})
+        return JSONResponse({"is_sleeping": await control.is_sleeping()})
 
     async def sleep(request: Request, rid: str) -> Response:
         level = request.query_params.get("level", "1")
         if level not in ("1", "2"):
             raise HTTPError(400, "level must be 1 or 2", "BadRequestError", "level")
-        await (await get_client()).call_utility("sleep", int(level))
+        await control.sleep(int(level))
         return Response(status_code=200)
 
     async def wake_up(request: Request, rid: str) -> Response:
         tags = request.query_params.getlist("tags") or None
-        await (await get_client()).call_utility("wake_up", tags)
+        await control.wake_up(tags)
         return Response(status_code=200)
 
     async def reset_prefix_cache(request: Request, rid: str) -> Response:
         flag = lambda name: request.query_params.get(name, "false").lower() in ("1", "true")
-        ok = await (await get_client()).reset_prefix_cache(flag("reset_running_requests"),
-                                                           flag("reset_external"))
+        ok = await control.reset_prefix_cache(flag("reset_running_requests"),
+                                              flag("reset_external"))
         return JSONResponse({"success": ok}, status_code=200)
 
     routes = [

@@ -67,7 +67,8 @@ def _serve_engine(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:
+    """The engine's subcommands; deployments.cli adds `serve` (Ray) to them."""
     parser = argparse.ArgumentParser(prog="flotilla", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate completions for prompts, offline")
@@ -83,10 +84,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     _engine_args(serve_engine)
     serve_engine.add_argument("--address", required=True, help="tcp://host:port or ipc://path")
     serve_engine.add_argument("--engine-index", type=int, default=0)
-    from engine.mock import add_mock_arguments, run_mock_engines
+    from engine.mock import add_mock_arguments
     mock = sub.add_parser("mock-engine", help="model-free engine-core server(s) for benchmarks")
     add_mock_arguments(mock)
-    args = parser.parse_args(argv)
+    return parser, sub
+
+
+def run_command(args: argparse.Namespace) -> int:
+    from engine.mock import run_mock_engines
     if args.command == "generate":
         return _generate(args)
     if args.command == "serve-engine":
@@ -94,6 +99,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "mock-engine":
         return run_mock_engines(args)
     return 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser, _ = build_parser()
+    return run_command(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -91,6 +91,11 @@ class EngineCoreServer:
         finally:
             self.shutdown()
 
+    def alive(self) -> bool:
+        """The core loop and the io thread are running."""
+        threads = self._threads + ([self._loop_thread] if self._loop_thread else [])
+        return not self._stopped.is_set() and all(t.is_alive() for t in threads)
+
     def shutdown(self, timeout: float = 5.0) -> None:
         """Stop the loops, close the sockets. In-flight requests are dropped."""
         if self._stopped.is_set():

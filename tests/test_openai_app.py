@@ -1,6 +1,5 @@
 """The OpenAI-compatible app (no Ray) over mock engines, driven by the official client."""
 import asyncio
-import json
 
 import httpx
 import openai

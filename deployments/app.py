@@ -1,0 +1,39 @@
+"""build_app(args): the Flotilla Serve application (ingress -> engines, coordinator).
+
+    serve run deployments.app:build_app model=mock data_parallel_size=2
+    serve build deployments.app:build_app -o config.yaml   # then: serve deploy config.yaml
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import ValidationError
+from ray.serve import Application
+
+from deployments.config import AppArgs
+from deployments.coordinator import Coordinator
+from deployments.engine_server import EngineServer
+from deployments.ingress import OpenAIIngress
+
+
+def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
+    """Validate args (clear errors for bad values) and bind the deployment graph."""
+    if isinstance(args, AppArgs):
+        parsed = args
+    else:
+        try:
+            parsed = AppArgs.model_validate(dict(args or {}))
+        except ValidationError as exc:
+            problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'args'}: {e['msg']}"
+                                 for e in exc.errors())
+            raise ValueError(f"invalid Flotilla app args: {problems}") from None
+    raw = parsed.model_dump(mode="json")
+    coordinator = Coordinator.bind(raw)
+    engines = EngineServer.options(
+        num_replicas=parsed.data_parallel_size,
+        ray_actor_options={"num_cpus": parsed.engine_num_cpus},
+    ).bind(raw, coordinator)
+    return OpenAIIngress.options(
+        autoscaling_config=parsed.ingress_autoscaling.serve_config(),
+        ray_actor_options={"num_cpus": parsed.ingress_num_cpus},
+    ).bind(raw, coordinator, engines)

@@ -1,0 +1,95 @@
+"""AppArgs: the one validated argument object of the Serve app (build_app(args)).
+
+The same fields come from `serve run deployments.app:build_app key=value`, from a
+`serve build` config file's `args:`, from Python, and from `flotilla serve` flags.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from engine.config import EngineConfig
+from engine.mock import MockConfig
+
+MOCK_MODEL = "mock"
+
+
+class IngressAutoscaling(BaseModel):
+    """Serve autoscaling of the ingress replicas (they are cheap: tokenize + stream).
+
+    One replica streams tens of thousands of tokens/s (docs/benchmarks.md), so a
+    target of 64 ongoing requests per replica keeps the CPU per replica low while
+    letting Serve add replicas on bursts; min 1 keeps the API up.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+    min_replicas: int = Field(1, ge=0)
+    max_replicas: int = Field(4, ge=1)
+    target_ongoing_requests: float = Field(64, gt=0)
+    upscale_delay_s: float = Field(5.0, ge=0)
+    downscale_delay_s: float = Field(60.0, ge=0)
+
+    def serve_config(self) -> dict[str, Any]:
+        return self.model_dump()
+
+
+class AppArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = "default"  # a checkpoint dir, a .gguf file, "default", or "mock"
+    served_model_name: str | None = None
+    data_parallel_size: int = Field(1, ge=1, le=256)
+    tensor_parallel_size: int = Field(1, ge=1)
+    dtype: str = "auto"
+    block_size: int = 16
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    enable_prefix_caching: bool = True
+    num_threads: int | None = None
+    engine_num_cpus: float = Field(1.0, ge=0)  # Ray CPUs per engine replica
+    ingress_num_cpus: float = Field(0.5, ge=0)
+    ingress_autoscaling: IngressAutoscaling = IngressAutoscaling()
+    api_key: str | None = None
+    admin_key: str | None = None
+    dev_mode: bool = False
+    max_body_bytes: int = Field(1 << 20, ge=1024)
+    # mock engine options (model=mock)
+    mock_itl_s: float = Field(0.0, ge=0)
+    mock_ttft_s: float = Field(0.0, ge=0)
+    mock_output_chunk_size: int = Field(1, ge=1)
+    mock_max_model_len: int = Field(4096, ge=2)
+
+    @model_validator(mode="after")
+    def _checks(self) -> "AppArgs":
+        if self.tensor_parallel_size != 1:
+            raise ValueError("tensor_parallel_size > 1 is not available yet (TP issue)")
+        if self.ingress_autoscaling.min_replicas > self.ingress_autoscaling.max_replicas:
+            raise ValueError("ingress_autoscaling.min_replicas > max_replicas")
+        if not self.is_mock:
+            self.engine_config(0)  # EngineConfig's own checks, at build time
+        return self
+
+    @property
+    def is_mock(self) -> bool:
+        return self.model == MOCK_MODEL
+
+    @property
+    def model_name(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        return "SmolLM2-135M-Instruct" if self.model == "default" else self.model
+
+    def engine_config(self, rank: int) -> EngineConfig:
+        return EngineConfig(model=self.model, dtype=self.dtype, block_size=self.block_size,
+                            max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
+                            max_num_batched_tokens=self.max_num_batched_tokens,
+                            enable_prefix_caching=self.enable_prefix_caching,
+                            num_threads=self.num_threads, seed=rank)
+
+    def mock_config(self, rank: int, vocab_size: int) -> MockConfig:
+        return MockConfig(engine_index=rank, vocab_size=vocab_size, block_size=self.block_size,
+                          max_model_len=self.mock_max_model_len, itl_s=self.mock_itl_s,
+                          ttft_s=self.mock_ttft_s, max_num_seqs=self.max_num_seqs,
+                          output_chunk_size=self.mock_output_chunk_size)

@@ -1,0 +1,74 @@
+"""EngineServer: one Serve replica per data-parallel rank, hosting an engine-core server.
+
+The replica asks the coordinator for its rank, builds the engine core (the real
+EngineCore, or the mock for model=mock), serves it over ZMQ on its node's address,
+and registers the address. Serve's health check reflects the engine loop; on
+shutdown the replica releases its rank and stops the server.
+"""
+from __future__ import annotations
+
+import logging
+import socket
+
+import ray
+from ray import serve
+
+from deployments.config import AppArgs
+from deployments.tokenizers import tokenizer_for
+from engine.core_server import EngineCoreServer
+
+logger = logging.getLogger(__name__)
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@serve.deployment(health_check_period_s=5, health_check_timeout_s=30,
+                  graceful_shutdown_timeout_s=20)
+class EngineServer:
+    async def __init__(self, args: dict, coordinator) -> None:
+        self.args = AppArgs.model_validate(args)
+        self.coordinator = coordinator
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self.rank: int | None = None
+        self.server: EngineCoreServer | None = None
+        await self._start()
+
+    async def _start(self) -> None:
+        self.rank = await self.coordinator.assign_rank.remote(self.replica_id)
+        if self.args.is_mock:
+            from engine.mock import MockEngineCore
+            core = MockEngineCore(self.args.mock_config(self.rank,
+                                                        len(tokenizer_for(self.args))))
+        else:
+            from engine.engine_core import EngineCore
+            core = EngineCore(self.args.engine_config(self.rank))
+        host = ray.util.get_node_ip_address()
+        address = f"tcp://{host}:{_free_port(host)}"
+        self.server = EngineCoreServer(core, address, self.rank).start()
+        ready = core.ready_response(self.rank)
+        await self.coordinator.register.remote(self.rank, self.replica_id, address,
+                                               {"block_size": ready.block_size,
+                                                "max_model_len": ready.max_model_len,
+                                                "num_gpu_blocks": ready.num_gpu_blocks})
+
+    async def __call__(self) -> dict:
+        """Where this engine is (also starts it on first use)."""
+        if self.server is None:
+            await self._start()
+        return {"rank": self.rank, "address": self.server.address}
+
+    async def check_health(self) -> None:
+        if self.server is None:
+            await self._start()
+            return
+        if not self.server.alive():
+            raise RuntimeError(f"engine rank {self.rank}: engine loop stopped")
+        await self.coordinator.heartbeat.remote(self.rank, self.replica_id)
+
+    def __del__(self) -> None:
+        if self.server is not None:
+            self.server.shutdown()
