@@ -1,10 +1,11 @@
-# `make run`: set up .venv and generate with the default model.  `make test`: set up and run the suite.
+# `make run`: set up .venv and serve the default model (OpenAI API on :8000).  `make test`: the suite.
 VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 PROMPT ?= The three primary colors are
+PORT   ?= 8000
 
-.PHONY: setup run test bench clean
+.PHONY: setup run generate test bench clean
 
 setup: $(VENV)/.installed
 
@@ -19,6 +20,9 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 run: setup
+	$(VENV)/bin/flotilla serve --model default --port $(PORT)
+
+generate: setup
 	$(VENV)/bin/flotilla generate "$(PROMPT)"
 
 test: setup
