@@ -60,6 +60,8 @@ class AppArgs(BaseModel):
     mock_ttft_s: float = Field(0.0, ge=0)
     mock_output_chunk_size: int = Field(1, ge=1)
     mock_max_model_len: int = Field(4096, ge=2)
+    mock_force_is_sleeping_rank: int | None = None  # test knob: that rank reports asleep
+    mock_force_reset_false_rank: int | None = None  # test knob: that rank refuses resets
 
     @model_validator(mode="after")
     def _checks(self) -> "AppArgs":
@@ -92,4 +94,8 @@ class AppArgs(BaseModel):
         return MockConfig(engine_index=rank, vocab_size=vocab_size, block_size=self.block_size,
                           max_model_len=self.mock_max_model_len, itl_s=self.mock_itl_s,
                           ttft_s=self.mock_ttft_s, max_num_seqs=self.max_num_seqs,
-                          output_chunk_size=self.mock_output_chunk_size)
+                          output_chunk_size=self.mock_output_chunk_size,
+                          force_is_sleeping=True if rank == self.mock_force_is_sleeping_rank
+                          else None,
+                          force_reset_prefix_cache=False if rank == self.mock_force_reset_false_rank
+                          else None)

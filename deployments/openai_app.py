@@ -20,6 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from deployments.metrics import IngressMetrics
 from deployments.openai_protocol import (ChatCompletionRequest, CompletionRequest,
                                          DetokenizeRequest, TokenizeRequest)
 from engine.core_client import EngineClient
@@ -51,7 +52,21 @@ def error_response(status: int, message: str, err_type: str, param: str | None =
     return JSONResponse(body, status_code=status)
 
 
+def _cause(exc: BaseException) -> BaseException:
+    """The original error of one that crossed a Ray call (Ray keeps it as .cause)."""
+    cause = getattr(exc, "cause", None)
+    return cause if isinstance(cause, BaseException) else exc
+
+
+def _inconsistent_values(exc: BaseException) -> dict | None:
+    exc = _cause(exc)
+    if isinstance(exc, InconsistentUtilityResults):
+        return {"values": exc.values}
+    return None
+
+
 def _map_error(exc: BaseException) -> HTTPError:
+    exc = _cause(exc)
     if isinstance(exc, HTTPError):
         return exc
     if isinstance(exc, (InvalidRequestError, ValueError)):
@@ -93,7 +108,15 @@ def build_openai_app(get_client: Callable[[], Awaitable[EngineClient]],
     by default the ingress's own client, with the same aggregation rules.
     """
     model = options.served_model_name
+    seen: dict[str, EngineClient] = {}
+    raw_get_client = get_client
+
+    async def get_client() -> EngineClient:
+        seen["client"] = client = await raw_get_client()
+        return client
+
     control = control or ClientControl(get_client)
+    metrics = IngressMetrics(model, lambda: seen.get("client"))
 
     async def _body(request: Request, schema):
         length = request.headers.get("content-length")
@@ -141,7 +164,7 @@ def build_openai_app(get_client: Callable[[], Awaitable[EngineClient]],
                 response = await handler(request, rid)
             except Exception as exc:  # noqa: BLE001 - every error becomes OpenAI JSON
                 err = _map_error(exc)
-                extra = {"values": exc.values} if isinstance(exc, InconsistentUtilityResults) else None
+                extra = _inconsistent_values(exc)
                 response = error_response(err.status, err.message, err.err_type, err.param, extra)
             response.headers["x-request-id"] = rid
             return response
@@ -184,14 +207,21 @@ def build_openai_app(get_client: Callable[[], Awaitable[EngineClient]],
             await stream.aclose()
             raise
 
+    def _record(out: RequestOutput | None) -> None:
+        if out is not None:
+            metrics.record(out.metrics, len(out.prompt_token_ids),
+                           [c.finish_reason for c in out.outputs])
+
     async def _full(stream, request_id, created, chat, n, top_k) -> dict:
         texts = [""] * n
         tokens = [0] * n
         logprobs: list[list] = [[] for _ in range(n)]
         finish: list[str | None] = [None] * n
         prompt_tokens = 0
+        last = None
         try:
             async for out in stream:
+                last = out
                 prompt_tokens = len(out.prompt_token_ids)
                 for c in out.outputs:
                     texts[c.index] += c.text
@@ -201,6 +231,7 @@ def build_openai_app(get_client: Callable[[], Awaitable[EngineClient]],
                     finish[c.index] = c.finish_reason or finish[c.index]
         finally:
             await stream.aclose()
+        _record(last)
         choices = []
         for i in range(n):
             lp = _format_logprobs(logprobs[i], chat) if logprobs[i] else None
@@ -225,9 +256,11 @@ def build_openai_app(get_client: Callable[[], Awaitable[EngineClient]],
         def event(payload: dict) -> str:
             return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
+        last = first
         try:
             out: RequestOutput | None = first
             while out is not None:
+                last = out
                 for c in out.outputs:
                     completion += len(c.token_ids)
                     if not c.text and not c.token_ids and c.finish_reason is None:
@@ -258,6 +291,8 @@ def build_openai_app(get_client: Callable[[], Awaitable[EngineClient]],
                                    "code": err.status}})
         finally:
             await stream.aclose()
+            if last is not None and last.finished:
+                _record(last)
         yield "data: [DONE]\n\n"
 
     # ---- other routes -------------------------------------------------------------------------
@@ -266,6 +301,9 @@ def build_openai_app(get_client: Callable[[], Awaitable[EngineClient]],
         return JSONResponse({"object": "list", "data": [{
             "id": model, "object": "model", "created": 0, "owned_by": "flotilla",
             "max_model_len": client.max_model_len}]})
+
+    async def metrics_endpoint(request: Request, rid: str) -> Response:
+        return Response(metrics.exposition(), media_type="text/plain; version=0.0.4")
 
     async def health(request: Request, rid: str) -> Response:
         client = await get_client()
@@ -325,6 +363,7 @@ def build_openai_app(get_client: Callable[[], Awaitable[EngineClient]],
         Route("/tokenize", endpoint(tokenize), methods=["POST"]),
         Route("/detokenize", endpoint(detokenize), methods=["POST"]),
         Route("/health", endpoint(health, auth=False), methods=["GET"]),
+        Route("/metrics", endpoint(metrics_endpoint, auth=False), methods=["GET"]),
         Route("/is_sleeping", endpoint(is_sleeping, admin=True), methods=["GET"]),
         Route("/sleep", endpoint(sleep, admin=True), methods=["POST"]),
         Route("/wake_up", endpoint(wake_up, admin=True), methods=["POST"]),

@@ -186,6 +186,9 @@ class EngineClient:
         try:
             for r in requests:
                 await engine.socket.send_multipart([ADD, self._encoder.encode(r)])
+            metrics = self.output_processor.metrics_of(request_id)
+            if metrics is not None:
+                metrics.engine_submit_time = time.time()
             while True:
                 item = await q.get()
                 if isinstance(item, BaseException):
@@ -296,7 +299,7 @@ class EngineClient:
                 if msg.utility_output is not None:
                     self._resolve_utility(msg.utility_output)
                 if msg.outputs:
-                    self._dispatch(msg.outputs)
+                    self._dispatch(msg.outputs, msg.timestamp)
         except (asyncio.CancelledError, zmq.ContextTerminated):
             return
 
@@ -309,7 +312,7 @@ class EngineClient:
         else:
             fut.set_result(out.result)
 
-    def _dispatch(self, outputs) -> None:
+    def _dispatch(self, outputs, engine_timestamp: float | None = None) -> None:
         normal = []
         for out in outputs:
             if out.finish_reason == FINISH_ERROR:
@@ -324,7 +327,7 @@ class EngineClient:
                     q.put_nowait(_typed_error(out.error or "the engine refused the request"))
             else:
                 normal.append(out)
-        processed = self.output_processor.process_outputs(normal)
+        processed = self.output_processor.process_outputs(normal, engine_timestamp)
         for engine_id in processed.reqs_to_abort:
             self._queue_abort(engine_id, "stop_string")
         for ro in processed.request_outputs:

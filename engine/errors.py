@@ -52,3 +52,6 @@ class InconsistentUtilityResults(FlotillaError):
         super().__init__(f"engines disagree on {method}: {values}")
         self.method = method
         self.values = values
+
+    def __reduce__(self):  # picklable with its fields, so it survives Ray calls
+        return type(self), (self.method, self.values)

@@ -107,7 +107,13 @@ class OutputProcessor:
                     engine_ids.append(child.engine_id)
         return engine_ids
 
-    def process_outputs(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
+    def metrics_of(self, request_id: str) -> RequestMetrics | None:
+        parent = self._parents.get(request_id)
+        return parent.metrics if parent else None
+
+    def process_outputs(self, outputs: list[EngineCoreOutput],
+                        engine_timestamp: float | None = None) -> ProcessedOutputs:
+        """engine_timestamp: when the engine sent these outputs (served path)."""
         now = time.time()
         touched: dict[str, _Parent] = {}
         to_abort: list[str] = []
@@ -118,6 +124,9 @@ class OutputProcessor:
             parent, child = entry
             if child.finish_reason is not None:
                 continue
+            if (engine_timestamp and out.new_token_ids
+                    and parent.metrics.engine_first_token_time is None):
+                parent.metrics.engine_first_token_time = engine_timestamp
             self._add_tokens(parent, child, out, now)
             if child.finish_reason is not None and out.finish_reason is None:
                 to_abort.append(child.engine_id)
@@ -143,6 +152,7 @@ class OutputProcessor:
             m.first_token_time = now
         if out.new_token_ids:
             m.last_token_time = now
+            m.num_generation_tokens += len(out.new_token_ids)
         parent.num_cached_tokens = out.num_cached_tokens
         child.token_ids.extend(out.new_token_ids)
         if child.logprobs is not None and out.new_logprobs:

@@ -40,6 +40,9 @@ class RequestMetrics:
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
+    engine_submit_time: float | None = None  # served path: when the ADD left the frontend
+    engine_first_token_time: float | None = None  # engine clock when it sent the first token
+    num_generation_tokens: int = 0
 
     @property
     def time_to_first_token(self) -> float | None:

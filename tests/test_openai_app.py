@@ -219,3 +219,30 @@ def test_disagreeing_engines_give_500_with_values(engines):
     status, body, reset, denied = serve(engines, test, admin_key="adm")
     assert status == 500 and body["error"]["values"] == [False, True]
     assert reset == {"success": False} and denied == 401
+
+
+def test_metrics_use_vllm_names_and_engine_values(engines):
+    engines.add(block_size=32, num_blocks=77)
+
+    async def test(http, oai):
+        await oai.completions.create(model=MODEL, prompt="Hello", max_tokens=5,
+                                     extra_body={"ignore_eos": True})
+        async for _ in await oai.completions.create(model=MODEL, prompt="Hi", max_tokens=3,
+                                                    stream=True):
+            pass
+        await asyncio.sleep(1.2)  # a heartbeat brings fresh engine stats
+        return (await http.get("/metrics")).text
+
+    text = serve(engines, test)
+    assert 'vllm:cache_config_info{block_size="32",engine="0",model_name="mock-model",' \
+           'num_gpu_blocks="77"} 1.0' in text
+    assert 'vllm:generation_tokens_total{model_name="mock-model"} 8.0' in text
+    assert 'vllm:request_success_total{finished_reason="length",model_name="mock-model"} 2.0' in text
+    assert 'vllm:num_requests_running{engine="0",model_name="mock-model"} 0.0' in text
+    for name in ("vllm:time_to_first_token_seconds_count", "vllm:e2e_request_latency_seconds",
+                 "vllm:inter_token_latency_seconds", "vllm:kv_cache_usage_perc",
+                 "vllm:prefix_cache_queries_total", "vllm:num_preemptions_total",
+                 "flotilla:time_to_first_token_engine_seconds_count",
+                 "flotilla:time_to_first_token_frontend_seconds_count",
+                 "vllm:prompt_tokens_total"):
+        assert name in text, name

@@ -29,6 +29,11 @@ def base_url():
                              "ingress_num_cpus": 0, "dev_mode": True, "mock_itl_s": 0.002,
                              "served_model_name": "mock"}),
                   name="flotilla", route_prefix="/")
+        serve.run(build_app({"model": "mock", "data_parallel_size": 2, "engine_num_cpus": 0,
+                             "ingress_num_cpus": 0, "dev_mode": True,
+                             "mock_force_is_sleeping_rank": 1,
+                             "mock_force_reset_false_rank": 1}),
+                  name="disagree", route_prefix="/disagree")
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()
@@ -84,3 +89,35 @@ def test_requests_reach_both_ranks(base_url):
     assert set(statuses) == {200}
     assert [s["rank"] for s in stats] == [0, 1]
     assert all(s["num_running_reqs"] > 0 for s in stats), stats
+
+
+def test_engines_that_disagree_give_500_naming_both_values(base_url):
+    with httpx.Client(base_url=f"{base_url}/disagree", timeout=60) as http:
+        r = http.get("/is_sleeping")
+        assert r.status_code == 500, r.text
+        assert r.json()["error"].get("values") == [False, True], r.json()
+        assert http.post("/reset_prefix_cache").json() == {"success": False}
+        ok = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        assert ok.status_code == 200
+
+
+def test_client_disconnect_aborts_at_the_engine(base_url):
+    from ray import serve
+    coordinator = serve.get_deployment_handle("Coordinator", app_name="flotilla")
+    with httpx.Client(base_url=base_url, timeout=60) as http:
+        with http.stream("POST", "/v1/completions", json={
+                "prompt": "tell me everything", "max_tokens": 3000, "ignore_eos": True,
+                "stream": True}) as r:
+            lines = r.iter_lines()
+            got = [next(lines) for _ in range(6)]
+            assert any(line.startswith("data: ") for line in got)
+            busy = coordinator.stats.remote().result()
+            assert sum(s["num_running_reqs"] for s in busy) == 1
+    import time
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        stats = coordinator.stats.remote().result()
+        if all(s["num_running_reqs"] == 0 and s["kv_cache_usage"] == 0 for s in stats):
+            break
+        time.sleep(0.2)
+    assert all(s["num_running_reqs"] == 0 and s["kv_cache_usage"] == 0 for s in stats), stats
