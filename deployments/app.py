@@ -1,7 +1,7 @@
 """build_app(args): the Flotilla Serve application (ingress -> engines, coordinator).
 
     serve run deployments.app:build_app model=mock data_parallel_size=2
-    serve build deployments.app:build_app -o config.yaml   # then: serve deploy config.yaml
+    serve build deployments.app:app -o config.yaml   # then set args, serve deploy config.yaml
 """
 from __future__ import annotations
 
@@ -37,3 +37,9 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
         autoscaling_config=parsed.ingress_autoscaling.serve_config(),
         ray_actor_options={"num_cpus": parsed.ingress_num_cpus},
     ).bind(raw, coordinator, engines)
+
+
+# The default app as an Application object, for `serve build deployments.app:app` (which
+# takes only Applications). In the written config, point import_path at
+# deployments.app:build_app and put the AppArgs fields under `args:` to configure it.
+app = build_app()

@@ -1,0 +1,35 @@
+"""The Serve app's arguments and the config files users deploy it with (no Ray cluster)."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from deployments.app import build_app
+
+
+def test_bad_args_get_a_clear_error():
+    with pytest.raises(ValueError, match="data_parallel_size"):
+        build_app({"data_parallel_size": 0})
+    with pytest.raises(ValueError, match="not_a_field"):
+        build_app({"not_a_field": 1})
+    with pytest.raises(ValueError, match="block_size"):
+        build_app({"block_size": 12})
+
+
+def test_serve_build_writes_a_deployable_config(tmp_path):
+    from ray.serve.schema import ServeDeploySchema
+    out = tmp_path / "serve.yaml"
+    serve_cli = Path(sys.executable).with_name("serve")
+    subprocess.run([str(serve_cli), "build", "deployments.app:app", "-o", str(out)],
+                   check=True, capture_output=True, timeout=120)
+    config = yaml.safe_load(out.read_text())
+    ServeDeploySchema.model_validate(config)
+    names = {d["name"] for d in config["applications"][0]["deployments"]}
+    assert names == {"Coordinator", "EngineServer", "OpenAIIngress"}
+    # the same file configured through the builder's args
+    config["applications"][0].update(import_path="deployments.app:build_app",
+                                     args={"model": "mock", "data_parallel_size": 2})
+    parsed = ServeDeploySchema.model_validate(config)
+    assert parsed.applications[0].args == {"model": "mock", "data_parallel_size": 2}
