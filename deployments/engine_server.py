@@ -18,6 +18,7 @@ from deployments.tokenizers import tokenizer_for
 from engine.core_server import EngineCoreServer
 
 logger = logging.getLogger(__name__)
+DRAIN_TIMEOUT_S = 15.0  # below graceful_shutdown_timeout_s
 
 
 def _free_port(host: str) -> int:
@@ -70,5 +71,13 @@ class EngineServer:
         await self.coordinator.heartbeat.remote(self.rank, self.replica_id)
 
     def __del__(self) -> None:
-        if self.server is not None:
-            self.server.shutdown()
+        """Serve's graceful shutdown: drain (in-flight requests finish, new ones are
+        refused with 503 so clients go elsewhere), release the rank, stop."""
+        if self.server is None:
+            return
+        try:
+            self.coordinator.release.remote(self.rank, self.replica_id)
+        except Exception:  # the coordinator may already be gone at app teardown
+            pass
+        self.server.drain(DRAIN_TIMEOUT_S)
+        self.server.shutdown()

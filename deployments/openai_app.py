@@ -24,7 +24,8 @@ from deployments.metrics import IngressMetrics
 from deployments.openai_protocol import (ChatCompletionRequest, CompletionRequest,
                                          DetokenizeRequest, TokenizeRequest)
 from engine.core_client import EngineClient
-from engine.errors import (EngineDeadError, EngineSleepingError, FlotillaError,
+from engine.errors import (EngineDeadError, EngineDrainingError, EngineSleepingError,
+                           FlotillaError,
                            InconsistentUtilityResults, InvalidRequestError, NoEnginesError)
 from engine.outputs import RequestOutput
 
@@ -71,7 +72,7 @@ def _map_error(exc: BaseException) -> HTTPError:
         return exc
     if isinstance(exc, (InvalidRequestError, ValueError)):
         return HTTPError(400, str(exc), "BadRequestError")
-    if isinstance(exc, EngineSleepingError):
+    if isinstance(exc, (EngineSleepingError, EngineDrainingError)):
         return HTTPError(503, str(exc), "ServiceUnavailableError")
     if isinstance(exc, (EngineDeadError, NoEnginesError)):
         return HTTPError(503, str(exc), "ServiceUnavailableError")

@@ -26,7 +26,8 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from engine.errors import (DuplicateRequestError, EngineDeadError, EngineRequestError,
+from engine.errors import (DuplicateRequestError, EngineDeadError, EngineDrainingError,
+                           EngineRequestError,
                            EngineSleepingError, FlotillaError, InvalidRequestError,
                            NoEnginesError, PromptTooLongError, UtilityCallError)
 from engine.output_processor import OutputProcessor
@@ -46,7 +47,7 @@ ABORT_BATCH = 1024
 def _typed_error(message: str) -> FlotillaError:
     """Rebuild the engine's typed error from its "TypeName: message" error output."""
     name, _, text = message.partition(": ")
-    cls = {c.__name__: c for c in (EngineSleepingError, PromptTooLongError,
+    cls = {c.__name__: c for c in (EngineSleepingError, PromptTooLongError, EngineDrainingError,
                                    DuplicateRequestError, InvalidRequestError)}.get(name)
     return cls(text) if cls else EngineRequestError(message)
 

@@ -25,7 +25,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from engine.errors import FlotillaError
+from engine.errors import EngineDrainingError, FlotillaError
 from engine.protocol import (ABORT, ADD, FINISH_ERROR, HELLO, OUTPUTS, READY, START_DP_WAVE,
                              UTILITY, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest,
                              Hello, StartDPWave, UtilityOutput, UtilityRequest)
@@ -70,6 +70,7 @@ class EngineCoreServer:
         self._clients: set[bytes] = set()
         self._wave = 0
         self._bound = threading.Event()
+        self._draining = threading.Event()
         self._bind_error: BaseException | None = None
         self._threads: list[threading.Thread] = []
         self._loop_thread: threading.Thread | None = None
@@ -95,6 +96,19 @@ class EngineCoreServer:
         """The core loop and the io thread are running."""
         threads = self._threads + ([self._loop_thread] if self._loop_thread else [])
         return not self._stopped.is_set() and all(t.is_alive() for t in threads)
+
+    def drain(self, timeout: float) -> bool:
+        """Refuse new requests, let in-flight ones finish for up to `timeout` seconds, then
+        abort what is left. Returns True when everything finished on its own."""
+        self._draining.set()
+        deadline = time.monotonic() + timeout
+        while self._owner_of and time.monotonic() < deadline and self.alive():
+            time.sleep(0.05)
+        left = list(self._owner_of)
+        if left:
+            self._inputs.put((b"", ABORT, left))
+            time.sleep(0.2)  # let the loop send their abort outputs
+        return not left
 
     def shutdown(self, timeout: float = 5.0) -> None:
         """Stop the loops, close the sockets. In-flight requests are dropped."""
@@ -249,6 +263,8 @@ class EngineCoreServer:
     def _handle(self, identity: bytes, kind: bytes, msg: Any) -> None:
         if kind == ADD:
             try:
+                if self._draining.is_set():
+                    raise EngineDrainingError(f"engine {self.engine_index} is shutting down")
                 self.core.add_request(msg)
             except (FlotillaError, ValueError) as exc:
                 logger.info("engine %d: refused request %s: %s", self.engine_index,

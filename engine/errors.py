@@ -25,6 +25,10 @@ class DuplicateRequestError(InvalidRequestError):
     """A request id that is already running in this engine."""
 
 
+class EngineDrainingError(FlotillaError):
+    """The engine is shutting down: it finishes what it has and takes nothing new."""
+
+
 class EngineDeadError(FlotillaError):
     """The engine core stopped; in-flight requests cannot finish."""
 

@@ -265,3 +265,26 @@ def test_explicit_abort_and_a_mixed_queue(engines):
     assert [len(t) for t, _ in results] == [3, 20, 7, 1, 12]
     assert stats[0].num_running_reqs + stats[0].num_waiting_reqs >= 1
     assert not core.has_unfinished_requests()
+
+
+def test_draining_engine_finishes_in_flight_and_refuses_new(engines):
+    from engine.errors import EngineDrainingError
+    engines.add(itl_s=0.01)
+
+    async def main():
+        client = await engines.client()
+        params = SamplingParams(max_tokens=30, ignore_eos=True)
+        running = asyncio.create_task(_tokens(client, "in-flight", [5, 6], params))
+        await asyncio.sleep(0.05)
+        loop = asyncio.get_running_loop()
+        drained = loop.run_in_executor(None, engines.servers[0].drain, 10.0)
+        await asyncio.sleep(0.05)
+        with pytest.raises(EngineDrainingError):
+            await _tokens(client, "new", [5, 6], params)
+        tokens, _ = await running
+        result = await drained
+        await client.shutdown()
+        return tokens, result
+
+    tokens, finished_cleanly = asyncio.run(main())
+    assert len(tokens) == 30 and finished_cleanly is True
