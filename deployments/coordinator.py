@@ -15,6 +15,7 @@ import logging
 import time
 from typing import Any
 
+import msgspec
 from ray import serve
 
 from deployments.config import AppArgs
@@ -24,6 +25,30 @@ from engine.errors import NoEnginesError
 
 logger = logging.getLogger(__name__)
 STALE_AFTER_S = 30.0
+PROBE_TIMEOUT_S = 2.0
+
+
+async def _answers(address: str) -> bool:
+    """Whether an engine-core server answers HELLO at `address` (a liveness probe)."""
+    import zmq
+    import zmq.asyncio
+
+    from engine.protocol import HELLO, READY, Hello
+    ctx = zmq.asyncio.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(address)
+        await sock.send_multipart([HELLO, msgspec.msgpack.encode(Hello("coordinator-probe"))])
+        while True:
+            kind, _ = await asyncio.wait_for(sock.recv_multipart(), PROBE_TIMEOUT_S)
+            if kind == READY:
+                return True
+    except (asyncio.TimeoutError, zmq.ZMQError):
+        return False
+    finally:
+        sock.close(0)
+        ctx.term()
 
 
 @serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0})
@@ -38,21 +63,29 @@ class Coordinator:
         self._lock = asyncio.Lock()
 
     # ---- ranks and registry ------------------------------------------------------------------
-    def assign_rank(self, replica_id: str) -> int:
+    async def assign_rank(self, replica_id: str) -> int:
+        """A rank for a starting EngineServer replica.
+
+        A free rank if there is one; else (Serve replaced a replica that died) the
+        rank whose engine no longer answers a handshake, or has been silent too long.
+        """
         for rank, owner in self.owner.items():
             if owner == replica_id:
                 return rank
         free = [r for r in range(self.size) if r not in self.owner]
-        if not free:  # every rank is owned: take over the one whose engine went quiet
+        if not free:
             now = time.monotonic()
-            stale = [r for r in range(self.size)
-                     if now - self.registry.get(r, {}).get("seen", 0) > STALE_AFTER_S]
-            if not stale:
+            for r in range(self.size):
+                entry = self.registry.get(r)
+                silent = now - (entry or {}).get("seen", 0) > STALE_AFTER_S
+                if silent or (entry and not await _answers(entry["address"])):
+                    free.append(r)
+            if not free:
                 raise RuntimeError(f"all {self.size} data-parallel ranks are taken")
-            free = stale
         rank = min(free)
         self.owner[rank] = replica_id
         self.registry.pop(rank, None)
+        logger.info("rank %d assigned to replica %s", rank, replica_id)
         return rank
 
     def register(self, rank: int, replica_id: str, address: str, ready: dict) -> None:

@@ -60,7 +60,8 @@ class EngineServer:
         """Where this engine is (also starts it on first use)."""
         if self.server is None:
             await self._start()
-        return {"rank": self.rank, "address": self.server.address}
+        return {"rank": self.rank, "address": self.server.address,
+                "actor_name": ray.get_runtime_context().get_actor_name()}
 
     async def check_health(self) -> None:
         if self.server is None:

@@ -121,3 +121,25 @@ def test_client_disconnect_aborts_at_the_engine(base_url):
             break
         time.sleep(0.2)
     assert all(s["num_running_reqs"] == 0 and s["kv_cache_usage"] == 0 for s in stats), stats
+
+
+def test_killed_engine_replica_is_replaced_and_serving_resumes(base_url):
+    import time
+
+    import ray
+    from ray import serve
+    coordinator = serve.get_deployment_handle("Coordinator", app_name="flotilla")
+    before = coordinator.engines.remote().result()
+    victim = serve.get_deployment_handle("EngineServer", app_name="flotilla").remote().result()
+    ray.kill(ray.get_actor(victim["actor_name"], namespace="serve"), no_restart=True)
+    deadline = time.monotonic() + 120
+    ok = 0
+    with httpx.Client(base_url=base_url, timeout=60) as http:
+        while time.monotonic() < deadline and ok < 8:
+            after = coordinator.engines.remote().result()
+            if len(after) == 2 and after != before:
+                r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 3})
+                ok = ok + 1 if r.status_code == 200 else 0
+            else:
+                time.sleep(0.5)
+    assert ok == 8, (before, coordinator.engines.remote().result())
