@@ -29,9 +29,14 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
             raise ValueError(f"invalid Flotilla app args: {problems}") from None
     raw = parsed.model_dump(mode="json")
     coordinator = Coordinator.bind(raw)
+    bundles = parsed.engine_bundles()
+    placement = ({"placement_group_bundles": bundles,
+                  "placement_group_strategy": parsed.placement_strategy} if bundles else {})
     engines = EngineServer.options(
         num_replicas=parsed.data_parallel_size,
-        ray_actor_options={"num_cpus": parsed.engine_num_cpus},
+        ray_actor_options={"num_cpus": parsed.engine_num_cpus,
+                           "num_gpus": parsed.engine_num_gpus},
+        **placement,
     ).bind(raw, coordinator)
     return OpenAIIngress.options(
         autoscaling_config=parsed.ingress_autoscaling.serve_config(),

@@ -49,6 +49,8 @@ class AppArgs(BaseModel):
     enable_prefix_caching: bool = True
     num_threads: int | None = None
     engine_num_cpus: float = Field(1.0, ge=0)  # Ray CPUs per engine replica
+    engine_num_gpus: float = Field(0.0, ge=0)  # Ray GPUs per engine replica (per TP rank)
+    placement_strategy: str = "STRICT_PACK"  # of each engine's placement group
     ingress_num_cpus: float = Field(0.5, ge=0)
     ingress_autoscaling: IngressAutoscaling = IngressAutoscaling()
     api_key: str | None = None
@@ -65,6 +67,9 @@ class AppArgs(BaseModel):
 
     @model_validator(mode="after")
     def _checks(self) -> "AppArgs":
+        if self.placement_strategy not in ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"):
+            raise ValueError("placement_strategy must be STRICT_PACK, PACK, SPREAD or "
+                             "STRICT_SPREAD")
         if self.tensor_parallel_size != 1:
             raise ValueError("tensor_parallel_size > 1 is not available yet (TP issue)")
         if self.ingress_autoscaling.min_replicas > self.ingress_autoscaling.max_replicas:
@@ -72,6 +77,13 @@ class AppArgs(BaseModel):
         if not self.is_mock:
             self.engine_config(0)  # EngineConfig's own checks, at build time
         return self
+
+    def engine_bundles(self) -> list[dict[str, float]] | None:
+        """Placement-group bundles of one engine replica: one per TP rank (TP=1 today).
+        None when the engine asks for no resources (tests give it 0 CPUs)."""
+        bundle = {k: v for k, v in (("CPU", self.engine_num_cpus),
+                                    ("GPU", self.engine_num_gpus)) if v > 0}
+        return [bundle] * self.tensor_parallel_size if bundle else None
 
     @property
     def is_mock(self) -> bool:

@@ -33,3 +33,13 @@ def test_serve_build_writes_a_deployable_config(tmp_path):
                                      args={"model": "mock", "data_parallel_size": 2})
     parsed = ServeDeploySchema.model_validate(config)
     assert parsed.applications[0].args == {"model": "mock", "data_parallel_size": 2}
+
+
+def test_engine_placement_bundles_follow_resources():
+    from deployments.config import AppArgs
+    assert AppArgs(engine_num_cpus=0).engine_bundles() is None
+    assert AppArgs(engine_num_cpus=2).engine_bundles() == [{"CPU": 2}]
+    assert AppArgs(engine_num_cpus=1, engine_num_gpus=1).engine_bundles() == [
+        {"CPU": 1, "GPU": 1}]
+    with pytest.raises(ValueError, match="placement_strategy"):
+        build_app({"placement_strategy": "ANYWHERE"})
