@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
+from engine.errors import DuplicateRequestError
 from engine.model_loader import load_tokenizer
 from engine.output_processor import OutputProcessor
 from engine.outputs import OutputKind, RequestOutput
@@ -31,8 +32,7 @@ class LLMEngine:
                     kind: OutputKind = OutputKind.FINAL_ONLY) -> None:
         text, token_ids = self.processor.tokenize(prompt)
         requests = self.processor.make_requests(request_id, token_ids, params)
-        if request_id in self.output_processor._parents:
-            from engine.errors import DuplicateRequestError
+        if self.output_processor.has_request(request_id):
             raise DuplicateRequestError(f"request id {request_id!r} is already running")
         added = []
         try:

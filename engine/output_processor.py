@@ -87,6 +87,9 @@ class OutputProcessor:
         for child in children:
             self._by_engine_id[child.engine_id] = (parent, child)
 
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._parents
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._parents)
 
