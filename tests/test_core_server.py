@@ -46,7 +46,7 @@ def served(request, tiny_llama, tmp_path_factory):
     else:
         address = f"ipc://{tmp_path_factory.mktemp('ipc')}/engine.sock"
     server = EngineCoreServer(core, address).start()
-    yield core, address
+    yield core, address, server
     server.shutdown()
 
 
@@ -68,7 +68,7 @@ async def _collect(client, request_id, prompt, params):
 
 
 def test_greedy_through_client_equals_offline_llm(served, tiny_llama):
-    core, address = served
+    core, address, _ = served
     expected = [o.outputs[0].token_ids for o in LLM(str(tiny_llama), dtype="float32").generate(
         PROMPTS, GREEDY, use_tqdm=False)]
 
@@ -88,7 +88,7 @@ def test_greedy_through_client_equals_offline_llm(served, tiny_llama):
 
 
 def test_dropped_streams_abort_in_one_message(served):
-    core, address = served
+    core, address, _ = served
 
     async def main():
         client = await _connect(core, address)
@@ -114,7 +114,7 @@ def test_dropped_streams_abort_in_one_message(served):
 
 
 def test_stop_string_aborts_at_engine(served):
-    core, address = served
+    core, address, _ = served
 
     async def main():
         client = await _connect(core, address)
@@ -139,7 +139,7 @@ def test_stop_string_aborts_at_engine(served):
 
 
 def test_bad_input_gets_error_output_and_engine_keeps_serving(served):
-    core, address = served
+    core, address, _ = served
     import msgspec
     from engine.errors import PromptTooLongError
     from engine.protocol import (HELLO, READY, EngineCoreOutputs, EngineCoreRequest,
@@ -192,7 +192,7 @@ def test_bad_input_gets_error_output_and_engine_keeps_serving(served):
 
 
 def test_sleep_frees_memory_and_refuses_requests(served):
-    core, address = served
+    core, address, _ = served
 
     async def main():
         client = await _connect(core, address)
@@ -215,11 +215,20 @@ def test_sleep_frees_memory_and_refuses_requests(served):
     assert len(tokens) == 12
 
 
+def _thread_cpu_ticks(thread) -> int:
+    """utime + stime of one thread, in clock ticks (Linux /proc)."""
+    with open(f"/proc/self/task/{thread.native_id}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
+
 def test_idle_server_does_not_spin(served):
-    core, address = served
-    import resource
-    start = resource.getrusage(resource.RUSAGE_SELF)
+    import os
+    _, _, server = served
+    threads = server._threads + [server._loop_thread]
+    assert all(t.is_alive() for t in threads)
+    start = [_thread_cpu_ticks(t) for t in threads]
     time.sleep(1.0)
-    end = resource.getrusage(resource.RUSAGE_SELF)
-    used = (end.ru_utime - start.ru_utime) + (end.ru_stime - start.ru_stime)
-    assert used < 0.2  # the server threads block on their sockets and queues
+    used = sum(_thread_cpu_ticks(t) for t in threads) - sum(start)
+    # a spinning loop would burn ~1 s of CPU (100+ ticks); blocked threads use ~none
+    assert used < 0.1 * os.sysconf("SC_CLK_TCK"), used
