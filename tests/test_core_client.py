@@ -277,7 +277,8 @@ def test_draining_engine_finishes_in_flight_and_refuses_new(engines):
         await asyncio.sleep(0.05)
         loop = asyncio.get_running_loop()
         drained = loop.run_in_executor(None, engines.servers[0].drain, 10.0)
-        await asyncio.sleep(0.05)
+        while not engines.servers[0]._draining.is_set():
+            await asyncio.sleep(0.01)
         with pytest.raises(EngineDrainingError):
             await _tokens(client, "new", [5, 6], params)
         tokens, _ = await running
