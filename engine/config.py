@@ -5,7 +5,6 @@ Scheduler, the KV cache and the model runner; nothing else threads kwargs.
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -62,9 +61,6 @@ class EngineConfig:
         for ok, message in checks:
             if not ok:
                 raise InvalidRequestError(message)
-
-    def replace(self, **changes) -> "EngineConfig":
-        return dataclasses.replace(self, **changes)
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

@@ -27,10 +27,6 @@ class SchedulerOutput:
     num_new_tokens: list[int] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
 
-    @property
-    def total_tokens(self) -> int:
-        return sum(self.num_new_tokens)
-
     def __bool__(self) -> bool:
         return bool(self.requests)
 
