@@ -13,8 +13,9 @@ import torch
 
 from engine.config import EngineConfig
 from engine.layers.attention import AttentionMetadata, PrefillGroup
+from engine.layers.linear import Linear, can_pack, pack_linears
 from engine.layers.rotary import RotaryEmbedding
-from engine.kernels import cpu_kernels
+from engine.kernels import cpu_kernels, native_enabled
 from engine.model_loader import iter_weights
 from engine.models.llama import LlamaForCausalLM, ModelShape
 from engine.scheduler import SchedulerOutput
@@ -54,6 +55,8 @@ class ModelRunner:
         model.load_weights(iter_weights(self.checkpoint))
         model = model.to(self.dtype).eval()
         model.requires_grad_(False)
+        if native_enabled() and can_pack(self.device, self.dtype):
+            pack_linears(model, keep_dense={id(model.embed_tokens.weight)})
         logger.info("loaded %s in %.2fs", self.shape.architecture, time.perf_counter() - start)
         return model
 
@@ -97,6 +100,8 @@ class ModelRunner:
         if self.model is not None:
             weights = sum(p.numel() * p.element_size() for p in self.model.parameters()
                           if p.device == self.device)
+            weights += sum(m.packed_bytes() for m in self.model.modules()
+                           if isinstance(m, Linear))
         kv = 0 if self.kv_caches is None else self.kv_caches.numel() * self.kv_caches.element_size()
         return {"weights_bytes": weights, "kv_cache_bytes": kv}
 

@@ -2,7 +2,8 @@
 
 The engine works without them (pure torch ops); when a compiler is present the
 decode attention kernel reads the paged cache directly instead of gathering it.
-Set FLOTILLA_NATIVE_KERNELS=0 to use the torch path.
+Set FLOTILLA_NATIVE_KERNELS=0 to use the torch path (this also turns off the
+oneDNN-prepacked linear weights of engine.layers.linear).
 """
 from __future__ import annotations
 
@@ -27,10 +28,15 @@ def _cpu_tag() -> str:
     return hashlib.sha256(flags.encode()).hexdigest()[:12]
 
 
+def native_enabled() -> bool:
+    """False when FLOTILLA_NATIVE_KERNELS=0 asks for plain torch ops everywhere."""
+    return os.environ.get("FLOTILLA_NATIVE_KERNELS", "1") != "0"
+
+
 @functools.cache
 def cpu_kernels() -> ModuleType | None:
     """The compiled CPU kernel module, or None when disabled or unbuildable."""
-    if os.environ.get("FLOTILLA_NATIVE_KERNELS", "1") == "0":
+    if not native_enabled():
         return None
     try:
         import torch

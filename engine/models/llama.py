@@ -17,6 +17,7 @@ from transformers import PretrainedConfig
 
 from engine.errors import UnsupportedModelError
 from engine.layers.attention import AttentionMetadata, paged_attention
+from engine.layers.linear import Linear
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import Rope, RotaryEmbedding, apply_rotary
 
@@ -94,9 +95,9 @@ class LlamaAttention(nn.Module):
             shape.num_heads, shape.num_kv_heads, shape.head_dim)
         self.q_size = shape.num_heads * shape.head_dim
         self.kv_size = shape.num_kv_heads * shape.head_dim
-        self.qkv_proj = nn.Linear(shape.hidden_size, self.q_size + 2 * self.kv_size,
+        self.qkv_proj = Linear(shape.hidden_size, self.q_size + 2 * self.kv_size,
                                   bias=shape.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, shape.hidden_size, bias=shape.o_bias)
+        self.o_proj = Linear(self.q_size, shape.hidden_size, bias=shape.o_bias)
         self.q_norm = RMSNorm(shape.head_dim, shape.rms_norm_eps) if shape.qk_norm else None
         self.k_norm = RMSNorm(shape.head_dim, shape.rms_norm_eps) if shape.qk_norm else None
         self.scale = shape.head_dim ** -0.5
@@ -126,9 +127,9 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.kernels = kernels
         self.intermediate = shape.intermediate_size
-        self.gate_up_proj = nn.Linear(shape.hidden_size, 2 * shape.intermediate_size,
+        self.gate_up_proj = Linear(shape.hidden_size, 2 * shape.intermediate_size,
                                       bias=shape.mlp_bias)
-        self.down_proj = nn.Linear(shape.intermediate_size, shape.hidden_size,
+        self.down_proj = Linear(shape.intermediate_size, shape.hidden_size,
                                    bias=shape.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -174,7 +175,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(shape, kernels)
                                     for _ in range(shape.num_layers))
         self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, kernels)
-        self.lm_head = nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
+        self.lm_head = Linear(shape.hidden_size, shape.vocab_size, bias=False)
         if shape.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
