@@ -23,6 +23,7 @@ KEY_ENV = {"FLOTILLA_API_KEY": ("flotilla-keys", "api-key"),
 # Every optional part switched on.
 FULL = {
     "image": {"repository": "registry.example.com/flotilla", "tag": "0.1.0"},
+    "rayAuthMode": "token",
     "apiKey": {"secretName": "flotilla-keys", "secretKey": "api-key"},
     "adminKey": {"secretName": "flotilla-admin", "secretKey": "admin-key"},
     "app": {"model": "/models/llama-3-8b", "served_model_name": "llama-3-8b",
@@ -139,6 +140,7 @@ def test_cluster_shape_head_without_gpus_autoscaled_gpu_workers(helm):
     cluster = rayservice["spec"]["rayClusterConfig"]
     assert cluster["rayVersion"] == __import__("ray").__version__
     assert cluster["enableInTreeAutoscaling"] is True
+    assert cluster["authOptions"] == {"mode": "token"}
     head = cluster["headGroupSpec"]
     assert head["rayStartParams"]["num-cpus"] == "0"
     head_container = head["template"]["spec"]["containers"][0]
