@@ -48,7 +48,8 @@ def _typed_error(message: str) -> FlotillaError:
     """Rebuild the engine's typed error from its "TypeName: message" error output."""
     name, _, text = message.partition(": ")
     cls = {c.__name__: c for c in (EngineSleepingError, PromptTooLongError, EngineDrainingError,
-                                   DuplicateRequestError, InvalidRequestError)}.get(name)
+                                   DuplicateRequestError, InvalidRequestError,
+                                   EngineDeadError)}.get(name)
     return cls(text) if cls else EngineRequestError(message)
 
 
@@ -323,9 +324,15 @@ class EngineClient:
                 for engine_id in self.output_processor.abort_requests([parent]):
                     if engine_id != out.request_id:
                         self._queue_abort(engine_id, "sibling_error")
+                error = _typed_error(out.error or "the engine refused the request")
+                index = self._engine_of.get(out.request_id)
+                if isinstance(error, EngineDeadError) and index is not None:
+                    if not self.engines[index].dead:  # the engine says it cannot go on
+                        self._mark_dead(self.engines[index], str(error))
+                    continue
                 q = self._queues.get(parent)
                 if q is not None:
-                    q.put_nowait(_typed_error(out.error or "the engine refused the request"))
+                    q.put_nowait(error)
             else:
                 normal.append(out)
         processed = self.output_processor.process_outputs(normal, engine_timestamp)

@@ -25,7 +25,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from engine.errors import EngineDrainingError, FlotillaError
+from engine.errors import EngineDeadError, EngineDrainingError, FlotillaError
 from engine.protocol import (ABORT, ADD, FINISH_ERROR, HELLO, OUTPUTS, READY, START_DP_WAVE,
                              UTILITY, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest,
                              Hello, StartDPWave, UtilityOutput, UtilityRequest)
@@ -71,6 +71,7 @@ class EngineCoreServer:
         self._wave = 0
         self._bound = threading.Event()
         self._draining = threading.Event()
+        self._dead_error: str | None = None  # set when the core can no longer step
         self._bind_error: BaseException | None = None
         self._threads: list[threading.Thread] = []
         self._loop_thread: threading.Thread | None = None
@@ -95,7 +96,8 @@ class EngineCoreServer:
     def alive(self) -> bool:
         """The core loop and the io thread are running."""
         threads = self._threads + ([self._loop_thread] if self._loop_thread else [])
-        return not self._stopped.is_set() and all(t.is_alive() for t in threads)
+        return (not self._stopped.is_set() and self._dead_error is None
+                and all(t.is_alive() for t in threads))
 
     def drain(self, timeout: float) -> bool:
         """Refuse new requests, let in-flight ones finish for up to `timeout` seconds, then
@@ -121,6 +123,9 @@ class EngineCoreServer:
             if thread is not threading.current_thread():
                 thread.join(timeout)
         self._ctx.term()
+        stop_core = getattr(self.core, "shutdown", None)  # tensor-parallel workers
+        if stop_core is not None:
+            stop_core()
 
     def _start_io(self) -> None:
         outbox = self._ctx.socket(zmq.PULL)
@@ -251,9 +256,15 @@ class EngineCoreServer:
                     item = self._inputs.get_nowait()
                 except queue.Empty:
                     item = None
-            if core.has_unfinished_requests():
+            if core.has_unfinished_requests() and self._dead_error is None:
                 try:
                     outputs = core.step()
+                except EngineDeadError as exc:  # e.g. a tensor-parallel worker died
+                    # keep answering (every request now fails with this error), and
+                    # report not alive, so that the replica gets restarted
+                    logger.error("engine %d is dead: %s", self.engine_index, exc)
+                    self._dead_error = f"EngineDeadError: {exc}"
+                    outputs = self._fail_all(self._dead_error, step=False)
                 except Exception:  # a broken step must not leave clients waiting forever
                     logger.exception("engine %d: step failed; failing its requests",
                                      self.engine_index)
@@ -263,6 +274,8 @@ class EngineCoreServer:
     def _handle(self, identity: bytes, kind: bytes, msg: Any) -> None:
         if kind == ADD:
             try:
+                if self._dead_error is not None:
+                    raise EngineDeadError(self._dead_error.removeprefix("EngineDeadError: "))
                 if self._draining.is_set():
                     raise EngineDrainingError(f"engine {self.engine_index} is shutting down")
                 self.core.add_request(msg)
@@ -313,11 +326,12 @@ class EngineCoreServer:
             self._send(identity, EngineCoreOutputs(self.engine_index, outs, timestamp=now,
                                                    scheduler_stats=stats))
 
-    def _fail_all(self, message: str) -> list[EngineCoreOutput]:
+    def _fail_all(self, message: str, step: bool = True) -> list[EngineCoreOutput]:
         ids = list(self._owner_of)
         try:
             self.core.abort_requests(ids)
-            self.core.step()
+            if step:
+                self.core.step()
         except Exception:
             logger.exception("engine %d: could not abort after a failed step", self.engine_index)
         return [EngineCoreOutput(i, [], FINISH_ERROR, error=message) for i in ids]

@@ -12,7 +12,7 @@ import logging
 
 import torch
 
-from engine.config import CPU_DEFAULT_KV_CACHE_BYTES, EngineConfig
+from engine.config import EngineConfig
 from engine.errors import DuplicateRequestError, EngineSleepingError, InvalidRequestError
 from engine.kv_cache_manager import KVCacheManager
 from engine.model_loader import load_hf_config, resolve_model
@@ -27,12 +27,11 @@ from engine.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
-# Room left on the GPU for activations of one max-size batch (beyond weights and KV).
-_GPU_ACTIVATION_RESERVE_BYTES = 1 << 30
-
 
 class EngineCore:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, worker_launcher=None) -> None:
+        """worker_launcher starts the tensor-parallel workers (ranks 1..N-1) when
+        config.tensor_parallel_size > 1; default: local processes."""
         self.config = config
         self.checkpoint = resolve_model(config.model)
         hf_config = load_hf_config(self.checkpoint)
@@ -43,8 +42,13 @@ class EngineCore:
             torch.set_num_threads(config.cpu_threads())
         max_len = self._max_model_len(self.shape)
         self.eos_token_ids = _eos_ids(self.checkpoint, hf_config)
-        self.runner = ModelRunner(config, self.shape, hf_config, self.checkpoint, max_len,
-                                  self.device, self.dtype)
+        if config.tensor_parallel_size > 1:
+            from engine.tp_executor import TPExecutor
+            self.runner = TPExecutor(config, self.shape, hf_config, self.checkpoint, max_len,
+                                     self.device, self.dtype, worker_launcher)
+        else:
+            self.runner = ModelRunner(config, self.shape, hf_config, self.checkpoint, max_len,
+                                      self.device, self.dtype)
         self.num_blocks = self._num_blocks()
         self.runner.allocate_kv_cache(self.num_blocks)
         # A request must fit in the pool on its own, or it could never be scheduled.
@@ -71,22 +75,7 @@ class EngineCore:
         return wanted or limit
 
     def _num_blocks(self) -> int:
-        if self.config.num_gpu_blocks_override:
-            return self.config.num_gpu_blocks_override
-        per_block = self.runner.bytes_per_block()
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = free - (1 - self.config.gpu_memory_utilization) * total
-            budget -= _GPU_ACTIVATION_RESERVE_BYTES
-            if self.config.kv_cache_memory_bytes:
-                budget = min(budget, self.config.kv_cache_memory_bytes)
-        else:
-            budget = self.config.kv_cache_memory_bytes or CPU_DEFAULT_KV_CACHE_BYTES
-        blocks = int(budget // per_block)
-        if blocks < 1:
-            raise InvalidRequestError(
-                f"KV cache budget of {int(budget)} bytes holds no block of {per_block} bytes")
-        return blocks
+        return self.runner.max_kv_blocks()  # under TP: what fits on every rank
 
     @property
     def block_size(self) -> int:
@@ -214,6 +203,12 @@ class EngineCore:
     def get_memory_usage(self) -> dict[str, int]:
         """Bytes held on the engine's device by the weights and the KV cache."""
         return self.runner.memory_usage()
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any."""
+        stop = getattr(self.runner, "shutdown", None)
+        if stop is not None:
+            stop()
 
     # ---- description ------------------------------------------------------------------
     @property

@@ -25,6 +25,11 @@ class LLM:
         self.llm_engine = LLMEngine(EngineConfig(model=model, **kwargs))
         self._counter = itertools.count()
 
+    def shutdown(self) -> None:
+        """Stop the engine's tensor-parallel workers now (they also stop when this LLM
+        is garbage-collected or the process exits)."""
+        self.llm_engine.engine_core.shutdown()
+
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 

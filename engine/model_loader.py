@@ -13,7 +13,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 from safetensors import safe_open
@@ -111,9 +111,12 @@ def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(str(path))
 
 
-def iter_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) for every tensor of every safetensors file of the checkpoint."""
+def iter_weights(path: Path) -> Iterator[tuple[str, Any]]:
+    """Yield (name, lazy slice) for every tensor of every safetensors file of the checkpoint.
+
+    Indexing a slice (`s[a:b]`, `s[:, a:b]`, `s[:]`) reads only those elements, so a
+    tensor-parallel rank materialises only its shard."""
     for file in sorted(path.glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                yield name, f.get_slice(name)

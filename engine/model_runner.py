@@ -1,33 +1,57 @@
 """ModelRunner: owns the model weights and the KV cache tensor of one worker.
 
-Turns a SchedulerOutput into flat input tensors (token ids, positions, cache
-slots, attention metadata), runs the forward pass, and computes logits only
-for the requests that sample this step.
+prepare() turns a SchedulerOutput into a StepInput: plain lists (token ids,
+positions, cache slots, block tables, prefill groups) that are cheap to encode,
+so a tensor-parallel driver can send the same step to its workers. run() makes
+the tensors, runs the forward pass, and computes logits only for the rows that
+sample this step.
 """
 from __future__ import annotations
 
 import logging
 import time
 
+import msgspec
 import torch
 
-from engine.config import EngineConfig
+from engine.config import CPU_DEFAULT_KV_CACHE_BYTES, EngineConfig
+from engine.errors import InvalidRequestError
 from engine.layers.attention import AttentionMetadata, PrefillGroup
 from engine.layers.linear import Linear, can_pack, pack_linears
 from engine.layers.rotary import RotaryEmbedding
 from engine.kernels import cpu_kernels, native_enabled
 from engine.model_loader import iter_weights
 from engine.models.llama import LlamaForCausalLM, ModelShape
+from engine.parallel import ShardPlan, TPGroup
 from engine.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
+# Room left on the GPU for activations of one max-size batch (beyond weights and KV).
+_GPU_ACTIVATION_RESERVE_BYTES = 1 << 30
+
+
+class StepInput(msgspec.Struct, array_like=True, gc=False):
+    """One step's batch for the forward pass, the same on every TP rank."""
+
+    ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    decode_tables: list[list[int]]
+    decode_lens: list[int]
+    prefills: list[tuple[int, int, int, int, list[int] | None]]  # PrefillGroup fields
+    logit_positions: list[int]  # flat token index of each sampling row
+
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, shape: ModelShape, hf_config, checkpoint,
-                 max_model_len: int, device: torch.device, dtype: torch.dtype) -> None:
+                 max_model_len: int, device: torch.device, dtype: torch.dtype,
+                 plan: ShardPlan | None = None, tp: TPGroup | None = None) -> None:
+        """plan / tp: this rank's shard and its group under tensor parallelism."""
         self.config = config
         self.shape = shape
+        self.plan = plan or ShardPlan.build(shape, 0, 1)
+        self.tp = tp
         self.device = device
         self.dtype = dtype
         self.block_size = config.block_size
@@ -45,7 +69,8 @@ class ModelRunner:
     def _load_model(self) -> LlamaForCausalLM:
         start = time.perf_counter()
         with torch.device("meta"):
-            model = LlamaForCausalLM(self.shape, self.hf_config, self.max_model_len, self.kernels)
+            model = LlamaForCausalLM(self.shape, self.hf_config, self.max_model_len, self.kernels,
+                                     self.plan, self.tp)
         model = model.to_empty(device=self.device)
         # Buffers (the RoPE table) are not in the checkpoint: rebuild them for real.
         model.rotary = RotaryEmbedding(self.hf_config, self.shape.head_dim,
@@ -64,13 +89,33 @@ class ModelRunner:
     def bytes_per_block(self) -> int:
         s = self.shape
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * s.num_layers * self.block_size * s.num_kv_heads * s.head_dim * elem
+        return 2 * s.num_layers * self.block_size * self.plan.num_kv_heads * s.head_dim * elem
+
+    def max_kv_blocks(self) -> int:
+        """KV blocks that fit this rank's budget: bytes on CPU (kv_cache_memory_bytes,
+        default 2 GiB), a share of free device memory on GPU."""
+        if self.config.num_gpu_blocks_override:
+            return self.config.num_gpu_blocks_override
+        per_block = self.bytes_per_block()
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = free - (1 - self.config.gpu_memory_utilization) * total
+            budget -= _GPU_ACTIVATION_RESERVE_BYTES
+            if self.config.kv_cache_memory_bytes:
+                budget = min(budget, self.config.kv_cache_memory_bytes)
+        else:
+            budget = self.config.kv_cache_memory_bytes or CPU_DEFAULT_KV_CACHE_BYTES
+        blocks = int(budget // per_block)
+        if blocks < 1:
+            raise InvalidRequestError(
+                f"KV cache budget of {int(budget)} bytes holds no block of {per_block} bytes")
+        return blocks
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         s = self.shape
         self.num_blocks = num_blocks
         # zeros, not empty: masked-out slots still enter the matmuls, and 0 * NaN = NaN
-        self.kv_caches = torch.zeros(s.num_layers, 2, s.num_kv_heads, num_blocks,
+        self.kv_caches = torch.zeros(s.num_layers, 2, self.plan.num_kv_heads, num_blocks,
                                      self.block_size, s.head_dim, dtype=self.dtype,
                                      device=self.device)
 
@@ -106,19 +151,20 @@ class ModelRunner:
         return {"weights_bytes": weights, "kv_cache_bytes": kv}
 
     # ---- one step ---------------------------------------------------------------------
-    @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:
         """Run the forward pass; return logits [S, V] and the batch rows that sample."""
+        step, sample_rows = self.prepare(sched)
+        logits = self.run(step)
+        return logits, sample_rows
+
+    def prepare(self, sched: SchedulerOutput) -> tuple[StepInput, list[int]]:
+        """The step's inputs as lists, and the rows of sched.requests that sample.
+        Decodes come first in the flat batch, then the prefill chunks."""
         bs = self.block_size
         order = sorted(range(len(sched.requests)), key=lambda i: sched.num_new_tokens[i] != 1)
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        decode_tables: list[list[int]] = []
-        decode_lens: list[int] = []
-        prefills: list[PrefillGroup] = []
+        step = StepInput([], [], [], [], [], [], [])
+        ids, positions, slots, prefills = step.ids, step.positions, step.slots, step.prefills
         sample_rows: list[int] = []  # index into sched.requests
-        logit_positions: list[int] = []  # token index in the flat batch
         for i in order:
             request, n = sched.requests[i], sched.num_new_tokens[i]
             start = request.num_computed_tokens
@@ -130,29 +176,37 @@ class ModelRunner:
             slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
             num_ctx_blocks = -(-end // bs)
             if n == 1:
-                decode_tables.append(blocks[:num_ctx_blocks])
-                decode_lens.append(end)
+                step.decode_tables.append(blocks[:num_ctx_blocks])
+                step.decode_lens.append(end)
             elif start > 0:
-                prefills.append(PrefillGroup(first, n, 1, end, torch.tensor(
-                    blocks[:num_ctx_blocks], dtype=torch.long, device=self.device)))
-            elif (prefills and prefills[-1].block_table is None
-                  and prefills[-1].query_len == n):
-                prefills[-1].count += 1  # batch equal-length fresh prefills in one call
+                prefills.append((first, n, 1, end, blocks[:num_ctx_blocks]))
+            elif prefills and prefills[-1][4] is None and prefills[-1][1] == n:
+                f, q, count, c, _ = prefills[-1]  # batch equal-length fresh prefills
+                prefills[-1] = (f, q, count + 1, c, None)
             else:
-                prefills.append(PrefillGroup(first, n, 1, n, None))
+                prefills.append((first, n, 1, n, None))
             if end == request.num_tokens:
                 sample_rows.append(i)
-                logit_positions.append(len(ids) - 1)
+                step.logit_positions.append(len(ids) - 1)
+        return step, sample_rows
 
-        meta = self._attention_metadata(slots, decode_tables, decode_lens, prefills)
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+    @torch.inference_mode()
+    def run(self, step: StepInput) -> torch.Tensor | None:
+        """Forward pass of one step; logits [S, V] of its sampling rows (None on TP
+        ranks other than 0)."""
+        dev = self.device
+        prefills = [PrefillGroup(f, n, count, ctx, None if table is None else
+                                 torch.tensor(table, dtype=torch.long, device=dev))
+                    for f, n, count, ctx, table in step.prefills]
+        meta = self._attention_metadata(step.slots, step.decode_tables, step.decode_lens,
+                                        prefills)
+        input_ids = torch.tensor(step.ids, dtype=torch.long, device=dev)
+        pos = torch.tensor(step.positions, dtype=torch.long, device=dev)
         hidden = self.model(input_ids, pos, self.kv_caches, meta)
-        if not sample_rows:
-            return hidden.new_empty((0, self.shape.vocab_size), dtype=torch.float32), []
-        index = torch.tensor(logit_positions, dtype=torch.long, device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, index))
-        return logits, sample_rows
+        if not step.logit_positions:
+            return hidden.new_empty((0, self.shape.vocab_size), dtype=torch.float32)
+        index = torch.tensor(step.logit_positions, dtype=torch.long, device=dev)
+        return self.model.compute_logits(hidden.index_select(0, index))
 
     def _attention_metadata(self, slots: list[int], decode_tables: list[list[int]],
                             decode_lens: list[int], prefills: list[PrefillGroup]

@@ -81,7 +81,7 @@ class Helm:
 
 @pytest.fixture(scope="session")
 def helm(request, tmp_path_factory) -> Helm:
-    cache = request.config.cache
+    cache = getattr(request.config, "cache", None)  # absent under -p no:cacheprovider
     cache_dir = (cache.mkdir("flotilla-tools") if cache is not None
                  else tmp_path_factory.mktemp("tools"))
     return Helm(fetch_helm(Path(cache_dir)), tmp_path_factory.mktemp("helm-home"))

@@ -4,11 +4,17 @@ One implementation covers the family: the variants differ only in flags read
 from the Hugging Face config (qkv bias for Qwen2, q/k RMSNorm for Qwen3, tied
 embeddings, RoPE scaling). q/k/v and gate/up projections are fused into one
 matmul each; the loader slices the checkpoint's separate tensors into them.
+
+Under tensor parallelism (engine.parallel) every layer holds one rank's shard:
+q/k/v and gate/up are split by output (column-parallel, still fused per rank),
+o_proj and down_proj by input (row-parallel, summed with an all-reduce; a bias is
+held by rank 0 only so the sum adds it once), the embedding and LM head by
+vocabulary rows. The loader reads only this rank's slice of each tensor.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +26,7 @@ from engine.layers.attention import AttentionMetadata, paged_attention
 from engine.layers.linear import Linear
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import Rope, RotaryEmbedding, apply_rotary
+from engine.parallel import ShardPlan, TPGroup
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                            "Qwen3ForCausalLM")
@@ -88,16 +95,19 @@ class ModelShape:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, shape: ModelShape, kernels=None) -> None:
+    def __init__(self, shape: ModelShape, plan: ShardPlan, tp: TPGroup | None,
+                 kernels=None) -> None:
         super().__init__()
         self.kernels = kernels
+        self.tp = tp
         self.num_heads, self.num_kv_heads, self.head_dim = (
-            shape.num_heads, shape.num_kv_heads, shape.head_dim)
-        self.q_size = shape.num_heads * shape.head_dim
-        self.kv_size = shape.num_kv_heads * shape.head_dim
+            plan.num_heads, plan.num_kv_heads, shape.head_dim)
+        self.q_size = plan.num_heads * shape.head_dim
+        self.kv_size = plan.num_kv_heads * shape.head_dim
         self.qkv_proj = Linear(shape.hidden_size, self.q_size + 2 * self.kv_size,
-                                  bias=shape.qkv_bias)
-        self.o_proj = Linear(self.q_size, shape.hidden_size, bias=shape.o_bias)
+                               bias=shape.qkv_bias)
+        self.o_proj = Linear(self.q_size, shape.hidden_size,
+                             bias=shape.o_bias and plan.rank == 0)
         self.q_norm = RMSNorm(shape.head_dim, shape.rms_norm_eps) if shape.qk_norm else None
         self.k_norm = RMSNorm(shape.head_dim, shape.rms_norm_eps) if shape.qk_norm else None
         self.scale = shape.head_dim ** -0.5
@@ -119,35 +129,41 @@ class LlamaAttention(nn.Module):
         if not native_rope:
             q, k = apply_rotary(q, k, rope.cos, rope.sin)
         o = paged_attention(q, k, v, kv_cache, meta, self.scale)
-        return self.o_proj(o.reshape(t, self.q_size))
+        out = self.o_proj(o.reshape(t, self.q_size))
+        return self.tp.all_reduce(out) if self.tp is not None else out
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, shape: ModelShape, kernels=None) -> None:
+    def __init__(self, shape: ModelShape, plan: ShardPlan, tp: TPGroup | None,
+                 kernels=None) -> None:
         super().__init__()
         self.kernels = kernels
-        self.intermediate = shape.intermediate_size
-        self.gate_up_proj = Linear(shape.hidden_size, 2 * shape.intermediate_size,
-                                      bias=shape.mlp_bias)
-        self.down_proj = Linear(shape.intermediate_size, shape.hidden_size,
+        self.tp = tp
+        self.intermediate = plan.intermediate_size
+        self.gate_up_proj = Linear(shape.hidden_size, 2 * plan.intermediate_size,
                                    bias=shape.mlp_bias)
+        self.down_proj = Linear(plan.intermediate_size, shape.hidden_size,
+                                bias=shape.mlp_bias and plan.rank == 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if self.kernels is not None:
-            return self.down_proj(self.kernels.silu_and_mul(gate_up))
-        gate, up = gate_up.split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+            out = self.down_proj(self.kernels.silu_and_mul(gate_up))
+        else:
+            gate, up = gate_up.split(self.intermediate, dim=-1)
+            out = self.down_proj(F.silu(gate) * up)
+        return self.tp.all_reduce(out) if self.tp is not None else out
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, shape: ModelShape, kernels=None) -> None:
+    def __init__(self, shape: ModelShape, plan: ShardPlan, tp: TPGroup | None,
+                 kernels=None) -> None:
         super().__init__()
         eps = shape.rms_norm_eps
         self.input_layernorm = RMSNorm(shape.hidden_size, eps, kernels)
-        self.self_attn = LlamaAttention(shape, kernels)
+        self.self_attn = LlamaAttention(shape, plan, tp, kernels)
         self.post_attention_layernorm = RMSNorm(shape.hidden_size, eps, kernels)
-        self.mlp = LlamaMLP(shape, kernels)
+        self.mlp = LlamaMLP(shape, plan, tp, kernels)
 
     def forward(self, rope: Rope, x: torch.Tensor, residual: torch.Tensor | None,
                 kv_cache: torch.Tensor, meta: AttentionMetadata
@@ -166,75 +182,140 @@ class LlamaForCausalLM(nn.Module):
     """The decoder stack plus LM head; forward returns hidden states of every token."""
 
     def __init__(self, shape: ModelShape, hf_config: PretrainedConfig, max_positions: int,
-                 kernels=None) -> None:
-        """kernels: the compiled CPU ops module (engine.kernels), or None for torch ops."""
+                 kernels=None, plan: ShardPlan | None = None, tp: TPGroup | None = None
+                 ) -> None:
+        """kernels: the compiled CPU ops module (engine.kernels), or None for torch ops.
+        plan / tp: this rank's shard and its group (default: the whole model, no TP)."""
         super().__init__()
         self.shape = shape
+        self.plan = plan = plan or ShardPlan.build(shape, 0, 1)
+        self.tp = tp if plan.size > 1 else None
         self.rotary = RotaryEmbedding(hf_config, shape.head_dim, max_positions)
-        self.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(shape, kernels)
+        self.embed_tokens = nn.Embedding(plan.vocab_per_rank, shape.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(shape, plan, self.tp, kernels)
                                     for _ in range(shape.num_layers))
         self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, kernels)
-        self.lm_head = Linear(shape.hidden_size, shape.vocab_size, bias=False)
+        self.lm_head = Linear(shape.hidden_size, plan.vocab_per_rank, bias=False)
         if shape.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp is None:
+            return self.embed_tokens(input_ids)
+        local = input_ids - self.plan.vocab_start
+        outside = (local < 0) | (local >= self.plan.vocab_per_rank)
+        x = self.embed_tokens(local.masked_fill(outside, 0))
+        x.masked_fill_(outside.unsqueeze(-1), 0)
+        return self.tp.all_reduce(x)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """kv_caches: [num_layers, 2, KVH, num_blocks, block_size, D]."""
-        x = self.embed_tokens(input_ids)
+        """kv_caches: [num_layers, 2, KVH, num_blocks, block_size, D] (this rank's KVH)."""
+        x = self.embed(input_ids)
         rope = self.rotary.lookup(positions, x.dtype)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(rope, x, residual, kv_cache, meta)
         return self.norm(x, residual)[0]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Float32 logits over the whole vocabulary; under TP they are gathered on rank 0
+        (the sampler's rank) and the other ranks get None."""
+        logits = self.lm_head(hidden)
+        if self.tp is not None:
+            logits = self.tp.gather_last_dim(logits)
+            if logits is None:
+                return None
+            logits = logits[:, :self.shape.vocab_size]
+        return logits.float()
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors (HF names) into the fused parameters.
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
+        """Copy this rank's slice of each checkpoint tensor (HF names) into the fused
+        parameters. weights yields (name, t) where t is a tensor or a lazy safetensors
+        slice; only the sliced rows/columns are read.
 
         Raises UnsupportedModelError naming any parameter the checkpoint left unset.
         """
         params = dict(self.named_parameters())
         loaded: set[str] = set()
-        s = self.shape
-        q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-        fused = {"q_proj": ("qkv_proj", 0, q), "k_proj": ("qkv_proj", q, kv),
-                 "v_proj": ("qkv_proj", q + kv, kv),
-                 "gate_proj": ("gate_up_proj", 0, s.intermediate_size),
-                 "up_proj": ("gate_up_proj", s.intermediate_size, s.intermediate_size)}
+        rules = _shard_rules(self.shape, self.plan)
         for name, tensor in weights:
             if "rotary_emb" in name:
                 continue
             if name.startswith("model."):
                 name = name[len("model."):]
-            if name == "lm_head.weight" and s.tie_word_embeddings:
+            if name == "lm_head.weight" and self.shape.tie_word_embeddings:
                 continue
             parts = name.split(".")
-            target, offset, size = name, None, None
-            if len(parts) >= 2 and parts[-2] in fused:
-                fused_name, offset, size = fused[parts[-2]]
-                target = ".".join(parts[:-2] + [fused_name, parts[-1]])
+            module, kind = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", name)
+            target, offset, src = name, None, None
+            if module in rules:
+                fused_name, offset, src = rules[module].get(kind, rules[module]["weight"])
+                target = ".".join(parts[:-2] + [fused_name, kind])
+                if kind == "bias" and module in ("o_proj", "down_proj"):
+                    offset, src = None, None  # a row-parallel bias is whole, on rank 0
             param = params.get(target)
             if param is None:
+                if target.endswith(("o_proj.bias", "down_proj.bias")) and self.plan.rank > 0:
+                    continue  # held by rank 0 only
                 raise UnsupportedModelError(f"unexpected checkpoint tensor {name!r}")
+            piece = _read_slice(tensor, src)
             with torch.no_grad():
-                dst = param if offset is None else param.narrow(0, offset, size)
-                if dst.shape != tensor.shape:
+                dst = param if offset is None else param.narrow(0, offset, piece.shape[0])
+                if module in ("embed_tokens", "lm_head") and self.plan.size > 1:
+                    param.zero_()  # padding rows past the vocabulary stay zero
+                    dst = param.narrow(0, 0, piece.shape[0])
+                if dst.shape != piece.shape:
                     raise UnsupportedModelError(
-                        f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                        f"checkpoint tensor {name!r} has shape {tuple(piece.shape)}, "
                         f"expected {tuple(dst.shape)}")
-                dst.copy_(tensor)
+                dst.copy_(piece)
             loaded.add(f"{target}:{offset}")
-        expected = {f"{n}:{o}" for n in params for o in _slices(n, fused)}
+        expected = {f"{n}:{o}" for n in params for o in _offsets(n, rules)}
         missing = sorted(expected - loaded)
         if missing:
             raise UnsupportedModelError(f"checkpoint is missing tensors for {missing[:5]}")
 
 
-def _slices(param_name: str, fused: dict) -> list:
-    kind = param_name.split(".")[-2]
-    offsets = [off for (target, off, _) in fused.values() if target == kind]
+Slice = tuple[int, int, int]  # (dim, start, length) of the checkpoint tensor
+
+
+def _shard_rules(s: ModelShape, plan: ShardPlan) -> dict[str, dict[str, tuple[str, int, Slice]]]:
+    """checkpoint module name -> {"weight"/"bias": (fused param, row offset, source slice)}."""
+    d, h, kv, inter = s.head_dim, plan.num_heads, plan.num_kv_heads, plan.intermediate_size
+    q_src = (0, plan.head_start * d, h * d)
+    kv_src = (0, plan.kv_head_start * d, kv * d)
+    mlp_src = (0, plan.rank * inter, inter)
+    vocab = (0, plan.vocab_start, min(plan.vocab_per_rank, s.vocab_size - plan.vocab_start))
+    rules = {"q_proj": ("qkv_proj", 0, q_src), "k_proj": ("qkv_proj", h * d, kv_src),
+             "v_proj": ("qkv_proj", (h + kv) * d, kv_src),
+             "gate_proj": ("gate_up_proj", 0, mlp_src),
+             "up_proj": ("gate_up_proj", inter, mlp_src),
+             "o_proj": ("o_proj", None, (1, plan.head_start * d, h * d)),
+             "down_proj": ("down_proj", None, (1, plan.rank * inter, inter)),
+             "embed_tokens": ("embed_tokens", None, vocab),
+             "lm_head": ("lm_head", None, vocab)}
+    return {k: {"weight": v} for k, v in rules.items()}
+
+
+def _read_slice(tensor, src: Slice | None) -> torch.Tensor:
+    """The source slice of a tensor or lazy safetensors slice, as a tensor."""
+    if src is None:
+        return tensor[:] if not isinstance(tensor, torch.Tensor) else tensor
+    dim, start, length = src
+    if dim == 0:
+        return tensor[start:start + length]
+    return tensor[:, start:start + length]
+
+
+def _offsets(param_name: str, rules: dict) -> list:
+    """The row offsets a parameter is filled at (several for fused ones)."""
+    parts = param_name.split(".")
+    if len(parts) < 2:
+        return [None]
+    fused, kind = parts[-2], parts[-1]
+    offsets = [rule[kind if kind in rule else "weight"][1] for rule in rules.values()
+               if rule["weight"][0] == fused]
+    if kind == "bias" and fused in ("o_proj", "down_proj"):
+        return [None]
     return offsets or [None]
