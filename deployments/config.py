@@ -70,16 +70,33 @@ class AppArgs(BaseModel):
         if self.placement_strategy not in ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"):
             raise ValueError("placement_strategy must be STRICT_PACK, PACK, SPREAD or "
                              "STRICT_SPREAD")
-        if self.tensor_parallel_size != 1:
-            raise ValueError("tensor_parallel_size > 1 is not available yet (TP issue)")
         if self.ingress_autoscaling.min_replicas > self.ingress_autoscaling.max_replicas:
             raise ValueError("ingress_autoscaling.min_replicas > max_replicas")
         if not self.is_mock:
             self.engine_config(0)  # EngineConfig's own checks, at build time
+            self._check_tensor_parallel()
         return self
 
+    def _check_tensor_parallel(self) -> None:
+        """Heads that do not divide by tensor_parallel_size fail at build time when the
+        model is readable here (else the engine replica reports it when it starts)."""
+        if self.tensor_parallel_size == 1:
+            return
+        from engine.errors import FlotillaError
+        from engine.model_loader import load_hf_config, resolve_model
+        from engine.models.llama import ModelShape
+        from engine.parallel import check_divisible
+        try:
+            shape = ModelShape.from_hf_config(load_hf_config(resolve_model(self.model)))
+        except (FlotillaError, OSError):
+            return  # not on this machine (e.g. only on the GPU workers)
+        try:
+            check_divisible(shape, self.tensor_parallel_size)
+        except FlotillaError as exc:
+            raise ValueError(str(exc)) from None
+
     def engine_bundles(self) -> list[dict[str, float]] | None:
-        """Placement-group bundles of one engine replica: one per TP rank (TP=1 today).
+        """Placement-group bundles of one engine replica: one per TP rank.
         None when the engine asks for no resources (tests give it 0 CPUs)."""
         bundle = {k: v for k, v in (("CPU", self.engine_num_cpus),
                                     ("GPU", self.engine_num_gpus)) if v > 0}
@@ -100,7 +117,8 @@ class AppArgs(BaseModel):
                             max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
                             max_num_batched_tokens=self.max_num_batched_tokens,
                             enable_prefix_caching=self.enable_prefix_caching,
-                            num_threads=self.num_threads, seed=rank)
+                            num_threads=self.num_threads, seed=rank,
+                            tensor_parallel_size=self.tensor_parallel_size)
 
     def mock_config(self, rank: int, vocab_size: int) -> MockConfig:
         return MockConfig(engine_index=rank, vocab_size=vocab_size, block_size=self.block_size,

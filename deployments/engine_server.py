@@ -2,8 +2,9 @@
 
 The replica asks the coordinator for its rank, builds the engine core (the real
 EngineCore, or the mock for model=mock), serves it over ZMQ on its node's address,
-and registers the address. Serve's health check reflects the engine loop; on
-shutdown the replica releases its rank and stops the server.
+and registers the address. Serve's health check reflects the engine loop (a dead tensor-parallel worker makes
+it fail, so Serve restarts the replica); on shutdown the replica drains, releases
+its rank and stops the server (and its TP workers).
 """
 from __future__ import annotations
 
@@ -46,7 +47,11 @@ class EngineServer:
                                                         len(tokenizer_for(self.args))))
         else:
             from engine.engine_core import EngineCore
-            core = EngineCore(self.args.engine_config(self.rank))
+            launcher = None
+            if self.args.tensor_parallel_size > 1:  # ranks 1..N-1 in our placement group
+                from deployments.tp_workers import RayWorkerLauncher
+                launcher = RayWorkerLauncher(self.args.engine_num_cpus, self.args.engine_num_gpus)
+            core = EngineCore(self.args.engine_config(self.rank), launcher)
         host = ray.util.get_node_ip_address()
         address = f"tcp://{host}:{_free_port(host)}"
         self.server = EngineCoreServer(core, address, self.rank).start()

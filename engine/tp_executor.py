@@ -54,6 +54,8 @@ class Command(msgspec.Struct, array_like=True, gc=False):
 
 
 class WorkerLauncher(Protocol):
+    """Starts ranks 1..N-1 (its optional `host` attribute is rank 0's address for them)."""
+
     def start(self, workers: list[WorkerArgs]) -> None: ...
     def dead(self) -> dict[int, str]:
         """Ranks whose worker has ended, with why."""
@@ -112,7 +114,7 @@ class TPExecutor:
 
     def __init__(self, config: EngineConfig, shape, hf_config, checkpoint, max_model_len: int,
                  device: torch.device, dtype: torch.dtype,
-                 launcher: WorkerLauncher | None = None, host: str = "127.0.0.1") -> None:
+                 launcher: WorkerLauncher | None = None) -> None:
         size = config.tensor_parallel_size
         check_divisible(shape, size)
         self.size = size
@@ -121,6 +123,7 @@ class TPExecutor:
         threads = config.num_threads or max(1, default_num_threads() // size)
         if device.type == "cpu":
             torch.set_num_threads(threads)
+        host = getattr(self.launcher, "host", "127.0.0.1")  # where workers reach rank 0
         init_method = f"tcp://{host}:{_free_port(host)}"
         workers = [WorkerArgs(asdict(config), rank, size, init_method, max_model_len, threads)
                    for rank in range(1, size)]

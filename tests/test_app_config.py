@@ -43,3 +43,13 @@ def test_engine_placement_bundles_follow_resources():
         {"CPU": 1, "GPU": 1}]
     with pytest.raises(ValueError, match="placement_strategy"):
         build_app({"placement_strategy": "ANYWHERE"})
+    assert AppArgs(model="mock", tensor_parallel_size=2, engine_num_cpus=1,
+                   engine_num_gpus=1).engine_bundles() == [{"CPU": 1, "GPU": 1}] * 2
+
+
+def test_tensor_parallel_size_must_divide_the_model(tiny_llama):
+    from deployments.config import AppArgs
+    assert AppArgs(model=str(tiny_llama), tensor_parallel_size=2).engine_config(0) \
+        .tensor_parallel_size == 2
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 does not divide"):
+        build_app({"model": str(tiny_llama), "tensor_parallel_size": 3})
