@@ -26,7 +26,7 @@ import msgspec
 import torch
 
 from engine.config import EngineConfig, default_num_threads
-from engine.errors import EngineDeadError
+from engine.errors import EngineDeadError, InvalidRequestError
 from engine.model_runner import ModelRunner, StepInput
 from engine.parallel import ShardPlan, TPGroup, check_divisible
 from engine.scheduler import SchedulerOutput
@@ -118,6 +118,10 @@ class TPExecutor:
         size = config.tensor_parallel_size
         check_divisible(shape, size)
         self.size = size
+        if launcher is None and device.type == "cuda" and size > torch.cuda.device_count():
+            raise InvalidRequestError(
+                f"tensor_parallel_size={size} needs {size} GPUs; this machine has "
+                f"{torch.cuda.device_count()}")
         self.launcher = launcher or ProcessLauncher()
         self._dead: EngineDeadError | None = None
         threads = config.num_threads or max(1, default_num_threads() // size)
