@@ -5,6 +5,7 @@ The same fields come from `serve run deployments.app:build_app key=value`, from 
 """
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -101,6 +102,13 @@ class AppArgs(BaseModel):
         bundle = {k: v for k, v in (("CPU", self.engine_num_cpus),
                                     ("GPU", self.engine_num_gpus)) if v > 0}
         return [bundle] * self.tensor_parallel_size if bundle else None
+
+    def keys(self) -> tuple[str | None, str | None]:
+        """(api_key, admin_key): the args' values, else $FLOTILLA_API_KEY and
+        $FLOTILLA_ADMIN_KEY of the replica's process. Keys from the environment (a
+        Kubernetes Secret, say) stay out of the Serve config that Ray stores and shows."""
+        return (self.api_key or os.environ.get("FLOTILLA_API_KEY") or None,
+                self.admin_key or os.environ.get("FLOTILLA_ADMIN_KEY") or None)
 
     @property
     def is_mock(self) -> bool:

@@ -73,7 +73,8 @@ class OpenAIIngress:
 
     def __serve_build_asgi_app__(self):
         a = self.args
-        options = IngressOptions(a.model_name, api_key=a.api_key, admin_key=a.admin_key,
+        api_key, admin_key = a.keys()  # read here, in the replica, not at build time
+        options = IngressOptions(a.model_name, api_key=api_key, admin_key=admin_key,
                                  dev_mode=a.dev_mode, max_body_bytes=a.max_body_bytes)
         return build_openai_app(self.get_client, options, CoordinatorControl(self.coordinator))
 

@@ -53,3 +53,16 @@ def test_tensor_parallel_size_must_divide_the_model(tiny_llama):
         .tensor_parallel_size == 2
     with pytest.raises(ValueError, match="tensor_parallel_size=3 does not divide"):
         build_app({"model": str(tiny_llama), "tensor_parallel_size": 3})
+
+
+def test_keys_come_from_args_else_the_replica_environment(monkeypatch):
+    from deployments.config import AppArgs
+    monkeypatch.delenv("FLOTILLA_API_KEY", raising=False)
+    monkeypatch.delenv("FLOTILLA_ADMIN_KEY", raising=False)
+    assert AppArgs(model="mock").keys() == (None, None)
+    monkeypatch.setenv("FLOTILLA_API_KEY", "from-secret")
+    monkeypatch.setenv("FLOTILLA_ADMIN_KEY", "admin-secret")
+    assert AppArgs(model="mock").keys() == ("from-secret", "admin-secret")
+    assert AppArgs(model="mock", api_key="explicit").keys() == ("explicit", "admin-secret")
+    # the key is not copied into the args that Serve stores
+    assert "from-secret" not in str(AppArgs(model="mock").model_dump())
