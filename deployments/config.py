@@ -111,6 +111,11 @@ class AppArgs(BaseModel):
                 self.admin_key or os.environ.get("FLOTILLA_ADMIN_KEY") or None)
 
     @property
+    def max_engines(self) -> int:
+        """The most engine replicas (data-parallel ranks) this app may run."""
+        return self.data_parallel_size
+
+    @property
     def is_mock(self) -> bool:
         return self.model == MOCK_MODEL
 

@@ -3,7 +3,10 @@
 - Assigns data-parallel ranks to EngineServer replicas (a replica that comes back
   with the same id keeps its rank; a new replica takes a free rank, or the rank
   of an engine that stopped reporting).
-- Keeps the registry rank -> (address, ready response) for the ingress replicas.
+- Keeps the registry rank -> (address, ready response) for the ingress replicas,
+  with a version number that changes whenever an engine joins or leaves (the
+  ingress replicas poll it and move to the new set; engine autoscaling adds and
+  removes ranks at run time).
 - Fans utility calls out to every engine over its own EngineClient, with the
   aggregation rules of ARCHITECTURE.md (is_sleeping must agree, reset is an AND,
   sleep / wake_up must succeed everywhere and failures name the rank).
@@ -55,9 +58,12 @@ async def _answers(address: str) -> bool:
 class Coordinator:
     def __init__(self, args: dict) -> None:
         self.args = AppArgs.model_validate(args)
-        self.size = self.args.data_parallel_size
+        self.initial = self.args.data_parallel_size  # engines to wait for at start
+        self.max_ranks = self.args.max_engines
         self.owner: dict[int, str] = {}  # rank -> replica id
         self.registry: dict[int, dict[str, Any]] = {}  # rank -> {address, ready, seen}
+        self.version = 0  # bumped whenever the set of registered engines changes
+        self._started = False  # the initial engines have all registered once
         self._client: EngineClient | None = None
         self._client_addresses: list[str] = []
         self._lock = asyncio.Lock()
@@ -72,25 +78,27 @@ class Coordinator:
         for rank, owner in self.owner.items():
             if owner == replica_id:
                 return rank
-        free = [r for r in range(self.size) if r not in self.owner]
+        free = [r for r in range(self.max_ranks) if r not in self.owner]
         if not free:
             now = time.monotonic()
-            for r in range(self.size):
+            for r in range(self.max_ranks):
                 entry = self.registry.get(r)
                 silent = now - (entry or {}).get("seen", 0) > STALE_AFTER_S
                 if silent or (entry and not await _answers(entry["address"])):
                     free.append(r)
             if not free:
-                raise RuntimeError(f"all {self.size} data-parallel ranks are taken")
+                raise RuntimeError(f"all {self.max_ranks} data-parallel ranks are taken")
         rank = min(free)
         self.owner[rank] = replica_id
-        self.registry.pop(rank, None)
+        if self.registry.pop(rank, None) is not None:
+            self.version += 1
         logger.info("rank %d assigned to replica %s", rank, replica_id)
         return rank
 
     def register(self, rank: int, replica_id: str, address: str, ready: dict) -> None:
         self.owner[rank] = replica_id
         self.registry[rank] = {"address": address, "ready": ready, "seen": time.monotonic()}
+        self.version += 1
         logger.info("engine rank %d registered at %s", rank, address)
 
     def heartbeat(self, rank: int, replica_id: str) -> None:
@@ -98,15 +106,26 @@ class Coordinator:
             self.registry[rank]["seen"] = time.monotonic()
 
     def release(self, rank: int, replica_id: str) -> None:
+        """A replica going away (downscale, shutdown): its engine leaves the set first,
+        so the ingress replicas stop sending it requests while it drains."""
         if self.owner.get(rank) == replica_id:
             del self.owner[rank]
-            self.registry.pop(rank, None)
+            if self.registry.pop(rank, None) is not None:
+                self.version += 1
+            logger.info("engine rank %d released", rank)
 
     def engines(self) -> list[str]:
-        """Addresses of all ranks once every rank has registered, else []."""
-        if len(self.registry) < self.size:
-            return []
-        return [self.registry[r]["address"] for r in range(self.size)]
+        """Addresses of the registered engines in rank order; [] until the initial
+        data_parallel_size engines have all registered (so traffic starts spread)."""
+        if not self._started:
+            if len(self.registry) < self.initial:
+                return []
+            self._started = True
+        return [self.registry[r]["address"] for r in sorted(self.registry)]
+
+    def membership(self) -> tuple[int, list[str]]:
+        """(version, engines()): the ingress replicas poll this to follow changes."""
+        return self.version, self.engines()
 
     # ---- utilities across engines -------------------------------------------------------------
     async def _engine_client(self) -> EngineClient:
@@ -137,6 +156,8 @@ class Coordinator:
 
     async def stats(self) -> list[dict]:
         client = await self._engine_client()
-        return [{"rank": i, "num_running_reqs": s.num_running_reqs,
+        ranks = {self.registry[r]["address"]: r for r in self.registry}
+        stats = await client.get_stats()
+        return [{"rank": ranks.get(e.address, e.index), "num_running_reqs": s.num_running_reqs,
                  "num_waiting_reqs": s.num_waiting_reqs, "kv_cache_usage": s.kv_cache_usage}
-                for i, s in enumerate(await client.get_stats())]
+                for e, s in zip([e for e in client.engines if not e.dead], stats)]

@@ -18,6 +18,16 @@ from engine.errors import NoEnginesError
 
 logger = logging.getLogger(__name__)
 ENGINE_WAIT_S = 300.0
+MEMBERSHIP_POLL_S = 0.5  # how fast a replica follows engines joining or leaving
+RETIRE_WAIT_S = 600.0
+
+
+async def _retire(client: EngineClient) -> None:
+    """Close a replaced client once its in-flight streams have ended."""
+    deadline = time.monotonic() + RETIRE_WAIT_S
+    while client.num_in_flight and time.monotonic() < deadline:
+        await asyncio.sleep(0.5)
+    await client.shutdown()
 
 
 class CoordinatorControl:
@@ -49,27 +59,57 @@ class OpenAIIngress:
         self._engines = engines  # bound so that Serve deploys the engine replicas
         self._client: EngineClient | None = None
         self._addresses: list[str] = []
+        self._version = -1
+        self._follower: asyncio.Task | None = None
         self._lock = asyncio.Lock()
 
     async def get_client(self) -> EngineClient:
-        """The client for the current engines; (re)connects when they change or die."""
+        """The client for the current engines. The first call waits for them; a
+        background loop then follows the coordinator's engine set (engines joining,
+        leaving, restarted) and reconnects when this client reports a dead engine."""
         if self._client is not None and self._client.healthy:
             return self._client
         async with self._lock:
             if self._client is not None and self._client.healthy:
                 return self._client
+            dead = {e.address for e in self._client.engines if e.dead} if self._client else set()
             deadline = time.monotonic() + ENGINE_WAIT_S
-            addresses = await self.coordinator.engines.remote()
-            while not addresses:
+            while True:
+                version, addresses = await self.coordinator.membership.remote()
+                live = [a for a in addresses if a not in dead]
+                if live:
+                    break
+                if self._client is not None:  # every engine we knew is dead: fail fast
+                    raise self._client.dead_error or NoEnginesError("no live engine")
                 if time.monotonic() > deadline:
                     raise NoEnginesError("the engines did not register in time")
                 await asyncio.sleep(0.5)
-                addresses = await self.coordinator.engines.remote()
-            if self._client is not None:
-                await self._client.shutdown()
-            self._client = await EngineClient.connect(addresses, tokenizer_for(self.args))
-            self._addresses = addresses
+            # until the coordinator has a replacement, keep serving from the live engines
+            await self._switch(version, live)
+            if self._follower is None:
+                self._follower = asyncio.get_running_loop().create_task(self._follow())
             return self._client
+
+    async def _switch(self, version: int, addresses: list[str]) -> None:
+        """Connect to a new engine set; the old client finishes its streams, then closes."""
+        client = await EngineClient.connect(addresses, tokenizer_for(self.args))
+        old, self._client = self._client, client
+        self._addresses, self._version = addresses, version
+        logger.info("ingress: %d engines (membership version %d)", len(addresses), version)
+        if old is not None:
+            asyncio.get_running_loop().create_task(_retire(old))
+
+    async def _follow(self) -> None:
+        while True:
+            await asyncio.sleep(MEMBERSHIP_POLL_S)
+            try:
+                version, addresses = await self.coordinator.membership.remote()
+                if addresses and version != self._version:
+                    async with self._lock:
+                        if version != self._version:
+                            await self._switch(version, addresses)
+            except Exception as exc:  # the coordinator restarting, an engine not answering
+                logger.warning("ingress: engine membership update failed: %s", exc)
 
     def __serve_build_asgi_app__(self):
         a = self.args

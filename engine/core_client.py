@@ -67,6 +67,7 @@ class _Engine:
     stats: SchedulerStats | None = None
     in_flight: int = 0
     dead: bool = False
+    draining: bool = False  # it refused a request because it is shutting down
     is_alive: Callable[[], bool] | None = None
 
 
@@ -161,6 +162,11 @@ class EngineClient:
         return self.engines[0].ready.block_size
 
     @property
+    def num_in_flight(self) -> int:
+        """User requests still streaming through this client."""
+        return len(self._queues)
+
+    @property
     def healthy(self) -> bool:
         return self.dead_error is None and not self._closed
 
@@ -176,39 +182,56 @@ class EngineClient:
         text, ids = self.processor.tokenize(prompt)
         requests = self.processor.make_requests(request_id, ids, params,
                                                 data_parallel_rank=data_parallel_rank)
-        engine = self._pick(data_parallel_rank)
+        finished = yielded = False
+        while True:  # more than once only when a draining engine refuses the request
+            engine = self._pick(data_parallel_rank)
+            q = self._submit(request_id, text, requests, kind, engine)
+            try:
+                for r in requests:
+                    await engine.socket.send_multipart([ADD, self._encoder.encode(r)])
+                metrics = self.output_processor.metrics_of(request_id)
+                if metrics is not None:
+                    metrics.engine_submit_time = time.time()
+                while True:
+                    item = await q.get()
+                    if isinstance(item, EngineDrainingError) and not yielded and \
+                            data_parallel_rank is None and self._others_than(engine):
+                        engine.draining = True  # shutting down: go to another engine
+                        break
+                    if isinstance(item, BaseException):
+                        finished = True
+                        raise item
+                    if item.finished:
+                        finished = True
+                    yielded = True
+                    yield item
+                    if finished:
+                        return
+            finally:
+                if not finished and (yielded or not engine.draining):
+                    for engine_id in self.output_processor.abort_requests([request_id]):
+                        self._queue_abort(engine_id, "client_disconnect")
+                self._forget(request_id, requests)
+
+    def _submit(self, request_id: str, text, requests, kind: OutputKind,
+                engine: _Engine) -> asyncio.Queue:
+        """Register a request's outputs queue and engine before its ADDs go out."""
         q: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = q
+        self.output_processor.abort_requests([request_id])  # a refused earlier attempt
         self.output_processor.add_request(request_id, text, requests, kind)
         for r in requests:
             self._parent_of[r.request_id] = request_id
             self._engine_of[r.request_id] = engine.index
             engine.in_flight += 1
-        finished = False
-        try:
-            for r in requests:
-                await engine.socket.send_multipart([ADD, self._encoder.encode(r)])
-            metrics = self.output_processor.metrics_of(request_id)
-            if metrics is not None:
-                metrics.engine_submit_time = time.time()
-            while True:
-                item = await q.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                if item.finished:
-                    finished = True
-                yield item
-                if finished:
-                    return
-        finally:
-            if not finished:
-                for engine_id in self.output_processor.abort_requests([request_id]):
-                    self._queue_abort(engine_id, "client_disconnect")
-            self._forget(request_id, requests)
+        return q
+
+    def _others_than(self, engine: _Engine) -> bool:
+        return any(e is not engine and not e.dead and not e.draining for e in self.engines)
 
     def _pick(self, rank: int | None) -> _Engine:
-        alive = [e for e in self.engines if not e.dead]
+        alive = [e for e in self.engines if not e.dead and not e.draining] or \
+            [e for e in self.engines if not e.dead]
         if rank is not None:
             if not 0 <= rank < len(self.engines):
                 raise EngineRequestError(
@@ -301,7 +324,7 @@ class EngineClient:
                 if msg.utility_output is not None:
                     self._resolve_utility(msg.utility_output)
                 if msg.outputs:
-                    self._dispatch(msg.outputs, msg.timestamp)
+                    self._dispatch(msg.outputs, msg.timestamp, engine.index)
         except (asyncio.CancelledError, zmq.ContextTerminated):
             return
 
@@ -314,9 +337,12 @@ class EngineClient:
         else:
             fut.set_result(out.result)
 
-    def _dispatch(self, outputs, engine_timestamp: float | None = None) -> None:
+    def _dispatch(self, outputs, engine_timestamp: float | None = None,
+                  engine_index: int | None = None) -> None:
         normal = []
         for out in outputs:
+            if engine_index is not None and self._engine_of.get(out.request_id) != engine_index:
+                continue  # stale: the request was resubmitted elsewhere, or is gone
             if out.finish_reason == FINISH_ERROR:
                 parent = self._parent_of.get(out.request_id)
                 if parent is None:

@@ -11,7 +11,8 @@ import pytest
 from engine import SamplingParams
 from engine.core_client import EngineClient, HandshakeError
 from engine.core_server import EngineCoreServer
-from engine.errors import EngineDeadError, InconsistentUtilityResults, NoEnginesError
+from engine.errors import (EngineDeadError, EngineDrainingError, InconsistentUtilityResults,
+                           NoEnginesError)
 from engine.mock import MockConfig, MockEngineCore
 from engine.model_loader import load_tokenizer
 from engine.utility_results import all_true, consensus
@@ -117,6 +118,34 @@ def test_requests_spread_over_both_engines(engines):
 
     asyncio.run(main())
     assert seen == {0: 4, 1: 4}
+
+
+def test_a_draining_engine_refusal_is_retried_on_another_engine(engines):
+    """Downscale: an engine that is shutting down refuses new requests; the client sends
+    them to the other engine instead of failing them, and stops picking the drainer."""
+    engines.add()
+    engines.add()
+    params = SamplingParams(max_tokens=4, ignore_eos=True, n=2)
+
+    async def main():
+        client = await engines.client()
+        try:
+            assert engines.servers[0].drain(timeout=1.0)  # nothing in flight: returns at once
+            async def count(request_id):
+                n = 0
+                async for out in client.generate(request_id, [7, 8], params):
+                    n += sum(len(o.token_ids) for o in out.outputs)
+                return n
+            counts = await asyncio.gather(*(count(f"d{i}") for i in range(6)))
+            assert counts == [8] * 6  # n=2 x 4 tokens each, none lost to the drainer
+            assert client.engines[0].draining and not client.engines[1].draining
+            with pytest.raises(EngineDrainingError):  # an explicit rank is not rerouted
+                await _tokens(client, "pinned", [7], params, rank=0)
+        finally:
+            await client.shutdown()
+
+    asyncio.run(main())
+    assert engines.cores[1].get_stats().num_running_reqs == 0
 
 
 def test_chunk_size_one_streams_per_token_and_larger_chunks_group(engines):
