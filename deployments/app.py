@@ -32,11 +32,15 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
     bundles = parsed.engine_bundles()
     placement = ({"placement_group_bundles": bundles,
                   "placement_group_strategy": parsed.placement_strategy} if bundles else {})
+    if parsed.engine_autoscaling is not None:  # on queue depth, from data_parallel_size
+        count = {"autoscaling_config": parsed.engine_autoscaling.serve_config(
+            initial_replicas=parsed.data_parallel_size)}
+    else:
+        count = {"num_replicas": parsed.data_parallel_size}
     engines = EngineServer.options(
-        num_replicas=parsed.data_parallel_size,
         ray_actor_options={"num_cpus": parsed.engine_num_cpus,
                            "num_gpus": parsed.engine_num_gpus},
-        **placement,
+        **count, **placement,
     ).bind(raw, coordinator)
     return OpenAIIngress.options(
         autoscaling_config=parsed.ingress_autoscaling.serve_config(),

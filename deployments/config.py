@@ -10,6 +10,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from deployments.autoscaling import EngineAutoscaling
 from engine.config import EngineConfig
 from engine.mock import MockConfig
 
@@ -54,6 +55,10 @@ class AppArgs(BaseModel):
     placement_strategy: str = "STRICT_PACK"  # of each engine's placement group
     ingress_num_cpus: float = Field(0.5, ge=0)
     ingress_autoscaling: IngressAutoscaling = IngressAutoscaling()
+    # None: a fixed data_parallel_size engines; else engines scale between its min and
+    # max on queue depth and KV usage (deployments.autoscaling), starting at
+    # data_parallel_size
+    engine_autoscaling: EngineAutoscaling | None = None
     api_key: str | None = None
     admin_key: str | None = None
     dev_mode: bool = False
@@ -71,6 +76,11 @@ class AppArgs(BaseModel):
         if self.placement_strategy not in ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"):
             raise ValueError("placement_strategy must be STRICT_PACK, PACK, SPREAD or "
                              "STRICT_SPREAD")
+        scaling = self.engine_autoscaling
+        if scaling is not None and not (scaling.min_replicas <= self.data_parallel_size
+                                        <= scaling.max_replicas):
+            raise ValueError("data_parallel_size (the initial engine count) must be within "
+                             "engine_autoscaling.min_replicas..max_replicas")
         if self.ingress_autoscaling.min_replicas > self.ingress_autoscaling.max_replicas:
             raise ValueError("ingress_autoscaling.min_replicas > max_replicas")
         if not self.is_mock:
@@ -113,6 +123,8 @@ class AppArgs(BaseModel):
     @property
     def max_engines(self) -> int:
         """The most engine replicas (data-parallel ranks) this app may run."""
+        if self.engine_autoscaling is not None:
+            return max(self.engine_autoscaling.max_replicas, self.data_parallel_size)
         return self.data_parallel_size
 
     @property

@@ -14,6 +14,7 @@ import socket
 import ray
 from ray import serve
 
+from deployments.autoscaling import autoscaling_stats
 from deployments.config import AppArgs
 from deployments.tokenizers import tokenizer_for
 from engine.core_server import EngineCoreServer
@@ -68,6 +69,16 @@ class EngineServer:
         return {"rank": self.rank, "address": self.server.address,
                 "actor_name": ray.get_runtime_context().get_actor_name()}
 
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """This engine's load for the engine autoscaling policy (deployments.autoscaling);
+        Serve calls it only when engine_autoscaling is configured."""
+        if self.server is None:
+            return {}
+        try:
+            return autoscaling_stats(self.server.core.get_stats())
+        except Exception:  # asleep, stopping: report nothing this time
+            return {}
+
     async def check_health(self) -> None:
         if self.server is None:
             await self._start()
@@ -77,8 +88,10 @@ class EngineServer:
         await self.coordinator.heartbeat.remote(self.rank, self.replica_id)
 
     def __del__(self) -> None:
-        """Serve's graceful shutdown: drain (in-flight requests finish, new ones are
-        refused with 503 so clients go elsewhere), release the rank, stop."""
+        """Serve's graceful shutdown (downscale, redeploy): leave the coordinator's engine
+        set first (the ingress replicas stop picking this engine within a poll), then
+        drain (in-flight requests finish; a request that still arrives is refused as
+        draining and the client resubmits it to another engine), then stop."""
         if self.server is None:
             return
         try:

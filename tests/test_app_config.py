@@ -66,3 +66,26 @@ def test_keys_come_from_args_else_the_replica_environment(monkeypatch):
     assert AppArgs(model="mock", api_key="explicit").keys() == ("explicit", "admin-secret")
     # the key is not copied into the args that Serve stores
     assert "from-secret" not in str(AppArgs(model="mock").model_dump())
+
+
+def test_engine_autoscaling_replaces_the_fixed_replica_count():
+    from ray.serve.config import AutoscalingConfig
+
+    from deployments.config import AppArgs
+    from ray.serve._private.build_app import build_app as serve_build
+    app = build_app({"model": "mock", "data_parallel_size": 2,
+                     "engine_autoscaling": {"min_replicas": 1, "max_replicas": 3}})
+    deployments = {d.name: d for d in serve_build(app, name="x").deployments}
+    scaling = deployments["EngineServer"]._deployment_config.autoscaling_config
+    assert scaling is not None and scaling.policy.policy_function.endswith("EngineQueuePolicy")
+    config = AutoscalingConfig(**scaling.model_dump())
+    assert (config.min_replicas, config.initial_replicas, config.max_replicas) == (1, 2, 3)
+    assert AppArgs(model="mock", data_parallel_size=2,
+                   engine_autoscaling={"max_replicas": 5}).max_engines == 5
+    fixed = build_app({"model": "mock", "data_parallel_size": 2})
+    fixed_engines = {d.name: d for d in serve_build(fixed, name="y").deployments}["EngineServer"]
+    assert fixed_engines._deployment_config.autoscaling_config is None
+    assert fixed_engines._deployment_config.num_replicas == 2
+    with pytest.raises(ValueError, match="initial engine count"):
+        build_app({"model": "mock", "data_parallel_size": 4,
+                   "engine_autoscaling": {"max_replicas": 3}})
