@@ -223,9 +223,11 @@ class ModelRunner:
                                    device=self.device)
                 bias.masked_fill_(span.unsqueeze(0) >= lens.unsqueeze(1), float("-inf"))
         slot_mapping = torch.tensor(slots, dtype=torch.long, device=self.device)
+        store = self.kernels.store_kv if self.kernels is not None else None
         return AttentionMetadata(
             slot_mapping=slot_mapping,
-            slot_blocks=slot_mapping // self.block_size,
-            slot_offsets=slot_mapping % self.block_size,
+            slot_blocks=None if store else slot_mapping // self.block_size,
+            slot_offsets=None if store else slot_mapping % self.block_size,
             num_decodes=len(decode_tables), decode_block_tables=tables, decode_seq_lens=lens,
-            decode_bias=bias, prefills=prefills, native_decode=self.native_decode)
+            decode_bias=bias, prefills=prefills, native_decode=self.native_decode,
+            native_store=store)

@@ -47,3 +47,26 @@ def test_decode_paths_match_dense_attention(dtype, tol, heads, kv_heads):
                                native_decode=kernels.paged_decode_attention)
     got = _decode_attention(q, kc_t, vc, native, 0.125).float()
     assert torch.allclose(got, expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_cache_write_matches_the_torch_path(dtype):
+    from engine.layers.attention import write_kv
+    kernels = cpu_kernels()
+    assert kernels is not None, "the native CPU kernel should build on this machine"
+    torch.manual_seed(0)
+    kv_heads, d, bs, blocks, tokens = 3, 64, 16, 12, 37
+    qkv = torch.randn(tokens, (9 + 2 * kv_heads) * d).to(dtype)  # k, v: strided views
+    k = qkv[:, 9 * d:(9 + kv_heads) * d].view(tokens, kv_heads, d)
+    v = qkv[:, (9 + kv_heads) * d:].view(tokens, kv_heads, d)
+    slots = torch.randperm(blocks * bs)[:tokens]
+    caches = []
+    for store in (None, kernels.store_kv):
+        kc = torch.zeros(kv_heads, blocks, d, bs, dtype=dtype)
+        vc = torch.zeros(kv_heads, blocks, bs, d, dtype=dtype)
+        meta = AttentionMetadata(slots, 0, None, None, None, [], slot_blocks=slots // bs,
+                                 slot_offsets=slots % bs, native_store=store)
+        write_kv(k, v, kc, vc, meta)
+        caches.append((kc, vc))
+    assert caches[0][0].abs().sum() > 0
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])

@@ -354,6 +354,8 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
 
 void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
+void store_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
+              torch::Tensor slots);
 void rotary_inplace(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
                     int64_t num_rotated_heads, int64_t head_dim);
 
@@ -362,4 +364,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual add + RMSNorm, in place");
   m.def("silu_and_mul", &silu_and_mul, "SwiGLU activation");
   m.def("rotary_inplace", &rotary_inplace, "neox RoPE on q and k, in place");
+  m.def("store_kv", &store_kv, "write keys/values into their paged cache slots");
 }

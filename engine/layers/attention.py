@@ -55,6 +55,7 @@ class AttentionMetadata:
     decode_bias: torch.Tensor | None  # [D, max_blocks * block_size] 0 or -inf (torch path)
     prefills: list[PrefillGroup]
     native_decode: Callable | None = None  # compiled CPU kernel (engine.kernels), if any
+    native_store: Callable | None = None  # compiled cache-write kernel, if any
     slot_blocks: torch.Tensor | None = None  # [T] slot_mapping // block_size
     slot_offsets: torch.Tensor | None = None  # [T] slot_mapping % block_size
 
@@ -62,6 +63,9 @@ class AttentionMetadata:
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              meta: AttentionMetadata) -> None:
     """Store this step's keys [T, KVH, D] and values into their slots."""
+    if meta.native_store is not None:  # one pass, no index tensors (2 ms of a W1 step)
+        meta.native_store(k, v, k_cache, v_cache, meta.slot_mapping)
+        return
     kv_heads, _, head_dim, _ = k_cache.shape
     k_cache.permute(1, 3, 0, 2)[meta.slot_blocks, meta.slot_offsets] = k
     v_cache.view(kv_heads, -1, head_dim).index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
