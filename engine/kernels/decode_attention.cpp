@@ -189,6 +189,12 @@ inline void prefetch_bytes(const T* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
 }
 
+template <typename T>
+inline void prefetch_l2(const T* p, int64_t bytes) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(c + off, _MM_HINT_T1);
+}
+
 // The common case, block size 16 and head size D (a multiple of 16), with the G query
 // heads of a kv head handled together: each key row and value row is loaded and widened
 // once for all G heads (not once per head), the softmax is vectorized, and the next
@@ -225,10 +231,15 @@ void run_bs16(const torch::Tensor& q, const torch::Tensor& k_cache, const torch:
           qf[g][i] = to_float(qp[(s * heads + h * G + g) * D + i]) * float(scale);
       const T* k_head = kp + h * num_blocks * D * BS;
       const T* v_head = vp + h * num_blocks * BS * D;
+      // all of this sequence's key and value blocks towards L2 at once (many misses in
+      // flight instead of one block's worth), the next key block into L1
+      for (int64_t b = 0; b < nblocks; ++b) {
+        prefetch_l2(k_head + table[b] * D * BS, D * BS * sizeof(T));
+        prefetch_l2(v_head + table[b] * BS * D, D * BS * sizeof(T));
+      }
       prefetch_bytes(k_head + table[0] * D * BS, D * BS * sizeof(T));
       for (int64_t b = 0; b < nblocks; ++b) {
         if (b + 1 < nblocks) prefetch_bytes(k_head + table[b + 1] * D * BS, D * BS * sizeof(T));
-        prefetch_bytes(v_head + table[b] * BS * D, D * BS * sizeof(T));
         const T* kb = k_head + table[b] * D * BS;  // [D][16]
         __m512 a0[G], a1[G];  // two chains per head hide the FMA latency
         for (int64_t g = 0; g < G; ++g) a0[g] = a1[g] = _mm512_setzero_ps();
