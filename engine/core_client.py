@@ -25,6 +25,7 @@ from typing import Any, AsyncIterator, Callable
 import msgspec
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from engine.errors import (DuplicateRequestError, EngineDeadError, EngineDrainingError,
                            EngineRequestError,
@@ -42,6 +43,7 @@ from engine.utility_results import all_true, consensus
 logger = logging.getLogger(__name__)
 
 ABORT_BATCH = 1024
+DISCONNECT_GRACE_S = 3.0  # after a TCP disconnect: time to hear from the engine again
 
 
 def _typed_error(message: str) -> FlotillaError:
@@ -129,6 +131,8 @@ class EngineClient:
                        for e in self.engines]
         self._tasks.append(loop.create_task(self._abort_loop(), name="abort-loop"))
         self._tasks.append(loop.create_task(self._monitor_health(), name="health-monitor"))
+        self._tasks += [loop.create_task(self._watch_connection(e), name=f"engine-{e.index}-tcp")
+                        for e in self.engines]
         return self
 
     async def _handshake(self, index: int, address: str, timeout: float
@@ -415,6 +419,29 @@ class EngineClient:
                         self._mark_dead(e, why)
         except asyncio.CancelledError:
             return
+
+    async def _watch_connection(self, engine: _Engine) -> None:
+        """A dropped connection (the engine's process died, its node went away) shortens
+        the wait for the heartbeat to DISCONNECT_GRACE_S: if the engine does not speak
+        again by then, the health monitor declares it dead. A live engine reconnects
+        and its next heartbeat (1 s) clears the suspicion."""
+        monitor = engine.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        try:
+            while True:
+                event = parse_monitor_message(await monitor.recv_multipart())
+                if event["event"] == zmq.EVENT_DISCONNECTED and not engine.dead:
+                    suspect = time.monotonic() - self.heartbeat_timeout_s + DISCONNECT_GRACE_S
+                    engine.last_heard = min(engine.last_heard, suspect)
+                    logger.warning("engine %d at %s: connection lost", engine.index,
+                                   engine.address)
+        except (asyncio.CancelledError, zmq.ZMQError):
+            return
+        finally:
+            try:
+                engine.socket.disable_monitor()
+            except zmq.ZMQError:
+                pass
+            monitor.close(linger=0)
 
     def _mark_dead(self, engine: _Engine, why: str) -> None:
         engine.dead = True

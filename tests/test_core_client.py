@@ -268,6 +268,38 @@ def test_killed_engine_ends_streams_with_engine_dead_error(tokenizer):
         proc.wait()
 
 
+def test_a_dropped_connection_is_noticed_before_the_heartbeat_timeout(tokenizer):
+    """No process handle (a remote engine) and a 120 s heartbeat timeout: the TCP
+    disconnect of a killed engine still ends its streams within seconds."""
+    address = free_address()
+    proc = subprocess.Popen([sys.executable, "-m", "engine.mock", "--address", address,
+                             "--vocab-size", str(len(tokenizer)), "--itl", "0.05"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        async def main():
+            client = await EngineClient.connect([address], tokenizer, handshake_timeout_s=30,
+                                                heartbeat_timeout_s=120.0)
+            try:
+                stream = client.generate("r", [5, 6], SamplingParams(max_tokens=5000,
+                                                                      ignore_eos=True))
+                await stream.__anext__()
+                proc.send_signal(signal.SIGKILL)
+
+                async def drain():
+                    async for _ in stream:
+                        pass
+                with pytest.raises(EngineDeadError, match="silent"):
+                    await asyncio.wait_for(drain(), 30)  # far below the 120 s timeout
+                assert not client.healthy
+            finally:
+                await client.shutdown()
+
+        asyncio.run(main())
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def test_explicit_abort_and_a_mixed_queue(engines):
     core = engines.add(itl_s=0.01, max_num_seqs=3)
     mixed = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (3, 20, 7, 1, 12)]
