@@ -1,7 +1,10 @@
 """build_app(args): the Flotilla Serve application (ingress -> engines, coordinator).
 
     serve run deployments.app:build_app model=mock data_parallel_size=2
-    serve build deployments.app:app -o config.yaml   # then set args, serve deploy config.yaml
+    serve build deployments.app:app -o config.yaml   # then: import_path -> build_app, set
+                                                     # args:, delete the deployments: list
+                                                     # (it would override what args say),
+                                                     # serve deploy config.yaml
 """
 from __future__ import annotations
 
@@ -50,5 +53,6 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
 
 # The default app as an Application object, for `serve build deployments.app:app` (which
 # takes only Applications). In the written config, point import_path at
-# deployments.app:build_app and put the AppArgs fields under `args:` to configure it.
+# deployments.app:build_app, put the AppArgs fields under `args:`, and delete the
+# `deployments:` list: its replica counts and resources would override the args.
 app = build_app()
