@@ -229,11 +229,16 @@ def test_handshake_times_out_on_a_silent_address(tokenizer):
         asyncio.run(EngineClient.connect([free_address()], tokenizer, handshake_timeout_s=0.5))
 
 
-def test_killed_engine_ends_streams_with_engine_dead_error(tokenizer):
-    address = free_address()
-    proc = subprocess.Popen([sys.executable, "-m", "engine.mock", "--address", address,
+def _mock_engine_process(address: str, tokenizer) -> subprocess.Popen:
+    """A mock engine-core server in its own process (so that it can be SIGKILLed)."""
+    return subprocess.Popen([sys.executable, "-m", "engine.mock", "--address", address,
                              "--vocab-size", str(len(tokenizer)), "--itl", "0.05"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def test_killed_engine_ends_streams_with_engine_dead_error(tokenizer):
+    address = free_address()
+    proc = _mock_engine_process(address, tokenizer)
     try:
         async def main():
             client = await EngineClient.connect(
@@ -272,9 +277,7 @@ def test_a_dropped_connection_is_noticed_before_the_heartbeat_timeout(tokenizer)
     """No process handle (a remote engine) and a 120 s heartbeat timeout: the TCP
     disconnect of a killed engine still ends its streams within seconds."""
     address = free_address()
-    proc = subprocess.Popen([sys.executable, "-m", "engine.mock", "--address", address,
-                             "--vocab-size", str(len(tokenizer)), "--itl", "0.05"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = _mock_engine_process(address, tokenizer)
     try:
         async def main():
             client = await EngineClient.connect([address], tokenizer, handshake_timeout_s=30,
