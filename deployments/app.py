@@ -8,6 +8,7 @@
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from pydantic import ValidationError
@@ -45,8 +46,14 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
                            "num_gpus": parsed.engine_num_gpus},
         **count, **placement,
     ).bind(raw, coordinator)
+    # Serve's default max_ongoing_requests (5) would cap each ingress replica at 5
+    # concurrent streams: the proxy queues the rest, so the engines never see more load,
+    # and the ingress target of 64 could never be reached (Serve warns "Autoscaling will
+    # never happen"). Room for 4x the target: bursts while new ingress replicas start.
+    ingress_scaling = parsed.ingress_autoscaling
     return OpenAIIngress.options(
-        autoscaling_config=parsed.ingress_autoscaling.serve_config(),
+        autoscaling_config=ingress_scaling.serve_config(),
+        max_ongoing_requests=max(1, math.ceil(4 * ingress_scaling.target_ongoing_requests)),
         ray_actor_options={"num_cpus": parsed.ingress_num_cpus},
     ).bind(raw, coordinator, engines)
 
