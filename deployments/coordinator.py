@@ -96,14 +96,21 @@ class Coordinator:
         return rank
 
     def register(self, rank: int, replica_id: str, address: str, ready: dict) -> None:
+        owner = self.owner.get(rank)
+        if owner is not None and owner != replica_id:
+            raise RuntimeError(f"rank {rank} belongs to replica {owner}, not {replica_id}")
         self.owner[rank] = replica_id
         self.registry[rank] = {"address": address, "ready": ready, "seen": time.monotonic()}
         self.version += 1
         logger.info("engine rank %d registered at %s", rank, address)
 
-    def heartbeat(self, rank: int, replica_id: str) -> None:
+    def heartbeat(self, rank: int, replica_id: str) -> bool:
+        """Whether this coordinator knows the engine; False after a coordinator restart
+        (its registry starts empty), and the engine then registers again."""
         if self.owner.get(rank) == replica_id and rank in self.registry:
             self.registry[rank]["seen"] = time.monotonic()
+            return True
+        return False
 
     def release(self, rank: int, replica_id: str) -> None:
         """A replica going away (downscale, shutdown): its engine leaves the set first,

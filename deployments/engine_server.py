@@ -56,8 +56,11 @@ class EngineServer:
         host = ray.util.get_node_ip_address()
         address = f"tcp://{host}:{_free_port(host)}"
         self.server = EngineCoreServer(core, address, self.rank).start()
-        ready = core.ready_response(self.rank)
-        await self.coordinator.register.remote(self.rank, self.replica_id, address,
+        await self._register()
+
+    async def _register(self) -> None:
+        ready = self.server.core.ready_response(self.rank)
+        await self.coordinator.register.remote(self.rank, self.replica_id, self.server.address,
                                                {"block_size": ready.block_size,
                                                 "max_model_len": ready.max_model_len,
                                                 "num_gpu_blocks": ready.num_gpu_blocks})
@@ -85,7 +88,8 @@ class EngineServer:
             return
         if not self.server.alive():
             raise RuntimeError(f"engine rank {self.rank}: engine loop stopped")
-        await self.coordinator.heartbeat.remote(self.rank, self.replica_id)
+        if not await self.coordinator.heartbeat.remote(self.rank, self.replica_id):
+            await self._register()  # the coordinator restarted and forgot us
 
     def __del__(self) -> None:
         """Serve's graceful shutdown (downscale, redeploy): leave the coordinator's engine

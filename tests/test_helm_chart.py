@@ -190,6 +190,9 @@ def test_serve_config_is_a_valid_flotilla_app(helm):
         build_app(app.args)  # AppArgs accepts them
         # ServeDeploySchema lets bad autoscaling values through; Serve's own model does not
         AutoscalingConfig(**app.args["ingress_autoscaling"])
+        from deployments.autoscaling import EngineAutoscaling
+        engine_scaling = EngineAutoscaling(**app.args["engine_autoscaling"])
+        AutoscalingConfig(**engine_scaling.serve_config(app.args["data_parallel_size"]))
         for deployment in app.deployments:
             if deployment.autoscaling_config:
                 AutoscalingConfig(**deployment.autoscaling_config)
@@ -210,6 +213,8 @@ def test_values_schema_rejects_bad_values(helm):
                                                    "memory": "8Gi", "gpus": "one"}]},
         "/app/ingress_autoscaling/target_ongoing_requests": {
             "app": {"ingress_autoscaling": {"target_ongoing_requests": 0}}},
+        "/app/engine_autoscaling/target_kv_cache_usage": {
+            "app": {"engine_autoscaling": {"target_kv_cache_usage": 1.5}}},
         "/autoscaler/upscalingMode": {"autoscaler": {"upscalingMode": "Fast"}},
     }
     for needle, values in bad.items():
