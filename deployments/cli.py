@@ -15,6 +15,7 @@ def _serve(args: argparse.Namespace) -> int:
     from ray import serve
 
     from deployments.app import build_app
+    from deployments.config import AppArgs
     app_args = {"model": args.model, "data_parallel_size": args.data_parallel_size,
                 "tensor_parallel_size": args.tensor_parallel_size, "dtype": args.dtype,
                 "dev_mode": args.dev_mode, "api_key": args.api_key or os.environ.get(
@@ -30,7 +31,15 @@ def _serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    ray.init(address=os.environ.get("RAY_ADDRESS"))  # joins RAY_ADDRESS or starts locally
+    address = os.environ.get("RAY_ADDRESS")
+    ray.init(address=address)  # joins RAY_ADDRESS or starts locally
+    if not address:  # a local Ray has no autoscaler: what does not fit would wait forever
+        try:
+            AppArgs.model_validate(app_args).check_fits(ray.cluster_resources())
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            ray.shutdown()
+            return 2
     serve.start(http_options={"host": args.host, "port": args.port})
     serve.run(app, name="flotilla", route_prefix="/")
     print(f"Flotilla is serving {args.model} at http://{args.host}:{args.port}/v1 "

@@ -120,6 +120,22 @@ class AppArgs(BaseModel):
         return (self.api_key or os.environ.get("FLOTILLA_API_KEY") or None,
                 self.admin_key or os.environ.get("FLOTILLA_ADMIN_KEY") or None)
 
+    def check_fits(self, cluster: dict[str, float]) -> None:
+        """Raise a clear ValueError when a fixed-size cluster (`cluster`: Ray's total
+        resources) cannot hold the starting engines: their placement groups would wait
+        forever. Clusters with an autoscaler add nodes instead; do not call it there."""
+        engines, tp = self.data_parallel_size, self.tensor_parallel_size
+        need = {"CPU": engines * tp * self.engine_num_cpus
+                + self.ingress_autoscaling.min_replicas * self.ingress_num_cpus,
+                "GPU": engines * tp * self.engine_num_gpus}
+        short = [f"{need[k]:g} {k}s, the cluster has {cluster.get(k, 0):g}"
+                 for k in need if need[k] > cluster.get(k, 0) + 1e-9]
+        if short:
+            raise ValueError(
+                f"{engines} engine(s) x tensor_parallel_size {tp} need " + "; ".join(short)
+                + " (lower data_parallel_size / tensor_parallel_size / engine_num_cpus / "
+                  "engine_num_gpus, or add nodes)")
+
     @property
     def max_engines(self) -> int:
         """The most engine replicas (data-parallel ranks) this app may run."""

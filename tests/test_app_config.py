@@ -89,3 +89,14 @@ def test_engine_autoscaling_replaces_the_fixed_replica_count():
     with pytest.raises(ValueError, match="initial engine count"):
         build_app({"model": "mock", "data_parallel_size": 4,
                    "engine_autoscaling": {"max_replicas": 3}})
+
+
+def test_engines_that_cannot_fit_a_fixed_cluster_get_a_clear_error():
+    from deployments.config import AppArgs
+    args = AppArgs(model="mock", data_parallel_size=2, tensor_parallel_size=2,
+                   engine_num_cpus=1, engine_num_gpus=1, ingress_num_cpus=0.5)
+    args.check_fits({"CPU": 4.5, "GPU": 4})  # exactly enough
+    with pytest.raises(ValueError, match="need 4 GPUs, the cluster has 2"):
+        args.check_fits({"CPU": 16, "GPU": 2})
+    with pytest.raises(ValueError, match="need 4.5 CPUs, the cluster has 2"):
+        args.check_fits({"CPU": 2, "GPU": 8})
