@@ -2,7 +2,6 @@
 the weights, bad sizes are refused, and a dead worker fails the engine fast."""
 import os
 import signal
-import time
 
 import pytest
 

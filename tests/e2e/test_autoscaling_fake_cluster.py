@@ -28,14 +28,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
-import secrets
-import shutil
-import signal
 import subprocess
-import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -44,10 +38,8 @@ from pathlib import Path
 import httpx
 import yaml
 
-from tests.e2e.test_serve_deploy import _free_ports, _pids_naming, _wait
+from tests.e2e.ray_head import BIN, free_ports, ray_head, wait_for
 
-BIN = Path(sys.executable).parent
-START_TIMEOUT_S = 120
 DEPLOY_TIMEOUT_S = 240
 SCALE_TIMEOUT_S = 150
 HEAD_RESOURCE = "flotilla_head"
@@ -121,62 +113,19 @@ def serve_config(http_port: int) -> dict:
 @contextlib.contextmanager
 def fake_cluster_head(config_path: Path, head_cpus: int, gcs: int):
     """`RAY_FAKE_CLUSTER=1 ray start --head --autoscaling-config=...` of our own; yields
-    (dashboard client, env for Ray CLIs). Cleans up even on failure: the head's process
-    group, then every process that names our temp dir (the fake nodes' raylets)."""
-    temp_dir = tempfile.mkdtemp(prefix="flotilla-ray-")
-    dashboard, client, node_manager, object_manager, agent_http, agent_grpc, \
-        runtime_env, metrics = _free_ports(8)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    env.update(RAY_USAGE_STATS_ENABLED="0", RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0",
-               RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32),
-               OMP_NUM_THREADS="1", RAY_FAKE_CLUSTER="1",
-               AUTOSCALER_UPDATE_INTERVAL_S="1")
-    headers = {"Authorization": f"Bearer {env['RAY_AUTH_TOKEN']}"}
-    log = open(Path(temp_dir) / "ray-start.log", "w")
-    proc = subprocess.Popen(
-        [str(BIN / "ray"), "start", "--head", "--block", "--disable-usage-stats",
-         f"--temp-dir={temp_dir}", f"--autoscaling-config={config_path}",
-         f"--num-cpus={head_cpus}", "--num-gpus=0",
-         f"--resources={json.dumps({HEAD_RESOURCE: 1})}",
-         "--node-ip-address=127.0.0.1", f"--port={gcs}", "--include-dashboard=true",
-         "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
-         f"--ray-client-server-port={client}", f"--node-manager-port={node_manager}",
-         f"--object-manager-port={object_manager}",
-         f"--dashboard-agent-listen-port={agent_http}",
-         f"--dashboard-agent-grpc-port={agent_grpc}",
-         f"--runtime-env-agent-port={runtime_env}", f"--metrics-export-port={metrics}",
-         "--min-worker-port=0", "--max-worker-port=0"],
-        stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    url = f"http://127.0.0.1:{dashboard}"
-    try:
-        _wait(lambda: httpx.get(f"{url}/api/version", headers=headers,
-                                timeout=5).raise_for_status(),
-              START_TIMEOUT_S, "the dashboard", proc)
-        with httpx.Client(base_url=url, headers=headers, timeout=30) as dash:
-            yield dash, env, temp_dir
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)  # `ray start --block` stops its own node
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                pass
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        for pid in _pids_naming(temp_dir):  # fake nodes, workers in other process groups
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        log.close()
-        print(Path(log.name).read_text()[-3000:])  # pytest shows it when the test fails
+    (dashboard client, env for Ray CLIs, temp dir). On exit it also prints the
+    autoscaler's launch/terminate events (shown when the test fails)."""
+    def autoscaler_events(temp_dir: str) -> None:
         for path in sorted(Path(temp_dir).glob("session_*/logs/monitor.log")):
             events = [line for line in path.read_text(errors="replace").splitlines()
                       if re.search(r"Launching|Terminating|Removing|idle|ERROR|Error", line)]
             print("--- autoscaler events\n" + "\n".join(events[-40:]))
-        if os.environ.get("FLOTILLA_KEEP_RAY_TEMP"):
-            print(f"kept {temp_dir}")
-        else:
-            shutil.rmtree(temp_dir, ignore_errors=True)
+
+    with ray_head([f"--autoscaling-config={config_path}", f"--num-cpus={head_cpus}",
+                   "--num-gpus=0", f"--resources={json.dumps({HEAD_RESOURCE: 1})}"],
+                  extra_env={"RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1"},
+                  gcs_port=gcs, before_cleanup=autoscaler_events) as head:
+        yield head
 
 
 # ---- load ---------------------------------------------------------------------------
@@ -304,7 +253,7 @@ def test_engines_and_fake_gpu_nodes_scale_up_and_down_without_failed_requests(tm
     from ray.autoscaler._private.util import validate_config
 
     head_cpus = 2
-    gcs, http_port = _free_ports(2)
+    gcs, http_port = free_ports(2)
     cluster = fake_cluster_config(f"127.0.0.1:{gcs}", head_cpus)
     validate_config(cluster)  # Ray's own schema check of the autoscaling config
     cluster_path = tmp_path / "fake_cluster.yaml"
@@ -327,7 +276,7 @@ def test_engines_and_fake_gpu_nodes_scale_up_and_down_without_failed_requests(tm
             app = status["applications"].get("flotilla", {})
             assert app.get("status") not in ("DEPLOY_FAILED", "UNHEALTHY"), app
             return app.get("status") == "RUNNING"
-        _wait(app_running, DEPLOY_TIMEOUT_S, "the Serve app (its first fake GPU node)")
+        wait_for(app_running, DEPLOY_TIMEOUT_S, "the Serve app (its first fake GPU node)")
         times["deploy_s"] = time.monotonic() - t_start
         # the first engine runs on the first fake GPU node (the head has no GPU)
         assert len(gpu_nodes(dash)) == 1
@@ -340,13 +289,13 @@ def test_engines_and_fake_gpu_nodes_scale_up_and_down_without_failed_requests(tm
             # 1. heavy load: a second engine on a second fake GPU node
             t0 = time.monotonic()
             load.set_concurrency(HEAVY_CONCURRENCY)
-            _wait(lambda: len(gpu_nodes(dash)) == 2, SCALE_TIMEOUT_S, "a second GPU node")
+            wait_for(lambda: len(gpu_nodes(dash)) == 2, SCALE_TIMEOUT_S, "a second GPU node")
             times["up_node_s"] = time.monotonic() - t0
-            _wait(lambda: engine_replicas(dash) == {"RUNNING": 2}, SCALE_TIMEOUT_S,
+            wait_for(lambda: engine_replicas(dash) == {"RUNNING": 2}, SCALE_TIMEOUT_S,
                   "two running engine replicas")
             times["up_replica_s"] = time.monotonic() - t0
             # the new rank registered (the ingress routes to two engines) and serves
-            _wait(lambda: (lambda e, r: e == {"0", "1"} and r.get("1", 0) > 0)(
+            wait_for(lambda: (lambda e, r: e == {"0", "1"} and r.get("1", 0) > 0)(
                 *ingress_engines(http)), 60, "requests running on the new engine")
             times["up_serving_s"] = time.monotonic() - t0
             assert not load.failures, load.failures[:5]
@@ -354,10 +303,10 @@ def test_engines_and_fake_gpu_nodes_scale_up_and_down_without_failed_requests(tm
             # 2. light load: nothing waits, one engine goes while requests stream
             t1 = time.monotonic()
             load.set_concurrency(LIGHT_CONCURRENCY)
-            _wait(lambda: engine_replicas(dash) == {"RUNNING": 1}, SCALE_TIMEOUT_S,
+            wait_for(lambda: engine_replicas(dash) == {"RUNNING": 1}, SCALE_TIMEOUT_S,
                   "one engine replica again")
             times["down_replica_s"] = time.monotonic() - t1
-            _wait(lambda: len(ingress_engines(http)[0]) == 1, 60,
+            wait_for(lambda: len(ingress_engines(http)[0]) == 1, 60,
                   "the ingress's one engine again")
             time.sleep(2)  # more requests on the remaining engine, after the switch
         finally:
@@ -367,7 +316,7 @@ def test_engines_and_fake_gpu_nodes_scale_up_and_down_without_failed_requests(tm
         t2 = time.monotonic()
 
         # 3. no load: the idle fake GPU node goes away; the one engine keeps serving
-        _wait(lambda: len(gpu_nodes(dash)) == 1, SCALE_TIMEOUT_S, "one GPU node again")
+        wait_for(lambda: len(gpu_nodes(dash)) == 1, SCALE_TIMEOUT_S, "one GPU node again")
         times["down_node_s"] = time.monotonic() - t1
         times["node_after_load_end_s"] = time.monotonic() - t2
         assert engine_replicas(dash) == {"RUNNING": 1}

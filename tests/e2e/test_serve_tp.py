@@ -38,8 +38,6 @@ def served(tiny_llama):
 
 
 def test_openai_client_against_dp2_tp2(served, tiny_llama):
-    import ray
-
     from engine import LLM, SamplingParams
     client = openai.OpenAI(base_url=f"{served}/v1", api_key="none", max_retries=0)
     prompt = [101, 2000, 3000, 4000, 5000]
