@@ -14,6 +14,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.errors import DuplicateRequestError, EngineSleepingError, InvalidRequestError
+from engine.kernels import cpu_kernels
 from engine.kv_cache_manager import KVCacheManager
 from engine.model_loader import load_hf_config, resolve_model
 from engine.model_runner import ModelRunner
@@ -55,7 +56,9 @@ class EngineCore:
         self.max_model_len = min(max_len, self.num_blocks * config.block_size)
         self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv, self.max_model_len)
-        self.sampler = Sampler(self.shape.vocab_size)
+        kernels = cpu_kernels() if self.device.type == "cpu" else None
+        self.sampler = Sampler(self.shape.vocab_size,
+                               kernels.argmax_rows if kernels is not None else None)
         self.requests: dict[str, Request] = {}
         self._aborted: list[EngineCoreOutput] = []
         self._sleep_level = 0  # 0 awake; 1 KV cache freed (weights off GPU); 2 weights freed

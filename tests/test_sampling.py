@@ -127,3 +127,22 @@ def test_min_p_and_top_p_restrict_to_likely_tokens(llm):
 def test_invalid_sampling_params_raise_typed_error(bad):
     with pytest.raises(InvalidRequestError):
         SamplingParams(**bad)
+
+
+def test_native_greedy_argmax_matches_torch_and_takes_the_first_maximum():
+    import torch
+
+    from engine.kernels import cpu_kernels
+    from engine.sampler import Sampler
+    kernels = cpu_kernels()
+    assert kernels is not None, "the native CPU kernel should build on this machine"
+    torch.manual_seed(0)
+    logits = torch.randn(9, 1000)
+    logits[2, 17] = logits[2, 900] = logits[2].max() + 1  # a tie: the first index wins
+    logits[4, 999] = 50.0  # the last column
+    logits[5] = -1e30
+    sampler = Sampler(1000, kernels.argmax_rows)
+    assert torch.equal(sampler._argmax(logits), logits.argmax(dim=-1))
+    assert sampler._argmax(logits)[2].item() == 17
+    logits[6, 3] = float("nan")  # torch's rule (NaN is the maximum) via its own argmax
+    assert torch.equal(sampler._argmax(logits), logits.argmax(dim=-1))

@@ -7,6 +7,10 @@
 
 #include <cmath>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include "convert.h"
 
 namespace {
@@ -114,6 +118,46 @@ void store_kv_impl(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor
   });
 }
 
+// Index of the first maximum of each row (NaN-free rows; the caller checks). torch's CPU
+// argmax is not vectorized: 1.3 ms for 64 x 49152 floats, most of a greedy sampler step.
+void argmax_rows_impl(const torch::Tensor& x, torch::Tensor& out) {
+  const int64_t rows = x.size(0), cols = x.size(1);
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = xp + r * cols;
+      float best = -INFINITY;
+      int64_t best_i = 0;
+      int64_t i = 0;
+#if defined(__AVX512F__)
+      if (cols >= 16) {
+        __m512 vmax = _mm512_set1_ps(-INFINITY);
+        __m512i vidx = _mm512_setzero_si512();
+        __m512i cur = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        const __m512i step = _mm512_set1_epi32(16);
+        for (; i + 16 <= cols; i += 16) {  // per lane: the first index of its maximum
+          const __m512 v = _mm512_loadu_ps(row + i);
+          const __mmask16 gt = _mm512_cmp_ps_mask(v, vmax, _CMP_GT_OQ);
+          vmax = _mm512_mask_mov_ps(vmax, gt, v);
+          vidx = _mm512_mask_mov_epi32(vidx, gt, cur);
+          cur = _mm512_add_epi32(cur, step);
+        }
+        alignas(64) float m[16];
+        alignas(64) int32_t ix[16];
+        _mm512_store_ps(m, vmax);
+        _mm512_store_si512(reinterpret_cast<__m512i*>(ix), vidx);
+        for (int l = 0; l < 16; ++l)
+          if (m[l] > best || (m[l] == best && ix[l] < best_i)) { best = m[l]; best_i = ix[l]; }
+      }
+#endif
+      for (; i < cols; ++i)
+        if (row[i] > best) { best = row[i]; best_i = i; }
+      op[r] = best_i;
+    }
+  });
+}
+
 #define DISPATCH(dtype, NAME, ...)                                        \
   if (dtype == torch::kBFloat16) { NAME<c10::BFloat16>(__VA_ARGS__); }   \
   else if (dtype == torch::kHalf) { NAME<c10::Half>(__VA_ARGS__); }      \
@@ -145,6 +189,15 @@ void store_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Te
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && slots.is_contiguous());
   TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type());
   DISPATCH(k.scalar_type(), store_kv_impl, k, v, k_cache, v_cache, slots);
+}
+
+// First index of each row's maximum: x [B, V] float32 without NaN -> [B] int64.
+torch::Tensor argmax_rows(torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat);
+  TORCH_CHECK(x.size(1) < (int64_t(1) << 31), "argmax_rows: row too long");
+  auto out = torch::empty({x.size(0)}, x.options().dtype(torch::kLong));
+  argmax_rows_impl(x, out);
+  return out;
 }
 
 // Rotates, in place, the first num_rotated_heads heads of each row of qkv [T, W] (q heads
