@@ -70,3 +70,20 @@ def test_native_cache_write_matches_the_torch_path(dtype):
         caches.append((kc, vc))
     assert caches[0][0].abs().sum() > 0
     assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+
+
+def test_native_decode_reads_q_as_a_row_view_of_the_fused_qkv():
+    kernels = cpu_kernels()
+    assert kernels is not None
+    torch.manual_seed(1)
+    seqs, heads, kv_heads, d, bs, blocks = 4, 9, 3, 64, 16, 30
+    kc = torch.randn(kv_heads, blocks, d, bs).bfloat16()
+    vc = torch.randn(kv_heads, blocks, bs, d).bfloat16()
+    qkv = torch.randn(seqs, (heads + 2 * kv_heads) * d).bfloat16()
+    q = qkv[:, :heads * d].view(seqs, heads, d)  # rows (heads + 2 kv_heads) * d apart
+    assert not q.is_contiguous()
+    tables = torch.randperm(blocks)[:seqs * 5].view(seqs, 5)
+    lens = torch.tensor([1, 16, 50, 80])
+    strided = kernels.paged_decode_attention(q, kc, vc, tables, lens, 0.125)
+    dense = kernels.paged_decode_attention(q.contiguous(), kc, vc, tables, lens, 0.125)
+    assert torch.equal(strided, dense)

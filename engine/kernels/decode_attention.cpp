@@ -53,6 +53,7 @@ void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tens
   const int64_t bs = BS ? BS : k_cache.size(3), max_blocks = block_tables.size(1);
   const int64_t group = heads / kv_heads;
   const T* qp = q.data_ptr<T>();
+  const int64_t q_row = q.stride(0);  // q may be a row view into the fused qkv
   const T* kp = k_cache.data_ptr<T>();
   const T* vp = v_cache.data_ptr<T>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
@@ -68,7 +69,7 @@ void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tens
       scores.resize(group * nblocks * bs);
       for (int64_t g = 0; g < group; ++g)
         for (int64_t i = 0; i < d; ++i)
-          qf[g * d + i] = to_float(qp[(s * heads + h * group + g) * d + i]) * float(scale);
+          qf[g * d + i] = to_float(qp[s * q_row + (h * group + g) * d + i]) * float(scale);
       const T* k_head = kp + h * num_blocks * d * bs;
       const T* v_head = vp + h * num_blocks * bs * d;
       // scores[g, t] = q_g . k_t, a block of bs tokens at a time; with fixed sizes the
@@ -212,6 +213,7 @@ void run_bs16(const torch::Tensor& q, const torch::Tensor& k_cache, const torch:
   const int64_t kv_heads = k_cache.size(0), num_blocks = k_cache.size(1);
   const int64_t max_blocks = block_tables.size(1);
   const T* qp = q.data_ptr<T>();
+  const int64_t q_row = q.stride(0);  // q may be a row view into the fused qkv
   const T* kp = k_cache.data_ptr<T>();
   const T* vp = v_cache.data_ptr<T>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
@@ -228,7 +230,7 @@ void run_bs16(const torch::Tensor& q, const torch::Tensor& k_cache, const torch:
       scores.resize(G * padded);
       for (int64_t g = 0; g < G; ++g)
         for (int64_t i = 0; i < D; ++i)
-          qf[g][i] = to_float(qp[(s * heads + h * G + g) * D + i]) * float(scale);
+          qf[g][i] = to_float(qp[s * q_row + (h * G + g) * D + i]) * float(scale);
       const T* k_head = kp + h * num_blocks * D * BS;
       const T* v_head = vp + h * num_blocks * BS * D;
       // all of this sequence's key and value blocks towards L2 at once (many misses in
@@ -340,18 +342,18 @@ void dispatch_sizes(const torch::Tensor& q, const torch::Tensor& k_cache,
 
 }  // namespace
 
-// q: [S, H, D] contiguous; k_cache [KVH, num_blocks, D, bs], v_cache [KVH, num_blocks, bs, D];
+// q: [S, H, D], heads contiguous within a row (rows may be strided); k_cache [KVH, num_blocks, D, bs], v_cache [KVH, num_blocks, bs, D];
 // block_tables: [S, max_blocks]
 // int64; seq_lens: [S] int64 (tokens of context, the query's own included). Returns [S, H, D].
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor seq_lens,
                                      double scale) {
-  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
-              "paged_decode_attention needs contiguous inputs");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && k_cache.is_contiguous() &&
+              v_cache.is_contiguous(), "paged_decode_attention needs contiguous heads and caches");
   TORCH_CHECK(q.size(1) % k_cache.size(0) == 0, "heads must be a multiple of kv heads");
   auto tables = block_tables.contiguous();
   auto lens = seq_lens.contiguous();
-  auto out = torch::empty_like(q);
+  auto out = torch::empty(q.sizes(), q.options());
   if (q.scalar_type() == torch::kBFloat16) {
     dispatch_sizes<c10::BFloat16>(q, k_cache, v_cache, tables, lens, out, scale);
   } else if (q.scalar_type() == torch::kHalf) {

@@ -124,7 +124,7 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: [S, H, D]; k_cache: [KVH, num_blocks, D, bs]; v_cache: [KVH, num_blocks, bs, D]."""
     if meta.native_decode is not None:
-        return meta.native_decode(q.contiguous(), k_cache, v_cache, meta.decode_block_tables,
+        return meta.native_decode(q, k_cache, v_cache, meta.decode_block_tables,
                                   meta.decode_seq_lens, scale)
     d_reqs, heads, head_dim = q.shape
     kv_heads, _, _, bs = k_cache.shape
