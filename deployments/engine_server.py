@@ -9,7 +9,6 @@ its rank and stops the server (and its TP workers).
 from __future__ import annotations
 
 import logging
-import socket
 
 import ray
 from ray import serve
@@ -17,16 +16,11 @@ from ray import serve
 from deployments.autoscaling import autoscaling_stats
 from deployments.config import AppArgs
 from deployments.tokenizers import tokenizer_for
-from engine.core_server import EngineCoreServer
+from engine.core_server import EngineCoreServer, free_port
 
 logger = logging.getLogger(__name__)
 DRAIN_TIMEOUT_S = 15.0  # below graceful_shutdown_timeout_s
 
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 @serve.deployment(health_check_period_s=5, health_check_timeout_s=30,
@@ -54,7 +48,7 @@ class EngineServer:
                 launcher = RayWorkerLauncher(self.args.engine_num_cpus, self.args.engine_num_gpus)
             core = EngineCore(self.args.engine_config(self.rank), launcher)
         host = ray.util.get_node_ip_address()
-        address = f"tcp://{host}:{_free_port(host)}"
+        address = f"tcp://{host}:{free_port(host)}"
         self.server = EngineCoreServer(core, address, self.rank).start()
         await self._register()
 

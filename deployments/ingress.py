@@ -58,7 +58,6 @@ class OpenAIIngress:
         self.coordinator = coordinator
         self._engines = engines  # bound so that Serve deploys the engine replicas
         self._client: EngineClient | None = None
-        self._addresses: list[str] = []
         self._version = -1
         self._follower: asyncio.Task | None = None
         self._lock = asyncio.Lock()
@@ -94,7 +93,7 @@ class OpenAIIngress:
         """Connect to a new engine set; the old client finishes its streams, then closes."""
         client = await EngineClient.connect(addresses, tokenizer_for(self.args))
         old, self._client = self._client, client
-        self._addresses, self._version = addresses, version
+        self._version = version
         logger.info("ingress: %d engines (membership version %d)", len(addresses), version)
         if old is not None:
             asyncio.get_running_loop().create_task(_retire(old))

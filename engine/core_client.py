@@ -222,7 +222,6 @@ class EngineClient:
         """Register a request's outputs queue and engine before its ADDs go out."""
         q: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = q
-        self.output_processor.abort_requests([request_id])  # a refused earlier attempt
         self.output_processor.add_request(request_id, text, requests, kind)
         for r in requests:
             self._parent_of[r.request_id] = request_id

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import socket
 import threading
 import time
 from collections import defaultdict
@@ -37,6 +38,13 @@ UTILITY_METHODS = frozenset({
     "get_stats", "ready_response", "has_unfinished_requests", "get_memory_usage"})
 HEARTBEAT_INTERVAL_S = 1.0
 _STOP = object()
+
+
+def free_port(host: str) -> int:
+    """A TCP port free on host right now (for a server or rendezvous to bind next)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def engine_addresses(address: str, count: int) -> list[str]:

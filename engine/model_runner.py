@@ -85,6 +85,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.kernels = cpu_kernels() if device.type == "cpu" else None
         self.native_decode = None
+        self.native_store = self.kernels.store_kv if self.kernels is not None else None
         if self.kernels is not None and shape.head_dim % 16 == 0:
             self.native_decode = self.kernels.paged_decode_attention
         self.model = self._load_model()
@@ -250,7 +251,7 @@ class ModelRunner:
                                    device=self.device)
                 bias.masked_fill_(span.unsqueeze(0) >= lens.unsqueeze(1), float("-inf"))
         slot_mapping = torch.tensor(slots, dtype=torch.long, device=self.device)
-        store = self.kernels.store_kv if self.kernels is not None else None
+        store = self.native_store
         return AttentionMetadata(
             slot_mapping=slot_mapping,
             slot_blocks=None if store else slot_mapping // self.block_size,

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import subprocess
 import sys
 import weakref
@@ -26,6 +25,7 @@ import msgspec
 import torch
 
 from engine.config import EngineConfig, default_num_threads
+from engine.core_server import free_port
 from engine.errors import EngineDeadError, InvalidRequestError
 from engine.model_runner import ModelRunner, StepInput
 from engine.parallel import ShardPlan, TPGroup, check_divisible
@@ -103,11 +103,6 @@ def _worker_env(args: WorkerArgs) -> dict[str, str]:
     return env
 
 
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
 
 class TPExecutor:
     """The model-runner interface of EngineCore, spread over TP ranks."""
@@ -128,7 +123,7 @@ class TPExecutor:
         if device.type == "cpu":
             torch.set_num_threads(threads)
         host = getattr(self.launcher, "host", "127.0.0.1")  # where workers reach rank 0
-        init_method = f"tcp://{host}:{_free_port(host)}"
+        init_method = f"tcp://{host}:{free_port(host)}"
         workers = [WorkerArgs(asdict(config), rank, size, init_method, max_model_len, threads)
                    for rank in range(1, size)]
         self.launcher.start(workers)
@@ -166,13 +161,6 @@ class TPExecutor:
     def kv_caches(self) -> torch.Tensor | None:
         return self.runner.kv_caches
 
-    @property
-    def plan(self) -> ShardPlan:
-        return self.runner.plan
-
-    def bytes_per_block(self) -> int:
-        return self.runner.bytes_per_block()
-
     def max_kv_blocks(self) -> int:
         self._send(Command("blocks"))
         return self._call(self.tp.min_int, self.runner.max_kv_blocks())
@@ -198,7 +186,7 @@ class TPExecutor:
 
     def restore_weights(self) -> None:
         self._send(Command("restore"))
-        self._call(self.runner.restore_weights)  # loading the shards runs no collective
+        self.runner.restore_weights()  # loading the shards runs no collective
 
     def memory_usage(self) -> dict[str, Any]:
         """Rank 0's bytes, plus every rank's weight and KV bytes."""

@@ -250,21 +250,21 @@ class LlamaForCausalLM(nn.Module):
             module, kind = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", name)
             target, offset, src = name, None, None
             if module in rules:
-                fused_name, offset, src = rules[module].get(kind, rules[module]["weight"])
+                fused_name, offset, src = rules[module]
                 target = ".".join(parts[:-2] + [fused_name, kind])
-                if kind == "bias" and module in ("o_proj", "down_proj"):
-                    offset, src = None, None  # a row-parallel bias is whole, on rank 0
+                if kind == "bias" and module in _ROW_PARALLEL:
+                    src = None  # a row-parallel bias is whole, on rank 0 only
+                    if target not in params:
+                        continue
             param = params.get(target)
             if param is None:
-                if target.endswith(("o_proj.bias", "down_proj.bias")) and self.plan.rank > 0:
-                    continue  # held by rank 0 only
                 raise UnsupportedModelError(f"unexpected checkpoint tensor {name!r}")
             piece = _read_slice(tensor, src)
             with torch.no_grad():
-                dst = param if offset is None else param.narrow(0, offset, piece.shape[0])
-                if module in ("embed_tokens", "lm_head") and self.plan.size > 1:
+                if module in _VOCAB_PARALLEL and piece.shape[0] < param.shape[0]:
                     param.zero_()  # padding rows past the vocabulary stay zero
-                    dst = param.narrow(0, 0, piece.shape[0])
+                dst = param.narrow(0, offset or 0, piece.shape[0]) \
+                    if offset is not None or module in _VOCAB_PARALLEL else param
                 if dst.shape != piece.shape:
                     raise UnsupportedModelError(
                         f"checkpoint tensor {name!r} has shape {tuple(piece.shape)}, "
@@ -278,24 +278,26 @@ class LlamaForCausalLM(nn.Module):
 
 
 Slice = tuple[int, int, int]  # (dim, start, length) of the checkpoint tensor
+_ROW_PARALLEL = ("o_proj", "down_proj")  # split by input: biases stay whole
+_VOCAB_PARALLEL = ("embed_tokens", "lm_head")  # split by vocabulary rows
 
 
-def _shard_rules(s: ModelShape, plan: ShardPlan) -> dict[str, dict[str, tuple[str, int, Slice]]]:
-    """checkpoint module name -> {"weight"/"bias": (fused param, row offset, source slice)}."""
+def _shard_rules(s: ModelShape, plan: ShardPlan) -> dict[str, tuple[str, int | None, Slice]]:
+    """checkpoint module name -> (fused parameter, row offset in it, source slice), for
+    weights and biases alike (row-parallel biases excepted, see load_weights)."""
     d, h, kv, inter = s.head_dim, plan.num_heads, plan.num_kv_heads, plan.intermediate_size
     q_src = (0, plan.head_start * d, h * d)
     kv_src = (0, plan.kv_head_start * d, kv * d)
     mlp_src = (0, plan.rank * inter, inter)
     vocab = (0, plan.vocab_start, min(plan.vocab_per_rank, s.vocab_size - plan.vocab_start))
-    rules = {"q_proj": ("qkv_proj", 0, q_src), "k_proj": ("qkv_proj", h * d, kv_src),
-             "v_proj": ("qkv_proj", (h + kv) * d, kv_src),
-             "gate_proj": ("gate_up_proj", 0, mlp_src),
-             "up_proj": ("gate_up_proj", inter, mlp_src),
-             "o_proj": ("o_proj", None, (1, plan.head_start * d, h * d)),
-             "down_proj": ("down_proj", None, (1, plan.rank * inter, inter)),
-             "embed_tokens": ("embed_tokens", None, vocab),
-             "lm_head": ("lm_head", None, vocab)}
-    return {k: {"weight": v} for k, v in rules.items()}
+    return {"q_proj": ("qkv_proj", 0, q_src), "k_proj": ("qkv_proj", h * d, kv_src),
+            "v_proj": ("qkv_proj", (h + kv) * d, kv_src),
+            "gate_proj": ("gate_up_proj", 0, mlp_src),
+            "up_proj": ("gate_up_proj", inter, mlp_src),
+            "o_proj": ("o_proj", None, (1, plan.head_start * d, h * d)),
+            "down_proj": ("down_proj", None, (1, plan.rank * inter, inter)),
+            "embed_tokens": ("embed_tokens", None, vocab),
+            "lm_head": ("lm_head", None, vocab)}
 
 
 def _read_slice(tensor, src: Slice | None) -> torch.Tensor:
@@ -310,12 +312,5 @@ def _read_slice(tensor, src: Slice | None) -> torch.Tensor:
 
 def _offsets(param_name: str, rules: dict) -> list:
     """The row offsets a parameter is filled at (several for fused ones)."""
-    parts = param_name.split(".")
-    if len(parts) < 2:
-        return [None]
-    fused, kind = parts[-2], parts[-1]
-    offsets = [rule[kind if kind in rule else "weight"][1] for rule in rules.values()
-               if rule["weight"][0] == fused]
-    if kind == "bias" and fused in ("o_proj", "down_proj"):
-        return [None]
-    return offsets or [None]
+    fused = param_name.split(".")[-2] if "." in param_name else ""
+    return [offset for target, offset, _ in rules.values() if target == fused] or [None]

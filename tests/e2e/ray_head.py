@@ -123,3 +123,19 @@ def ray_head(start_args: list[str], extra_env: dict[str, str] | None = None,
             print(f"kept {temp_dir}")
         else:
             shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def serve_deploy(dash: httpx.Client, env: dict[str, str], config_path: Path,
+                 timeout_s: float, what: str = "the Serve app") -> None:
+    """`serve deploy` a config to this head and wait until the app "flotilla" runs
+    (a failed or unhealthy deployment fails at once)."""
+    deploy = subprocess.run([str(BIN / "serve"), "deploy", "-a", str(dash.base_url),
+                             str(config_path)], capture_output=True, text=True, env=env,
+                            timeout=120)
+    assert deploy.returncode == 0, deploy.stdout + deploy.stderr
+
+    def app_running():
+        app = dash.get("/api/serve/applications/").json()["applications"].get("flotilla", {})
+        assert app.get("status") not in ("DEPLOY_FAILED", "UNHEALTHY"), app
+        return app.get("status") == "RUNNING"
+    wait_for(app_running, timeout_s, what)

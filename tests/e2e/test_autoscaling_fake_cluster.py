@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
@@ -38,7 +37,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-from tests.e2e.ray_head import BIN, free_ports, ray_head, wait_for
+from tests.e2e.ray_head import free_ports, ray_head, serve_deploy, wait_for
 
 DEPLOY_TIMEOUT_S = 240
 SCALE_TIMEOUT_S = 150
@@ -266,17 +265,8 @@ def test_engines_and_fake_gpu_nodes_scale_up_and_down_without_failed_requests(tm
 
     with fake_cluster_head(cluster_path, head_cpus, gcs) as (dash, env, _), \
             httpx.Client(base_url=base_url, timeout=30) as http:
-        deploy = subprocess.run([str(BIN / "serve"), "deploy", "-a", str(dash.base_url),
-                                 str(serve_path)], capture_output=True, text=True,
-                                env=env, timeout=120)
-        assert deploy.returncode == 0, deploy.stdout + deploy.stderr
-
-        def app_running():
-            status = dash.get("/api/serve/applications/").json()
-            app = status["applications"].get("flotilla", {})
-            assert app.get("status") not in ("DEPLOY_FAILED", "UNHEALTHY"), app
-            return app.get("status") == "RUNNING"
-        wait_for(app_running, DEPLOY_TIMEOUT_S, "the Serve app (its first fake GPU node)")
+        serve_deploy(dash, env, serve_path, DEPLOY_TIMEOUT_S,
+                     "the Serve app (its first fake GPU node)")
         times["deploy_s"] = time.monotonic() - t_start
         # the first engine runs on the first fake GPU node (the head has no GPU)
         assert len(gpu_nodes(dash)) == 1

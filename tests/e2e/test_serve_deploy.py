@@ -8,12 +8,11 @@ temp dir: never `ray stop`, which would stop every Ray on the machine.
 from __future__ import annotations
 
 import contextlib
-import subprocess
 
 import httpx
 import yaml
 
-from tests.e2e.ray_head import BIN, free_ports, ray_head, wait_for
+from tests.e2e.ray_head import free_ports, ray_head, serve_deploy
 from tests.helm_tool import helm, serve_config  # noqa: F401 (helm: a fixture)
 
 DEPLOY_TIMEOUT_S = 240
@@ -40,17 +39,7 @@ def test_chart_serve_config_deploys_with_serve_deploy_and_answers(helm, tmp_path
     config_path.write_text(yaml.safe_dump(serve_config(helm.render(values))))
 
     with ray_head_with_gpus(num_gpus=2) as (dashboard, env):
-        deploy = subprocess.run([str(BIN / "serve"), "deploy", "-a", str(dashboard.base_url),
-                                 str(config_path)], capture_output=True, text=True,
-                                env=env, timeout=120)
-        assert deploy.returncode == 0, deploy.stdout + deploy.stderr
-
-        def app_running():
-            status = dashboard.get("/api/serve/applications/").json()
-            app = status["applications"].get("flotilla", {})
-            assert app.get("status") not in ("DEPLOY_FAILED", "UNHEALTHY"), app
-            return app.get("status") == "RUNNING"
-        wait_for(app_running, DEPLOY_TIMEOUT_S, "the Serve app")
+        serve_deploy(dashboard, env, config_path, DEPLOY_TIMEOUT_S)
 
         with httpx.Client(base_url=f"http://127.0.0.1:{http_port}", timeout=60) as http:
             assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["mock"]
