@@ -1,7 +1,7 @@
 """ModelRunner: owns the model weights and the KV cache tensor of one worker.
 
 prepare() turns a SchedulerOutput into a StepInput: plain lists (token ids,
-positions, cache slots, block tables, prefill groups) that are cheap to encode,
+positions, cache slots, query and context lengths, block tables) that are cheap to encode,
 so a tensor-parallel driver can send the same step to its workers. run() makes
 the tensors, runs the forward pass, and computes logits only for the rows that
 sample this step.
@@ -57,14 +57,17 @@ _MADV_HUGEPAGE = 14
 
 
 class StepInput(msgspec.Struct, array_like=True, gc=False):
-    """One step's batch for the forward pass, the same on every TP rank."""
+    """One step's batch for the forward pass, the same on every TP rank.
+
+    Sequences are in batch order, decodes (one new token) first; each owns its last
+    query_lens[i] tokens of ids/positions/slots."""
 
     ids: list[int]
     positions: list[int]
     slots: list[int]
-    decode_tables: list[list[int]]
-    decode_lens: list[int]
-    prefills: list[tuple[int, int, int, int, list[int] | None]]  # PrefillGroup fields
+    query_lens: list[int]  # new tokens of each sequence this step
+    seq_lens: list[int]  # its context after this step, new tokens included
+    block_tables: list[list[int]]  # its blocks covering seq_lens
     logit_positions: list[int]  # flat token index of each sampling row
 
 
@@ -84,10 +87,10 @@ class ModelRunner:
         self.hf_config = hf_config
         self.max_model_len = max_model_len
         self.kernels = cpu_kernels() if device.type == "cpu" else None
-        self.native_decode = None
-        self.native_store = self.kernels.store_kv if self.kernels is not None else None
-        if self.kernels is not None and shape.head_dim % 16 == 0:
-            self.native_decode = self.kernels.paged_decode_attention
+        self.native_attention = self.native_store = None
+        if self.kernels is not None:
+            self.native_attention = self.kernels.paged_attention
+            self.native_store = self.kernels.store_kv
         self.model = self._load_model()
         self.kv_caches: torch.Tensor | None = None
         self.num_blocks = 0
@@ -191,28 +194,19 @@ class ModelRunner:
         bs = self.block_size
         order = sorted(range(len(sched.requests)), key=lambda i: sched.num_new_tokens[i] != 1)
         step = StepInput([], [], [], [], [], [], [])
-        ids, positions, slots, prefills = step.ids, step.positions, step.slots, step.prefills
+        ids, positions, slots = step.ids, step.positions, step.slots
         sample_rows: list[int] = []  # index into sched.requests
         for i in order:
             request, n = sched.requests[i], sched.num_new_tokens[i]
             start = request.num_computed_tokens
             end = start + n
-            first = len(ids)
             ids.extend(request.all_token_ids[start:end])
             positions.extend(range(start, end))
             blocks = request.block_ids
             slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
-            num_ctx_blocks = -(-end // bs)
-            if n == 1:
-                step.decode_tables.append(blocks[:num_ctx_blocks])
-                step.decode_lens.append(end)
-            elif start > 0:
-                prefills.append((first, n, 1, end, blocks[:num_ctx_blocks]))
-            elif prefills and prefills[-1][4] is None and prefills[-1][1] == n:
-                f, q, count, c, _ = prefills[-1]  # batch equal-length fresh prefills
-                prefills[-1] = (f, q, count + 1, c, None)
-            else:
-                prefills.append((first, n, 1, n, None))
+            step.query_lens.append(n)
+            step.seq_lens.append(end)
+            step.block_tables.append(blocks[:-(-end // bs)])
             if end == request.num_tokens:
                 sample_rows.append(i)
                 step.logit_positions.append(len(ids) - 1)
@@ -223,11 +217,7 @@ class ModelRunner:
         """Forward pass of one step; logits [S, V] of its sampling rows (None on TP
         ranks other than 0)."""
         dev = self.device
-        prefills = [PrefillGroup(f, n, count, ctx, None if table is None else
-                                 torch.tensor(table, dtype=torch.long, device=dev))
-                    for f, n, count, ctx, table in step.prefills]
-        meta = self._attention_metadata(step.slots, step.decode_tables, step.decode_lens,
-                                        prefills)
+        meta = self._attention_metadata(step)
         input_ids = torch.tensor(step.ids, dtype=torch.long, device=dev)
         pos = torch.tensor(step.positions, dtype=torch.long, device=dev)
         hidden = self.model(input_ids, pos, self.kv_caches, meta)
@@ -236,26 +226,55 @@ class ModelRunner:
         index = torch.tensor(step.logit_positions, dtype=torch.long, device=dev)
         return self.model.compute_logits(hidden.index_select(0, index))
 
-    def _attention_metadata(self, slots: list[int], decode_tables: list[list[int]],
-                            decode_lens: list[int], prefills: list[PrefillGroup]
-                            ) -> AttentionMetadata:
-        tables = bias = lens = None
-        if decode_tables:
-            width = max(len(t) for t in decode_tables)
-            padded = [t + [0] * (width - len(t)) for t in decode_tables]
-            tables = torch.tensor(padded, dtype=torch.long, device=self.device)
-            lens = torch.tensor(decode_lens, dtype=torch.long, device=self.device)
-            span = torch.arange(width * self.block_size, device=self.device)
-            if self.native_decode is None:
-                bias = torch.zeros(len(decode_lens), width * self.block_size,
-                                   device=self.device)
-                bias.masked_fill_(span.unsqueeze(0) >= lens.unsqueeze(1), float("-inf"))
-        slot_mapping = torch.tensor(slots, dtype=torch.long, device=self.device)
+    def _attention_metadata(self, step: StepInput) -> AttentionMetadata:
+        dev = self.device
+        slot_mapping = torch.tensor(step.slots, dtype=torch.long, device=dev)
+        num_decodes = next((i for i, n in enumerate(step.query_lens) if n != 1),
+                           len(step.query_lens))
+        if self.native_attention is not None:  # one kernel call for every row
+            starts = [0]
+            for n in step.query_lens:
+                starts.append(starts[-1] + n)
+            return AttentionMetadata(
+                slot_mapping=slot_mapping, num_decodes=num_decodes,
+                block_tables=self._table_tensor(step.block_tables),
+                seq_lens=torch.tensor(step.seq_lens, dtype=torch.long, device=dev),
+                query_start=torch.tensor(starts, dtype=torch.long, device=dev),
+                native_attention=self.native_attention, native_store=self.native_store)
+        tables = lens = bias = None
+        if num_decodes:
+            tables = self._table_tensor(step.block_tables[:num_decodes])
+            lens = torch.tensor(step.seq_lens[:num_decodes], dtype=torch.long, device=dev)
+            span = torch.arange(tables.shape[1] * self.block_size, device=dev)
+            bias = torch.zeros(num_decodes, tables.shape[1] * self.block_size, device=dev)
+            bias.masked_fill_(span.unsqueeze(0) >= lens.unsqueeze(1), float("-inf"))
         store = self.native_store
         return AttentionMetadata(
             slot_mapping=slot_mapping,
             slot_blocks=None if store else slot_mapping // self.block_size,
             slot_offsets=None if store else slot_mapping % self.block_size,
-            num_decodes=len(decode_tables), decode_block_tables=tables, decode_seq_lens=lens,
-            decode_bias=bias, prefills=prefills, native_decode=self.native_decode,
-            native_store=store)
+            num_decodes=num_decodes, block_tables=tables, seq_lens=lens, decode_bias=bias,
+            prefills=self._prefill_groups(step, num_decodes), native_store=store)
+
+    def _table_tensor(self, tables: list[list[int]]) -> torch.Tensor:
+        """Block tables padded with block 0 to the longest (the kernels stop at seq_lens)."""
+        width = max(len(t) for t in tables)
+        padded = [t + [0] * (width - len(t)) for t in tables]
+        return torch.tensor(padded, dtype=torch.long, device=self.device)
+
+    def _prefill_groups(self, step: StepInput, num_decodes: int) -> list[PrefillGroup]:
+        """Prefill chunks for the torch path: consecutive fresh chunks (no cached context)
+        of equal length share one group; a chunk with context carries its block table."""
+        groups: list[PrefillGroup] = []
+        first = num_decodes
+        for i in range(num_decodes, len(step.query_lens)):
+            n, ctx = step.query_lens[i], step.seq_lens[i]
+            if ctx > n:
+                table = torch.tensor(step.block_tables[i], dtype=torch.long, device=self.device)
+                groups.append(PrefillGroup(first, n, 1, ctx, table))
+            elif groups and groups[-1].block_table is None and groups[-1].query_len == n:
+                groups[-1].count += 1
+            else:
+                groups.append(PrefillGroup(first, n, 1, n, None))
+            first += n
+        return groups

@@ -17,6 +17,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 import weakref
 from dataclasses import asdict
 from typing import Any, Protocol
@@ -32,6 +33,8 @@ from engine.parallel import ShardPlan, TPGroup, check_divisible
 from engine.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
+# How long a failed collective waits for the launcher to report which worker ended.
+_DEATH_REPORT_GRACE_S = 2.0
 
 
 class WorkerArgs(msgspec.Struct):
@@ -148,13 +151,23 @@ class TPExecutor:
         try:
             return fn(*args)
         except Exception as exc:
-            dead = self.launcher.dead()
+            dead = self._wait_for_dead_worker()
             why = ", ".join(f"rank {r} ({w})" for r, w in sorted(dead.items()))
             self._dead = EngineDeadError(
                 f"tensor-parallel worker {why} died" if dead else
                 f"tensor-parallel collective failed: {exc}")
             logger.error("%s", self._dead)
             raise self._dead from exc
+
+    def _wait_for_dead_worker(self) -> dict[int, str]:
+        """The ranks that ended, waiting briefly: a killed worker's sockets are reset
+        while it exits, so the collective can fail before its process is reported gone."""
+        deadline = time.monotonic() + _DEATH_REPORT_GRACE_S
+        dead = self.launcher.dead()
+        while not dead and time.monotonic() < deadline:
+            time.sleep(0.05)
+            dead = self.launcher.dead()
+        return dead
 
     # ---- the ModelRunner interface --------------------------------------------------------
     @property

@@ -1,7 +1,7 @@
 """Optional native CPU kernels, compiled once per machine with torch's C++ extension tools.
 
 The engine works without them (pure torch ops); when a compiler is present the
-decode attention kernel reads the paged cache directly instead of gathering it.
+attention kernel reads the paged cache directly instead of gathering it.
 Set FLOTILLA_NATIVE_KERNELS=0 to use the torch path (this also turns off the
 oneDNN-prepacked linear weights of engine.layers.linear).
 """
@@ -16,16 +16,22 @@ from pathlib import Path
 from types import ModuleType
 
 logger = logging.getLogger(__name__)
-_SOURCES = [Path(__file__).with_name(n) for n in ("decode_attention.cpp", "fused_ops.cpp")]
+_DIR = Path(__file__).parent
+_SOURCES = [_DIR / n for n in ("bindings.cpp", "paged_attention.cpp", "fused_ops.cpp")]
+_HEADERS = [_DIR / n for n in ("convert.h", "simd.h")]
 
 
-def _cpu_tag() -> str:
-    """Builds use -march=native, so the cache is keyed by the CPU they were built for."""
+def _build_tag() -> str:
+    """Builds use -march=native, so the cache is keyed by the CPU they were built for,
+    and by the sources and headers (a changed header alone rebuilds too)."""
     try:
         flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags"))
     except (OSError, StopIteration):
         flags = platform.processor()
-    return hashlib.sha256(flags.encode()).hexdigest()[:12]
+    digest = hashlib.sha256(flags.encode())
+    for path in _SOURCES + _HEADERS:
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:12]
 
 
 def native_enabled() -> bool:
@@ -43,7 +49,7 @@ def cpu_kernels() -> ModuleType | None:
         from torch.utils import cpp_extension
 
         from engine.model_loader import cache_root
-        build = cache_root() / "kernels" / f"torch{torch.__version__}-{_cpu_tag()}"
+        build = cache_root() / "kernels" / f"torch{torch.__version__}-{_build_tag()}"
         build.mkdir(parents=True, exist_ok=True)
         return cpp_extension.load(
             name="flotilla_cpu_kernels", sources=[str(p) for p in _SOURCES], build_directory=str(build),

@@ -6,12 +6,10 @@
 #include <ATen/Parallel.h>
 
 #include <cmath>
-
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include <type_traits>
 
 #include "convert.h"
+#include "simd.h"
 
 namespace {
 
@@ -30,6 +28,26 @@ void add_rms_norm_impl(torch::Tensor& x, torch::Tensor& residual, const torch::T
     for (int64_t r = begin; r < end; ++r) {
       T* xr = xp + r * cols;
       T* rr = rp + r * cols;
+#if FLOTILLA_AVX512
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        if (cols % 16 == 0) {
+          __m512 sq = _mm512_setzero_ps();
+          for (int64_t c = 0; c < cols; c += 16) {
+            const __m512 h = flotilla::round_bf16(
+                _mm512_add_ps(flotilla::load16(rr + c), flotilla::load16(xr + c)));
+            flotilla::store16(rr + c, h);
+            sq = _mm512_fmadd_ps(h, h, sq);
+          }
+          const __m512 inv = _mm512_set1_ps(
+              1.f / std::sqrt(_mm512_reduce_add_ps(sq) / cols + float(eps)));
+          for (int64_t c = 0; c < cols; c += 16) {
+            const __m512 n = flotilla::round_bf16(_mm512_mul_ps(flotilla::load16(rr + c), inv));
+            flotilla::store16(xr + c, _mm512_mul_ps(flotilla::load16(wp + c), n));
+          }
+          continue;
+        }
+      }
+#endif
       float sq = 0.f;
       for (int64_t c = 0; c < cols; ++c) {
         T h = from_float<T>(to_float(rr[c]) + to_float(xr[c]));
@@ -54,7 +72,19 @@ void silu_and_mul_impl(const torch::Tensor& gate_up, torch::Tensor& out) {
       const T* g = gp + r * 2 * cols;
       const T* u = g + cols;
       T* o = op + r * cols;
-      for (int64_t c = 0; c < cols; ++c) {
+      int64_t c = 0;
+#if FLOTILLA_AVX512
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        const __m512 one = _mm512_set1_ps(1.f);
+        for (; c + 16 <= cols; c += 16) {
+          const __m512 gf = flotilla::load16(g + c);
+          const __m512 e = flotilla::exp16(_mm512_sub_ps(_mm512_setzero_ps(), gf));
+          const __m512 act = flotilla::round_bf16(_mm512_div_ps(gf, _mm512_add_ps(one, e)));
+          flotilla::store16(o + c, _mm512_mul_ps(act, flotilla::load16(u + c)));
+        }
+      }
+#endif
+      for (; c < cols; ++c) {
         const float gf = to_float(g[c]);
         const float act = round_to<T>(gf / (1.f + std::exp(-gf)));
         o[c] = from_float<T>(act * to_float(u[c]));
@@ -75,6 +105,28 @@ void rotary_impl(torch::Tensor& qkv, const torch::Tensor& positions, const torch
     for (int64_t t = begin; t < end; ++t) {
       const T* c = cp + pos[t] * head_dim;
       const T* s = sp + pos[t] * head_dim;
+#if FLOTILLA_AVX512
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        if (half % 16 == 0) {
+          for (int64_t h = 0; h < num_rotated_heads; ++h) {
+            T* x = base + t * width + h * head_dim;
+            for (int64_t i = 0; i < half; i += 16) {
+              using flotilla::load16;
+              using flotilla::round_bf16;
+              const __m512 x1 = load16(x + i), x2 = load16(x + i + half);
+              const __m512 a1 = round_bf16(_mm512_mul_ps(x1, load16(c + i)));
+              const __m512 b1 = round_bf16(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), x2),
+                                                         load16(s + i)));
+              const __m512 a2 = round_bf16(_mm512_mul_ps(x2, load16(c + i + half)));
+              const __m512 b2 = round_bf16(_mm512_mul_ps(x1, load16(s + i + half)));
+              flotilla::store16(x + i, _mm512_add_ps(a1, b1));
+              flotilla::store16(x + i + half, _mm512_add_ps(a2, b2));
+            }
+          }
+          continue;
+        }
+      }
+#endif
       for (int64_t h = 0; h < num_rotated_heads; ++h) {
         T* x = base + t * width + h * head_dim;
         for (int64_t i = 0; i < half; ++i) {
@@ -130,7 +182,7 @@ void argmax_rows_impl(const torch::Tensor& x, torch::Tensor& out) {
       float best = -INFINITY;
       int64_t best_i = 0;
       int64_t i = 0;
-#if defined(__AVX512F__)
+#if FLOTILLA_AVX512
       if (cols >= 16) {
         __m512 vmax = _mm512_set1_ps(-INFINITY);
         __m512i vidx = _mm512_setzero_si512();

@@ -1,4 +1,4 @@
-"""Paged attention over the block-structured KV cache, written with torch ops.
+"""Paged attention over the block-structured KV cache.
 
 Cache layout per layer: one tensor [2, KVH, num_blocks, block_size, D]. Values
 use it as is; keys store each block transposed, [KVH, num_blocks, D, block_size],
@@ -9,18 +9,19 @@ cache slots, then computes attention. Because the writes of a layer precede its
 reads, a request may read blocks that another request fills in the same step
 (prefix-cache hits on blocks scheduled in the same batch stay correct).
 
-- Single-token queries (decodes, one-token chunks) are batched. On CPU a compiled
-  kernel (engine/kernels) reads their blocks in place; otherwise the blocks are
-  gathered and attended with two batched matmuls and a masked softmax (SDPA's
-  CPU kernel is slow for one query row).
-- Prefill chunks without cached context attend to their fresh k/v; consecutive
-  chunks of equal length share one SDPA call.
-- Prefill chunks with cached context (chunked prefill, prefix-cache hits) gather
-  their blocks and use SDPA with an offset causal mask.
+- On CPU with the compiled kernels (engine/kernels), one call attends every row of
+  the step, decodes and prefill chunks alike, reading keys and values from the cache
+  in place with a causal limit per row (a 64-token prefill spent 4x longer in SDPA).
+- Otherwise (CUDA, or kernels off) with torch ops: single-token queries are batched:
+  their blocks are gathered and attended with two batched matmuls and a masked
+  softmax. Prefill chunks without cached context attend to their fresh k/v;
+  consecutive chunks of equal length share one SDPA call. Prefill chunks with cached
+  context (chunked prefill, prefix-cache hits) gather their blocks and use SDPA with
+  an offset causal mask.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -46,15 +47,19 @@ class AttentionMetadata:
     """Where this step's tokens go in the cache and what each query attends to.
 
     The batch holds the num_decodes single-token queries first, then the prefills.
+    With native_attention, block_tables / seq_lens / query_start describe every
+    sequence of the batch; on the torch path block_tables / seq_lens cover the decodes
+    and prefills the rest.
     """
 
     slot_mapping: torch.Tensor  # [T] int64 flat slot index (block * block_size + offset)
     num_decodes: int
-    decode_block_tables: torch.Tensor | None  # [D, max_blocks] int64
-    decode_seq_lens: torch.Tensor | None  # [D] int64 context length of each decode
-    decode_bias: torch.Tensor | None  # [D, max_blocks * block_size] 0 or -inf (torch path)
-    prefills: list[PrefillGroup]
-    native_decode: Callable | None = None  # compiled CPU kernel (engine.kernels), if any
+    block_tables: torch.Tensor | None  # [S, max_blocks] int64
+    seq_lens: torch.Tensor | None  # [S] int64 context length after this step
+    decode_bias: torch.Tensor | None = None  # [D, max_blocks * block_size] 0 or -inf (torch)
+    prefills: list[PrefillGroup] = field(default_factory=list)  # torch path
+    query_start: torch.Tensor | None = None  # [S + 1] int64 row offsets (native path)
+    native_attention: Callable | None = None  # compiled CPU kernel (engine.kernels), if any
     native_store: Callable | None = None  # compiled cache-write kernel, if any
     slot_blocks: torch.Tensor | None = None  # [T] slot_mapping // block_size
     slot_offsets: torch.Tensor | None = None  # [T] slot_mapping % block_size
@@ -81,6 +86,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     k_cache = kv_cache[0].view(kv_heads, num_blocks, head_dim, block_size)
     v_cache = kv_cache[1]
     write_kv(k, v, k_cache, v_cache, meta)
+    if meta.native_attention is not None:
+        return meta.native_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                     meta.query_start, scale)
     if meta.num_decodes == q.shape[0]:
         return _decode_attention(q, k_cache, v_cache, meta, scale)
     out = torch.empty_like(q)
@@ -123,13 +131,10 @@ def gather_values(v_cache: torch.Tensor, block_table: torch.Tensor) -> torch.Ten
 def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: [S, H, D]; k_cache: [KVH, num_blocks, D, bs]; v_cache: [KVH, num_blocks, bs, D]."""
-    if meta.native_decode is not None:
-        return meta.native_decode(q, k_cache, v_cache, meta.decode_block_tables,
-                                  meta.decode_seq_lens, scale)
     d_reqs, heads, head_dim = q.shape
     kv_heads, _, _, bs = k_cache.shape
     group = heads // kv_heads
-    tables = meta.decode_block_tables
+    tables = meta.block_tables
     ctx = tables.shape[1] * bs
     # keys^T: [KVH, S, blocks, D, bs] -> [KVH * S, D, ctx]; values: [KVH * S, ctx, D]
     keys_t = k_cache[:, tables].permute(0, 1, 3, 2, 4).reshape(kv_heads * d_reqs, head_dim, ctx)

@@ -1,0 +1,459 @@
+// Paged attention for the CPU: every query row of a step (decodes and prefill chunks
+// alike) attends to its sequence's keys and values straight from the block-structured
+// cache, causally (row i of a chunk sees the context up to its own position). No gather
+// copy, no padding, no mask tensor.
+//
+// Cache layout (see engine/layers/attention.py): keys [KVH, num_blocks, D, bs] (each
+// block stored transposed, so the scores of a block's bs tokens are bs-wide vector
+// operations with no horizontal sums), values [KVH, num_blocks, bs, D]. Work is split
+// over (query row, kv head) pairs; each computes its G = H / KVH query heads' scores, a
+// float32 softmax, and the weighted sum of values.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include "convert.h"
+#include "simd.h"
+
+namespace {
+
+using flotilla::from_float;
+using flotilla::to_float;
+
+// What every kernel variant reads: pointers, sizes, and each query row's sequence,
+// visible context length, and whether it is its sequence's first row (which prefetches).
+template <typename T>
+struct Problem {
+  const T* q;
+  int64_t q_row;  // q may be a row view into the fused qkv
+  const T* k;
+  const T* v;
+  T* out;
+  const int64_t* tables;
+  int64_t max_blocks, heads, kv_heads, group, num_blocks, d, bs;
+  float scale;
+  std::vector<int64_t> row_seq, row_len;
+  std::vector<char> row_first;
+
+  Problem(const torch::Tensor& q_, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+          const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
+          const torch::Tensor& query_start, torch::Tensor& out_, double scale_) {
+    q = q_.data_ptr<T>();
+    q_row = q_.stride(0);
+    k = k_cache.data_ptr<T>();
+    v = v_cache.data_ptr<T>();
+    out = out_.data_ptr<T>();
+    tables = block_tables.data_ptr<int64_t>();
+    max_blocks = block_tables.size(1);
+    heads = q_.size(1);
+    kv_heads = k_cache.size(0);
+    group = heads / kv_heads;
+    num_blocks = k_cache.size(1);
+    d = q_.size(2);
+    bs = k_cache.size(3);
+    scale = float(scale_);
+    const int64_t rows = q_.size(0), seqs = seq_lens.size(0);
+    const int64_t* lens = seq_lens.data_ptr<int64_t>();
+    const int64_t* starts = query_start.data_ptr<int64_t>();
+    TORCH_CHECK(query_start.size(0) == seqs + 1 && starts[0] == 0 && starts[seqs] == rows,
+                "query_start must hold the S + 1 row offsets of the S sequences");
+    row_seq.resize(rows);
+    row_len.resize(rows);
+    row_first.resize(rows);
+    for (int64_t s = 0; s < seqs; ++s) {
+      TORCH_CHECK(starts[s + 1] - starts[s] <= lens[s] && lens[s] <= max_blocks * bs,
+                  "sequence ", s, ": context length does not fit its queries or block table");
+      for (int64_t r = starts[s]; r < starts[s + 1]; ++r) {
+        row_seq[r] = s;
+        row_len[r] = lens[s] - (starts[s + 1] - 1 - r);  // keys up to the row's position
+        row_first[r] = r == starts[s];
+      }
+    }
+  }
+};
+
+// Any head and block size: BS and D are the sizes when known at compile time (0: read at
+// run time); fixed sizes let the compiler turn the short inner loops into vector code.
+template <typename T, int64_t BS, int64_t D>
+void run_generic(const Problem<T>& p) {
+  const int64_t d = D ? D : p.d, bs = BS ? BS : p.bs, group = p.group;
+  at::parallel_for(0, int64_t(p.row_seq.size()) * p.kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(group * d), acc(group * d), scores, inv_sum(group);
+    for (int64_t work = begin; work < end; ++work) {
+      const int64_t r = work / p.kv_heads, h = work % p.kv_heads;
+      const int64_t len = p.row_len[r], nblocks = (len + bs - 1) / bs;
+      const int64_t* table = p.tables + p.row_seq[r] * p.max_blocks;
+      scores.resize(group * nblocks * bs);
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t i = 0; i < d; ++i)
+          qf[g * d + i] = to_float(p.q[r * p.q_row + (h * group + g) * d + i]) * p.scale;
+      const T* k_head = p.k + h * p.num_blocks * d * bs;
+      const T* v_head = p.v + h * p.num_blocks * bs * d;
+      for (int64_t b = 0; b < nblocks; ++b) {
+        const T* kb = k_head + table[b] * d * bs;  // [d][bs]
+        for (int64_t g = 0; g < group; ++g) {
+          float* __restrict out_sc = &scores[g * nblocks * bs + b * bs];
+          if constexpr (BS != 0) {
+            float sc[BS] = {};
+            for (int64_t i = 0; i < d; ++i) {
+              const float qi = qf[g * d + i];
+              for (int64_t j = 0; j < BS; ++j) sc[j] += qi * to_float(kb[i * BS + j]);
+            }
+            for (int64_t j = 0; j < BS; ++j) out_sc[j] = sc[j];
+          } else {
+            for (int64_t j = 0; j < bs; ++j) out_sc[j] = 0.f;
+            for (int64_t i = 0; i < d; ++i) {
+              const float qi = qf[g * d + i];
+              for (int64_t j = 0; j < bs; ++j) out_sc[j] += qi * to_float(kb[i * bs + j]);
+            }
+          }
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        float* sc = &scores[g * nblocks * bs];
+        float m = -FLT_MAX;
+        for (int64_t t = 0; t < len; ++t) m = std::max(m, sc[t]);
+        float sum = 0.f;
+        for (int64_t t = 0; t < len; ++t) {
+          sc[t] = std::exp(sc[t] - m);
+          sum += sc[t];
+        }
+        inv_sum[g] = 1.f / sum;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t g = 0; g < group; ++g) {
+        const float* pr = &scores[g * nblocks * bs];
+        float* __restrict a = &acc[g * d];
+        for (int64_t t = 0; t < len; ++t) {
+          const T* vrow = v_head + (table[t / bs] * bs + t % bs) * d;
+          const float pt = pr[t];
+          for (int64_t i = 0; i < d; ++i) a[i] += pt * to_float(vrow[i]);
+        }
+      }
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t i = 0; i < d; ++i)
+          p.out[(r * p.heads + h * group + g) * d + i] = from_float<T>(acc[g * d + i] * inv_sum[g]);
+    }
+  });
+}
+
+#if FLOTILLA_AVX512
+using flotilla::exp16;
+using flotilla::load16;
+
+inline void prefetch_l1(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
+}
+
+inline void prefetch_l2(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(c + off, _MM_HINT_T1);
+}
+
+// A sequence's key and value blocks of one kv head towards L2 all at once (many misses
+// in flight instead of one block's worth). Blocks are scattered over the pool once the
+// prefix cache has churned; without prefetching a random block order ran 3x slower than
+// a sequential one. Later rows of a prefill chunk find them cached.
+template <typename T>
+inline void prefetch_sequence(const T* k_head, const T* v_head, const int64_t* table,
+                              int64_t nblocks, int64_t block_elems) {
+  for (int64_t b = 0; b < nblocks; ++b) {
+    prefetch_l2(k_head + table[b] * block_elems, block_elems * sizeof(T));
+    prefetch_l2(v_head + table[b] * block_elems, block_elems * sizeof(T));
+  }
+}
+
+// Softmax of one head's scores in place (float32, vectorized); lanes of the last block
+// past len are zeroed. Returns 1 / sum.
+inline float softmax_blocks(float* sc, int64_t len, int64_t nblocks) {
+  constexpr int64_t BS = 16;
+  const __mmask16 tail = (len % BS) ? __mmask16((1u << (len % BS)) - 1) : __mmask16(0xFFFF);
+  __m512 m = _mm512_set1_ps(-FLT_MAX);
+  for (int64_t b = 0; b + 1 < nblocks; ++b) m = _mm512_max_ps(m, _mm512_loadu_ps(sc + b * BS));
+  m = _mm512_mask_max_ps(m, tail, m, _mm512_loadu_ps(sc + (nblocks - 1) * BS));
+  const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(m));
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nblocks; ++b) {
+    __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sc + b * BS), mx));
+    if (b + 1 == nblocks) e = _mm512_maskz_mov_ps(tail, e);
+    _mm512_storeu_ps(sc + b * BS, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  return 1.f / _mm512_reduce_add_ps(sum);
+}
+
+// Block size 16 and head size D (a multiple of 16), float32 FMAs on widened keys and
+// values, the G query heads of a kv head together: each key row and value row is loaded
+// and widened once for all G heads, and the next key block is prefetched into L1 while
+// the current one is computed.
+template <typename T, int64_t D, int64_t G>
+void run_fma(const Problem<T>& p) {
+  constexpr int64_t BS = 16, C = D / 16;
+  // value accumulators: heads per pass so that GC * C registers stay <= 24
+  constexpr int64_t GC = std::max<int64_t>(1, std::min<int64_t>(G, 24 / C));
+  at::parallel_for(0, int64_t(p.row_seq.size()) * p.kv_heads, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float qf[G][D];
+    std::vector<float> scores;
+    for (int64_t work = begin; work < end; ++work) {
+      const int64_t r = work / p.kv_heads, h = work % p.kv_heads;
+      const int64_t len = p.row_len[r], nblocks = (len + BS - 1) / BS, padded = nblocks * BS;
+      const int64_t* table = p.tables + p.row_seq[r] * p.max_blocks;
+      scores.resize(G * padded);
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t i = 0; i < D; ++i)
+          qf[g][i] = to_float(p.q[r * p.q_row + (h * G + g) * D + i]) * p.scale;
+      const T* k_head = p.k + h * p.num_blocks * D * BS;
+      const T* v_head = p.v + h * p.num_blocks * BS * D;
+      if (p.row_first[r] || work == begin) prefetch_sequence(k_head, v_head, table, nblocks, D * BS);
+      prefetch_l1(k_head + table[0] * D * BS, D * BS * sizeof(T));
+      for (int64_t b = 0; b < nblocks; ++b) {
+        if (b + 1 < nblocks) prefetch_l1(k_head + table[b + 1] * D * BS, D * BS * sizeof(T));
+        const T* kb = k_head + table[b] * D * BS;  // [D][16]
+        __m512 a0[G], a1[G];  // two chains per head hide the FMA latency
+        for (int64_t g = 0; g < G; ++g) a0[g] = a1[g] = _mm512_setzero_ps();
+        for (int64_t i = 0; i < D; i += 2) {
+          const __m512 k0 = load16(kb + i * BS), k1 = load16(kb + (i + 1) * BS);
+          for (int64_t g = 0; g < G; ++g) {
+            a0[g] = _mm512_fmadd_ps(_mm512_set1_ps(qf[g][i]), k0, a0[g]);
+            a1[g] = _mm512_fmadd_ps(_mm512_set1_ps(qf[g][i + 1]), k1, a1[g]);
+          }
+        }
+        for (int64_t g = 0; g < G; ++g)
+          _mm512_storeu_ps(&scores[g * padded + b * BS], _mm512_add_ps(a0[g], a1[g]));
+      }
+      float inv_sum[G];
+      for (int64_t g = 0; g < G; ++g) inv_sum[g] = softmax_blocks(&scores[g * padded], len, nblocks);
+      // out_g = sum_t p_g[t] v_t, GC heads per pass over the (now cached) value rows
+      for (int64_t g0 = 0; g0 < G; g0 += GC) {
+        const int64_t ng = std::min<int64_t>(GC, G - g0);
+        __m512 acc[GC][C];
+        for (int64_t g = 0; g < GC; ++g)
+          for (int64_t c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
+        for (int64_t b = 0; b < nblocks; ++b) {
+          const T* vb = v_head + table[b] * BS * D;
+          const int64_t rows = std::min<int64_t>(BS, len - b * BS);
+          for (int64_t j = 0; j < rows; ++j) {
+            __m512 v[C];
+            for (int64_t c = 0; c < C; ++c) v[c] = load16(vb + j * D + c * 16);
+            for (int64_t g = 0; g < GC; ++g) {
+              if (g >= ng) break;
+              const __m512 pt = _mm512_set1_ps(scores[(g0 + g) * padded + b * BS + j]);
+              for (int64_t c = 0; c < C; ++c) acc[g][c] = _mm512_fmadd_ps(pt, v[c], acc[g][c]);
+            }
+          }
+        }
+        for (int64_t g = 0; g < ng; ++g) {
+          T* o = p.out + (r * p.heads + h * G + g0 + g) * D;
+          const __m512 inv = _mm512_set1_ps(inv_sum[g0 + g]);
+          alignas(64) float row[D];
+          for (int64_t c = 0; c < C; ++c) _mm512_store_ps(row + c * 16, _mm512_mul_ps(acc[g][c], inv));
+          for (int64_t i = 0; i < D; ++i) o[i] = from_float<T>(row[i]);
+        }
+      }
+    }
+  });
+}
+#endif
+
+#if FLOTILLA_AVX512 && defined(__AVX512BF16__)
+#define FLOTILLA_DPBF16 1
+// bf16 on CPUs with AVX512_BF16: vdpbf16ps multiplies pairs of bf16 and adds both
+// products to a float32 lane, so no key or value is widened and each instruction does two
+// multiply-adds per lane (the widening FMA kernel spent more instructions converting than
+// multiplying: 30 layers of W1 decode attention with the data in cache 5.5 -> 4.0 ms).
+// Keys: rows i and i+1 of a [D][16] block are one 64-byte load, interleaved into
+// (k[i][t], k[i+1][t]) pairs by one vpermw; q is bf16 already, so q.k is exact products
+// summed in float32, scaled afterwards. Values: rows t and t+1 are interleaved by channel
+// with vpermt2w and multiplied by (p[t], p[t+1]). p is split into a bf16 head and a bf16
+// remainder (p = hi + lo to ~2^-16 relative), keeping float32-class accuracy instead of
+// the 2^-9 of probabilities rounded to bf16.
+inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh>(x); }
+inline __m512bh bcast_pair(const uint16_t* p) {
+  uint32_t w;
+  std::memcpy(&w, p, sizeof(w));
+  return as_bh(_mm512_set1_epi32(int(w)));
+}
+
+template <int64_t D, int64_t G>
+void run_dpbf16(const Problem<c10::BFloat16>& p) {
+  constexpr int64_t BS = 16, C = D / 32;  // value channels per pass: 32 (two accumulators)
+  constexpr int64_t GC = std::max<int64_t>(1, std::min<int64_t>(G, 12 / C));
+  const uint16_t* qp = reinterpret_cast<const uint16_t*>(p.q);
+  const uint16_t* kp = reinterpret_cast<const uint16_t*>(p.k);
+  const uint16_t* vp = reinterpret_cast<const uint16_t*>(p.v);
+  alignas(64) int16_t kidx[32], vlo[32], vhi[32];
+  for (int j = 0; j < 16; ++j) {
+    kidx[2 * j] = j, kidx[2 * j + 1] = 16 + j;  // key rows i, i+1: token j paired
+    vlo[2 * j] = j, vlo[2 * j + 1] = 32 + j;     // value rows t, t+1: channels 0..15
+    vhi[2 * j] = 16 + j, vhi[2 * j + 1] = 48 + j;  // channels 16..31
+  }
+  const __m512i key_perm = _mm512_load_si512(kidx);
+  const __m512i val_lo = _mm512_load_si512(vlo), val_hi = _mm512_load_si512(vhi);
+  const __m512 scale = _mm512_set1_ps(p.scale);
+
+  at::parallel_for(0, int64_t(p.row_seq.size()) * p.kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    std::vector<uint16_t> p_hi, p_lo;
+    for (int64_t work = begin; work < end; ++work) {
+      const int64_t r = work / p.kv_heads, h = work % p.kv_heads;
+      const int64_t len = p.row_len[r], nblocks = (len + BS - 1) / BS, padded = nblocks * BS;
+      const int64_t* table = p.tables + p.row_seq[r] * p.max_blocks;
+      scores.resize(G * padded);
+      p_hi.resize(G * padded);
+      p_lo.resize(G * padded);
+      const uint16_t* qh = qp + r * p.q_row + h * G * D;
+      const uint16_t* k_head = kp + h * p.num_blocks * D * BS;
+      const uint16_t* v_head = vp + h * p.num_blocks * BS * D;
+      if (p.row_first[r] || work == begin) prefetch_sequence(k_head, v_head, table, nblocks, D * BS);
+      prefetch_l1(k_head + table[0] * D * BS, D * BS * 2);
+      for (int64_t b = 0; b < nblocks; ++b) {
+        if (b + 1 < nblocks) prefetch_l1(k_head + table[b + 1] * D * BS, D * BS * 2);
+        const uint16_t* kb = k_head + table[b] * D * BS;  // [D][16]
+        __m512 a0[G], a1[G];
+        for (int64_t g = 0; g < G; ++g) a0[g] = a1[g] = _mm512_setzero_ps();
+        for (int64_t i = 0; i < D; i += 4) {
+          const __m512bh k0 = as_bh(_mm512_permutexvar_epi16(key_perm, _mm512_loadu_si512(kb + i * BS)));
+          const __m512bh k1 = as_bh(_mm512_permutexvar_epi16(key_perm, _mm512_loadu_si512(kb + (i + 2) * BS)));
+          for (int64_t g = 0; g < G; ++g) {
+            a0[g] = _mm512_dpbf16_ps(a0[g], k0, bcast_pair(qh + g * D + i));
+            a1[g] = _mm512_dpbf16_ps(a1[g], k1, bcast_pair(qh + g * D + i + 2));
+          }
+        }
+        for (int64_t g = 0; g < G; ++g)
+          _mm512_storeu_ps(&scores[g * padded + b * BS], _mm512_mul_ps(_mm512_add_ps(a0[g], a1[g]), scale));
+      }
+      float inv_sum[G];
+      for (int64_t g = 0; g < G; ++g) {
+        float* sc = &scores[g * padded];
+        inv_sum[g] = softmax_blocks(sc, len, nblocks);
+        for (int64_t t = 0; t < padded; t += 16) {
+          const __m512 e = _mm512_loadu_ps(sc + t);
+          const __m256bh hi = _mm512_cvtneps_pbh(e);
+          const __m256bh lo = _mm512_cvtneps_pbh(_mm512_sub_ps(e, _mm512_cvtpbh_ps(hi)));
+          std::memcpy(&p_hi[g * padded + t], &hi, 32);
+          std::memcpy(&p_lo[g * padded + t], &lo, 32);
+        }
+      }
+      for (int64_t g0 = 0; g0 < G; g0 += GC) {
+        const int64_t ng = std::min<int64_t>(GC, G - g0);
+        __m512 acc[GC][2 * C];
+        for (int64_t g = 0; g < GC; ++g)
+          for (int64_t c = 0; c < 2 * C; ++c) acc[g][c] = _mm512_setzero_ps();
+        for (int64_t b = 0; b < nblocks; ++b) {
+          const uint16_t* vb = v_head + table[b] * BS * D;
+          const int64_t rows = std::min<int64_t>(BS, len - b * BS);
+          for (int64_t j = 0; j < rows; j += 2) {
+            // an odd last row pairs with a zero row (the slot past len may hold anything)
+            const __mmask32 second = (j + 1 < rows) ? __mmask32(0xFFFFFFFFu) : __mmask32(0);
+            const int64_t t = b * BS + j;
+            for (int64_t c = 0; c < C; ++c) {
+              const __m512i r0 = _mm512_loadu_si512(vb + j * D + c * 32);
+              const __m512i r1 = _mm512_maskz_loadu_epi16(second, vb + (j + 1) * D + c * 32);
+              const __m512bh lo = as_bh(_mm512_permutex2var_epi16(r0, val_lo, r1));
+              const __m512bh hi = as_bh(_mm512_permutex2var_epi16(r0, val_hi, r1));
+              for (int64_t g = 0; g < GC; ++g) {
+                if (g >= ng) break;
+                const int64_t at = (g0 + g) * padded + t;
+                const __m512bh ph = bcast_pair(&p_hi[at]), pl = bcast_pair(&p_lo[at]);
+                acc[g][2 * c] = _mm512_dpbf16_ps(acc[g][2 * c], lo, ph);
+                acc[g][2 * c + 1] = _mm512_dpbf16_ps(acc[g][2 * c + 1], hi, ph);
+                acc[g][2 * c] = _mm512_dpbf16_ps(acc[g][2 * c], lo, pl);
+                acc[g][2 * c + 1] = _mm512_dpbf16_ps(acc[g][2 * c + 1], hi, pl);
+              }
+            }
+          }
+        }
+        for (int64_t g = 0; g < ng; ++g) {
+          c10::BFloat16* o = p.out + (r * p.heads + h * G + g0 + g) * D;
+          const __m512 inv = _mm512_set1_ps(inv_sum[g0 + g]);
+          for (int64_t c = 0; c < 2 * C; ++c) flotilla::store16(o + c * 16, _mm512_mul_ps(acc[g][c], inv));
+        }
+      }
+    }
+  });
+}
+#else
+#define FLOTILLA_DPBF16 0
+#endif
+
+// The specialised kernels for block size 16, head size 64 or 128 and up to 8 query heads
+// per kv head; false where none applies.
+template <typename T, int64_t D, int64_t G>
+bool run_specialised(const Problem<T>& p) {
+#if FLOTILLA_DPBF16
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    run_dpbf16<D, G>(p);
+    return true;
+  }
+#endif
+#if FLOTILLA_AVX512
+  if constexpr (!std::is_same_v<T, c10::Half>) {
+    run_fma<T, D, G>(p);
+    return true;
+  }
+#endif
+  return false;
+}
+
+template <typename T, int64_t D>
+bool dispatch_group(const Problem<T>& p) {
+  switch (p.group) {
+    case 1: return run_specialised<T, D, 1>(p);
+    case 2: return run_specialised<T, D, 2>(p);
+    case 3: return run_specialised<T, D, 3>(p);
+    case 4: return run_specialised<T, D, 4>(p);
+    case 5: return run_specialised<T, D, 5>(p);
+    case 6: return run_specialised<T, D, 6>(p);
+    case 7: return run_specialised<T, D, 7>(p);
+    case 8: return run_specialised<T, D, 8>(p);
+    default: return false;
+  }
+}
+
+template <typename T>
+void dispatch(const Problem<T>& p) {
+  if (p.bs == 16 && p.d == 64 && dispatch_group<T, 64>(p)) return;
+  if (p.bs == 16 && p.d == 128 && dispatch_group<T, 128>(p)) return;
+  if (p.bs == 16 && p.d == 64) return run_generic<T, 16, 64>(p);
+  if (p.bs == 16 && p.d == 128) return run_generic<T, 16, 128>(p);
+  run_generic<T, 0, 0>(p);
+}
+
+}  // namespace
+
+// q: [T, H, D] (heads contiguous within a row; rows may be strided views into the fused
+// qkv); k_cache [KVH, num_blocks, D, bs]; v_cache [KVH, num_blocks, bs, D];
+// block_tables [S, max_blocks] int64; seq_lens [S] int64: each sequence's context after
+// this step (its new tokens included, already written to the cache); query_start [S + 1]
+// int64: sequence s owns rows query_start[s] .. query_start[s + 1] of q, its last
+// tokens. Returns [T, H, D].
+torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                              torch::Tensor block_tables, torch::Tensor seq_lens,
+                              torch::Tensor query_start, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2) &&
+              k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "paged_attention needs contiguous heads and caches");
+  TORCH_CHECK(q.size(1) % k_cache.size(0) == 0, "heads must be a multiple of kv heads");
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+              "q and the caches must share a dtype");
+  auto tables = block_tables.to(torch::kLong).contiguous();
+  auto lens = seq_lens.to(torch::kLong).contiguous();
+  auto starts = query_start.to(torch::kLong).contiguous();
+  auto out = torch::empty(q.sizes(), q.options());
+  if (q.scalar_type() == torch::kBFloat16) {
+    dispatch(Problem<c10::BFloat16>(q, k_cache, v_cache, tables, lens, starts, out, scale));
+  } else if (q.scalar_type() == torch::kHalf) {
+    dispatch(Problem<c10::Half>(q, k_cache, v_cache, tables, lens, starts, out, scale));
+  } else {
+    TORCH_CHECK(q.scalar_type() == torch::kFloat, "unsupported dtype");
+    dispatch(Problem<float>(q, k_cache, v_cache, tables, lens, starts, out, scale));
+  }
+  return out;
+}
