@@ -87,10 +87,7 @@ class ModelRunner:
         self.hf_config = hf_config
         self.max_model_len = max_model_len
         self.kernels = cpu_kernels() if device.type == "cpu" else None
-        self.native_attention = self.native_store = None
-        if self.kernels is not None:
-            self.native_attention = self.kernels.paged_attention
-            self.native_store = self.kernels.store_kv
+        self.native_attention = self.kernels.paged_attention if self.kernels else None
         self.model = self._load_model()
         self.kv_caches: torch.Tensor | None = None
         self.num_blocks = 0
@@ -143,7 +140,9 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         s = self.shape
         self.num_blocks = num_blocks
-        cache = torch.empty(s.num_layers, 2, self.plan.num_kv_heads, num_blocks,
+        # block-major (engine.layers.attention): a block's keys and values, all kv heads,
+        # are one contiguous span
+        cache = torch.empty(s.num_layers, num_blocks, 2, self.plan.num_kv_heads,
                             self.block_size, s.head_dim, dtype=self.dtype, device=self.device)
         if self.device.type == "cpu":
             _advise_huge_pages(cache)
@@ -240,7 +239,7 @@ class ModelRunner:
                 block_tables=self._table_tensor(step.block_tables),
                 seq_lens=torch.tensor(step.seq_lens, dtype=torch.long, device=dev),
                 query_start=torch.tensor(starts, dtype=torch.long, device=dev),
-                native_attention=self.native_attention, native_store=self.native_store)
+                native_attention=self.native_attention)
         tables = lens = bias = None
         if num_decodes:
             tables = self._table_tensor(step.block_tables[:num_decodes])
@@ -248,13 +247,11 @@ class ModelRunner:
             span = torch.arange(tables.shape[1] * self.block_size, device=dev)
             bias = torch.zeros(num_decodes, tables.shape[1] * self.block_size, device=dev)
             bias.masked_fill_(span.unsqueeze(0) >= lens.unsqueeze(1), float("-inf"))
-        store = self.native_store
         return AttentionMetadata(
-            slot_mapping=slot_mapping,
-            slot_blocks=None if store else slot_mapping // self.block_size,
-            slot_offsets=None if store else slot_mapping % self.block_size,
+            slot_mapping=slot_mapping, slot_blocks=slot_mapping // self.block_size,
+            slot_offsets=slot_mapping % self.block_size,
             num_decodes=num_decodes, block_tables=tables, seq_lens=lens, decode_bias=bias,
-            prefills=self._prefill_groups(step, num_decodes), native_store=store)
+            prefills=self._prefill_groups(step, num_decodes))
 
     def _table_tensor(self, tables: list[list[int]]) -> torch.Tensor:
         """Block tables padded with block 0 to the longest (the kernels stop at seq_lens)."""

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from engine.kernels import cpu_kernels
-from engine.layers.attention import AttentionMetadata, _decode_attention
+from engine.layers.attention import AttentionMetadata, _decode_attention, cache_views
 
 
 def _kernels():
@@ -29,6 +29,21 @@ def _reference(q, kc, vc, tables, lens, starts, scale):
                               dim=-1)
             outs.append((w @ v[:, :seen]).squeeze(1))
     return torch.stack(outs)
+
+
+def _native(q, kc_t, vc, tables, lens, starts, scale):
+    """The kernel over a pre-filled cache: each row's "new" key and value are the ones
+    already in its slot, so the cache is rewritten with what it holds."""
+    bs = kc_t.shape[3]
+    slots = []
+    for s in range(len(lens)):
+        n, ctx = int(starts[s + 1] - starts[s]), int(lens[s])
+        slots += [int(tables[s][p // bs]) * bs + p % bs for p in range(ctx - n, ctx)]
+    slots = torch.tensor(slots, dtype=torch.long)
+    blocks, offsets = slots // bs, slots % bs
+    k = kc_t.permute(1, 3, 0, 2)[blocks, offsets].contiguous()  # [T, KVH, D]
+    v = vc.permute(1, 2, 0, 3)[blocks, offsets].contiguous()
+    return _kernels().paged_attention(q, k, v, kc_t, vc, slots, tables, lens, starts, scale)
 
 
 def _problem(dtype, heads, kv_heads, d, bs, blocks, width, lens, query_lens, seed=0):
@@ -60,7 +75,7 @@ def test_decode_paths_match_dense_attention(dtype, tol, heads, kv_heads):
     got = _decode_attention(q, kc_t, vc, torch_path, 0.125).float()
     assert torch.allclose(got, expected, atol=tol, rtol=tol)
 
-    got = _kernels().paged_attention(q, kc_t, vc, tables, lens, starts, 0.125).float()
+    got = _native(q, kc_t, vc, tables, lens, starts, 0.125).float()
     assert torch.allclose(got, expected, atol=tol, rtol=tol)
 
 
@@ -68,17 +83,26 @@ def test_decode_paths_match_dense_attention(dtype, tol, heads, kv_heads):
 @pytest.mark.parametrize("heads,kv_heads,d,bs", [(9, 3, 64, 16), (8, 1, 64, 16),
                                                  (16, 2, 128, 16), (6, 6, 128, 16),
                                                  (4, 2, 16, 8)])
-def test_native_kernel_attends_decodes_and_prefill_chunks_causally(dtype, heads, kv_heads, d, bs):
+@pytest.mark.parametrize("block_major", [False, True])
+def test_native_kernel_attends_decodes_and_prefill_chunks_causally(dtype, heads, kv_heads, d, bs,
+                                                                   block_major):
     """One call, a mixed batch: two decodes, a fresh prompt, a chunk after cached context
-    (chunked prefill / prefix hit), a one-token prompt, an odd-length prompt."""
+    (chunked prefill / prefix hit), a one-token prompt, an odd-length prompt; caches
+    head-major (contiguous) or block-major (the engine's strided views)."""
     lens = [40, 7, 64, 70, 1, 33]
     query_lens = [1, 1, 64, 21, 1, 33]
     width = max(-(-n // bs) for n in lens)
     q, kc, vc, tables, lens, starts = _problem(dtype, heads, kv_heads, d, bs, 90, width,
                                                lens, query_lens, seed=3)
     expected = _reference(q, kc, vc, tables, lens, starts, d ** -0.5)
-    got = _kernels().paged_attention(q, kc.transpose(2, 3).contiguous(), vc, tables, lens,
-                                     starts, d ** -0.5)
+    kc_t, vc_in = kc.transpose(2, 3).contiguous(), vc
+    if block_major:
+        cache = torch.empty(kc.shape[1], 2, kv_heads, bs, d, dtype=dtype)
+        kc_t, vc_in = cache_views(cache)
+        kc_t.copy_(kc.transpose(2, 3))
+        vc_in.copy_(vc)
+        assert not kc_t.is_contiguous() and not vc_in.is_contiguous()
+    got = _native(q, kc_t, vc_in, tables, lens, starts, d ** -0.5)
     if dtype == torch.float32:
         assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5)
     else:  # float32 math inside: within one bf16 rounding of the exact result
@@ -98,46 +122,62 @@ def test_native_kernel_ignores_garbage_past_the_context():
         flat_v[:, n:] = float("nan")
         kc[:, tables[s]] = flat_k.view(3, -1, 16, 64)
         vc[:, tables[s]] = flat_v.view(3, -1, 16, 64)
-    got = _kernels().paged_attention(q, kc.transpose(2, 3).contiguous(), vc, tables, lens,
-                                     starts, 0.125)
+    got = _native(q, kc.transpose(2, 3).contiguous(), vc, tables, lens, starts, 0.125)
     assert not got.isnan().any()
     assert torch.allclose(got.float(), expected, atol=2e-2, rtol=2e-2)
 
 
 def test_native_kernel_rejects_inconsistent_row_offsets():
     q, kc, vc, tables, lens, starts = _problem(torch.float32, 2, 1, 16, 8, 10, 2, [5], [3])
+    kc_t = kc.transpose(2, 3).contiguous()
+    k = v = torch.zeros(3, 1, 16)
+    slots = torch.tensor([2, 3, 4])
     with pytest.raises(RuntimeError, match="query_start"):
-        _kernels().paged_attention(q, kc.transpose(2, 3).contiguous(), vc, tables, lens,
-                                   torch.tensor([0, 2]), 0.25)
+        _kernels().paged_attention(q, k, v, kc_t, vc, slots, tables, lens, torch.tensor([0, 2]),
+                                   0.25)
     with pytest.raises(RuntimeError, match="context length"):
-        _kernels().paged_attention(q, kc.transpose(2, 3).contiguous(), vc, tables,
-                                   torch.tensor([40]), starts, 0.25)
+        _kernels().paged_attention(q, k, v, kc_t, vc, slots, tables, torch.tensor([40]), starts,
+                                   0.25)
+    with pytest.raises(RuntimeError, match="one cache slot per row"):
+        _kernels().paged_attention(q, k, v, kc_t, vc, slots[:2], tables, lens, starts, 0.25)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_native_cache_write_matches_the_torch_path(dtype):
+def test_native_kernel_writes_the_cache_like_the_torch_path(dtype):
+    """The kernel stores the step's keys and values itself (prefill chunks first, decodes
+    inside their own work item); the cache must end up as torch's write_kv leaves it,
+    and the output must match attention over that cache."""
     from engine.layers.attention import write_kv
-    kernels = _kernels()
     torch.manual_seed(0)
-    kv_heads, d, bs, blocks, tokens = 3, 64, 16, 12, 37
-    qkv = torch.randn(tokens, (9 + 2 * kv_heads) * d).to(dtype)  # k, v: strided views
-    k = qkv[:, 9 * d:(9 + kv_heads) * d].view(tokens, kv_heads, d)
-    v = qkv[:, (9 + kv_heads) * d:].view(tokens, kv_heads, d)
-    slots = torch.randperm(blocks * bs)[:tokens]
-    caches = []
-    for store in (None, kernels.store_kv):
-        kc = torch.zeros(kv_heads, blocks, d, bs, dtype=dtype)
-        vc = torch.zeros(kv_heads, blocks, bs, d, dtype=dtype)
-        meta = AttentionMetadata(slots, 0, None, None, slot_blocks=slots // bs,
-                                 slot_offsets=slots % bs, native_store=store)
-        write_kv(k, v, kc, vc, meta)
-        caches.append((kc, vc))
-    assert caches[0][0].abs().sum() > 0
-    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+    heads, kv_heads, d, bs, blocks = 9, 3, 64, 16, 12
+    query_lens, lens = [1, 1, 20, 15], [9, 17, 20, 40]  # decodes, fresh prompt, later chunk
+    tables = torch.randperm(blocks)[:4 * 3].view(4, 3)
+    starts = torch.tensor([0] + query_lens).cumsum(0)
+    slots = torch.tensor([int(tables[s][p // bs]) * bs + p % bs for s in range(4)
+                          for p in range(lens[s] - query_lens[s], lens[s])])
+    tokens = len(slots)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d).to(dtype)  # q, k, v: strided views
+    q = qkv[:, :heads * d].view(tokens, heads, d)
+    k = qkv[:, heads * d:(heads + kv_heads) * d].view(tokens, kv_heads, d)
+    v = qkv[:, (heads + kv_heads) * d:].view(tokens, kv_heads, d)
+    start = torch.randn(blocks, 2, kv_heads, bs, d).to(dtype)  # earlier context
+    torch_cache, native_cache = start.clone(), start.clone()
+    kc, vc = cache_views(torch_cache)
+    meta = AttentionMetadata(slots, 0, None, None, slot_blocks=slots // bs,
+                             slot_offsets=slots % bs)
+    write_kv(k, v, kc, vc, meta)
+    nk, nv = cache_views(native_cache)
+    got = _kernels().paged_attention(q, k, v, nk, nv, slots, tables, torch.tensor(lens), starts,
+                                     0.125)
+    assert not torch.equal(torch_cache, start)
+    assert torch.equal(native_cache, torch_cache)
+    expected = _reference(q, kc.transpose(2, 3), vc, tables,
+                          torch.tensor(lens), starts, 0.125)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(got.float(), expected, atol=tol, rtol=tol)
 
 
 def test_native_kernel_reads_q_as_a_row_view_of_the_fused_qkv():
-    kernels = _kernels()
     torch.manual_seed(1)
     rows, heads, kv_heads, d, bs, blocks = 6, 9, 3, 64, 16, 30
     kc = torch.randn(kv_heads, blocks, d, bs).bfloat16()
@@ -147,6 +187,6 @@ def test_native_kernel_reads_q_as_a_row_view_of_the_fused_qkv():
     assert not q.is_contiguous()
     tables = torch.randperm(blocks)[:4 * 5].view(4, 5)
     lens, starts = torch.tensor([1, 16, 50, 80]), torch.tensor([0, 1, 2, 3, 6])
-    strided = kernels.paged_attention(q, kc, vc, tables, lens, starts, 0.125)
-    dense = kernels.paged_attention(q.contiguous(), kc, vc, tables, lens, starts, 0.125)
+    strided = _native(q, kc, vc, tables, lens, starts, 0.125)
+    dense = _native(q.contiguous(), kc, vc, tables, lens, starts, 0.125)
     assert torch.equal(strided, dense)

@@ -48,3 +48,21 @@ def test_smollm2_greedy_matches_hf(default_model_dir):
              "Once upon a time, in a small village,"]
     prompts = [tok.encode(t) for t in texts]
     assert _greedy(llm, prompts) == hf_greedy(default_model_dir, prompts, NEW_TOKENS)
+
+
+def test_torch_attention_path_matches_hf(tiny_llama, monkeypatch):
+    """Without the compiled kernels (CUDA, or FLOTILLA_NATIVE_KERNELS=0) attention runs on
+    torch ops: equal-length prompts share an SDPA call, chunks after cached context and
+    prefix-cache hits gather their blocks, decodes are batched."""
+    import engine.model_runner
+    monkeypatch.setattr(engine.model_runner, "cpu_kernels", lambda: None)
+    monkeypatch.setattr(engine.model_runner, "native_enabled", lambda: False)
+    prompts = _prompts([17, 17, 17, 70, 5])
+    llm = LLM(str(tiny_llama), dtype="float32", max_num_batched_tokens=48, block_size=8)
+    assert llm.llm_engine.engine_core.runner.native_attention is None
+    assert _greedy(llm, prompts) == hf_greedy(tiny_llama, prompts, NEW_TOKENS)
+    shared = [prompts[3][:40] + p for p in _prompts([6, 11], seed=1)]
+    out = llm.generate(shared, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS,
+                                              ignore_eos=True), use_tqdm=False)
+    assert all(o.num_cached_tokens > 0 for o in out)
+    assert [o.outputs[0].token_ids for o in out] == hf_greedy(tiny_llama, shared, NEW_TOKENS)

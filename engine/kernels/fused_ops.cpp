@@ -144,32 +144,6 @@ void rotary_impl(torch::Tensor& qkv, const torch::Tensor& positions, const torch
   });
 }
 
-template <typename T>
-void store_kv_impl(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_cache,
-                   torch::Tensor& v_cache, const torch::Tensor& slots) {
-  const int64_t tokens = k.size(0), kv_heads = k.size(1), d = k.size(2);
-  const int64_t num_blocks = k_cache.size(1), bs = k_cache.size(3);
-  const int64_t ks = k.stride(0), vs = v.stride(0);
-  const T* kp = k.data_ptr<T>();
-  const T* vp = v.data_ptr<T>();
-  T* kc = k_cache.data_ptr<T>();
-  T* vc = v_cache.data_ptr<T>();
-  const int64_t* sp = slots.data_ptr<int64_t>();
-  at::parallel_for(0, tokens, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t block = sp[t] / bs, off = sp[t] % bs;
-      for (int64_t h = 0; h < kv_heads; ++h) {
-        const T* kr = kp + t * ks + h * d;
-        const T* vr = vp + t * vs + h * d;
-        T* kdst = kc + ((h * num_blocks + block) * d) * bs + off;  // [D][bs] block
-        T* vdst = vc + ((h * num_blocks + block) * bs + off) * d;  // [bs][D] block
-        for (int64_t i = 0; i < d; ++i) kdst[i * bs] = kr[i];
-        for (int64_t i = 0; i < d; ++i) vdst[i] = vr[i];
-      }
-    }
-  });
-}
-
 // Index of the first maximum of each row (NaN-free rows; the caller checks). torch's CPU
 // argmax is not vectorized: 1.3 ms for 64 x 49152 floats, most of a greedy sampler step.
 void argmax_rows_impl(const torch::Tensor& x, torch::Tensor& out) {
@@ -229,18 +203,6 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
   auto out = torch::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
   DISPATCH(gate_up.scalar_type(), silu_and_mul_impl, gate_up, out);
   return out;
-}
-
-// Writes this step's keys and values into their cache slots. k, v: [T, KVH, D] (rows may
-// be strided views into the fused qkv); k_cache: [KVH, blocks, D, bs] (blocks stored
-// transposed); v_cache: [KVH, blocks, bs, D]; slots: [T] int64 block * bs + offset.
-void store_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
-              torch::Tensor slots) {
-  TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(2) == 1 &&
-              v.stride(1) == v.size(2), "store_kv: heads must be contiguous within a row");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && slots.is_contiguous());
-  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type());
-  DISPATCH(k.scalar_type(), store_kv_impl, k, v, k_cache, v_cache, slots);
 }
 
 // First index of each row's maximum: x [B, V] float32 without NaN -> [B] int64.

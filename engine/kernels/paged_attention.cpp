@@ -3,10 +3,11 @@
 // cache, causally (row i of a chunk sees the context up to its own position). No gather
 // copy, no padding, no mask tensor.
 //
-// Cache layout (see engine/layers/attention.py): keys [KVH, num_blocks, D, bs] (each
+// Cache views (see engine/layers/attention.py): keys [KVH, num_blocks, D, bs] (each
 // block stored transposed, so the scores of a block's bs tokens are bs-wide vector
-// operations with no horizontal sums), values [KVH, num_blocks, bs, D]. Work is split
-// over (query row, kv head) pairs; each computes its G = H / KVH query heads' scores, a
+// operations with no horizontal sums), values [KVH, num_blocks, bs, D]; heads and blocks
+// may be strided (the engine stores a block's heads, keys and values together), each
+// block is contiguous. Work is split over (query row, kv head) pairs; each computes its G = H / KVH query heads' scores, a
 // float32 softmax, and the weighted sum of values.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -32,20 +33,31 @@ template <typename T>
 struct Problem {
   const T* q;
   int64_t q_row;  // q may be a row view into the fused qkv
-  const T* k;
-  const T* v;
+  T* k;  // the caches: written (this step's tokens), then read
+  T* v;
   T* out;
   const int64_t* tables;
   int64_t max_blocks, heads, kv_heads, group, num_blocks, d, bs;
+  int64_t k_hs, k_bs, v_hs, v_bs;  // element strides of a kv head and of a block
   float scale;
   std::vector<int64_t> row_seq, row_len;
-  std::vector<char> row_first;
+  std::vector<char> row_first, row_decode;  // row_decode: its sequence has this one row
+  const T* k_new;  // this step's keys and values [T, KVH, D] (rows may be strided)
+  const T* v_new;
+  int64_t k_new_row, v_new_row;
+  const int64_t* slots;  // [T] cache slot of each row's token: block * bs + offset
 
-  Problem(const torch::Tensor& q_, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+  Problem(const torch::Tensor& q_, const torch::Tensor& k_, const torch::Tensor& v_,
+          const torch::Tensor& k_cache, const torch::Tensor& v_cache, const torch::Tensor& slots_,
           const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
           const torch::Tensor& query_start, torch::Tensor& out_, double scale_) {
     q = q_.data_ptr<T>();
     q_row = q_.stride(0);
+    k_new = k_.data_ptr<T>();
+    v_new = v_.data_ptr<T>();
+    k_new_row = k_.stride(0);
+    v_new_row = v_.stride(0);
+    slots = slots_.data_ptr<int64_t>();
     k = k_cache.data_ptr<T>();
     v = v_cache.data_ptr<T>();
     out = out_.data_ptr<T>();
@@ -55,6 +67,8 @@ struct Problem {
     kv_heads = k_cache.size(0);
     group = heads / kv_heads;
     num_blocks = k_cache.size(1);
+    k_hs = k_cache.stride(0), k_bs = k_cache.stride(1);
+    v_hs = v_cache.stride(0), v_bs = v_cache.stride(1);
     d = q_.size(2);
     bs = k_cache.size(3);
     scale = float(scale_);
@@ -66,6 +80,7 @@ struct Problem {
     row_seq.resize(rows);
     row_len.resize(rows);
     row_first.resize(rows);
+    row_decode.resize(rows);
     for (int64_t s = 0; s < seqs; ++s) {
       TORCH_CHECK(starts[s + 1] - starts[s] <= lens[s] && lens[s] <= max_blocks * bs,
                   "sequence ", s, ": context length does not fit its queries or block table");
@@ -73,10 +88,38 @@ struct Problem {
         row_seq[r] = s;
         row_len[r] = lens[s] - (starts[s + 1] - 1 - r);  // keys up to the row's position
         row_first[r] = r == starts[s];
+        row_decode[r] = starts[s + 1] - starts[s] == 1;
       }
     }
   }
 };
+
+// Writes row r's key and value of kv head h into its cache slot (keys transposed).
+template <typename T>
+inline void store_token(const Problem<T>& p, int64_t r, int64_t h) {
+  const int64_t block = p.slots[r] / p.bs, off = p.slots[r] % p.bs;
+  const T* kr = p.k_new + r * p.k_new_row + h * p.d;
+  const T* vr = p.v_new + r * p.v_new_row + h * p.d;
+  T* kdst = p.k + h * p.k_hs + block * p.k_bs + off;  // [D][bs] block
+  T* vdst = p.v + h * p.v_hs + block * p.v_bs + off * p.d;  // [bs][D] block
+  for (int64_t i = 0; i < p.d; ++i) kdst[i * p.bs] = kr[i];
+  std::memcpy(vdst, vr, p.d * sizeof(T));
+}
+
+// The tokens of prefill chunks go into the cache before any row attends: a row reads the
+// keys of the rows before it, which other threads may handle. A decode row writes its
+// own token inside its work item instead (no other row reads it this step: a partly
+// filled block is never shared), so those writes overlap the context prefetch.
+template <typename T>
+void store_prefill_tokens(const Problem<T>& p) {
+  const int64_t rows = int64_t(p.row_seq.size());
+  if (std::all_of(p.row_decode.begin(), p.row_decode.end(), [](char d) { return d != 0; })) return;
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      if (!p.row_decode[r])
+        for (int64_t h = 0; h < p.kv_heads; ++h) store_token(p, r, h);
+  });
+}
 
 // Any head and block size: BS and D are the sizes when known at compile time (0: read at
 // run time); fixed sizes let the compiler turn the short inner loops into vector code.
@@ -89,14 +132,15 @@ void run_generic(const Problem<T>& p) {
       const int64_t r = work / p.kv_heads, h = work % p.kv_heads;
       const int64_t len = p.row_len[r], nblocks = (len + bs - 1) / bs;
       const int64_t* table = p.tables + p.row_seq[r] * p.max_blocks;
+      if (p.row_decode[r]) store_token(p, r, h);
       scores.resize(group * nblocks * bs);
       for (int64_t g = 0; g < group; ++g)
         for (int64_t i = 0; i < d; ++i)
           qf[g * d + i] = to_float(p.q[r * p.q_row + (h * group + g) * d + i]) * p.scale;
-      const T* k_head = p.k + h * p.num_blocks * d * bs;
-      const T* v_head = p.v + h * p.num_blocks * bs * d;
+      const T* k_head = p.k + h * p.k_hs;
+      const T* v_head = p.v + h * p.v_hs;
       for (int64_t b = 0; b < nblocks; ++b) {
-        const T* kb = k_head + table[b] * d * bs;  // [d][bs]
+        const T* kb = k_head + table[b] * p.k_bs;  // [d][bs]
         for (int64_t g = 0; g < group; ++g) {
           float* __restrict out_sc = &scores[g * nblocks * bs + b * bs];
           if constexpr (BS != 0) {
@@ -131,7 +175,7 @@ void run_generic(const Problem<T>& p) {
         const float* pr = &scores[g * nblocks * bs];
         float* __restrict a = &acc[g * d];
         for (int64_t t = 0; t < len; ++t) {
-          const T* vrow = v_head + (table[t / bs] * bs + t % bs) * d;
+          const T* vrow = v_head + table[t / bs] * p.v_bs + (t % bs) * d;
           const float pt = pr[t];
           for (int64_t i = 0; i < d; ++i) a[i] += pt * to_float(vrow[i]);
         }
@@ -157,16 +201,19 @@ inline void prefetch_l2(const void* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(c + off, _MM_HINT_T1);
 }
 
-// A sequence's key and value blocks of one kv head towards L2 all at once (many misses
-// in flight instead of one block's worth). Blocks are scattered over the pool once the
-// prefix cache has churned; without prefetching a random block order ran 3x slower than
-// a sequential one. Later rows of a prefill chunk find them cached.
+// All of a sequence's key and value blocks, every kv head, towards L2 at once (many
+// misses in flight instead of one block's worth), issued by the first work item of a
+// row. Blocks are scattered over the pool once the prefix cache has churned; without
+// prefetching a random block order ran 3x slower than a sequential one. Later rows of a
+// prefill chunk find them cached.
 template <typename T>
-inline void prefetch_sequence(const T* k_head, const T* v_head, const int64_t* table,
-                              int64_t nblocks, int64_t block_elems) {
+inline void prefetch_sequence(const Problem<T>& p, const int64_t* table, int64_t nblocks) {
+  const int64_t bytes = p.d * p.bs * sizeof(T);
   for (int64_t b = 0; b < nblocks; ++b) {
-    prefetch_l2(k_head + table[b] * block_elems, block_elems * sizeof(T));
-    prefetch_l2(v_head + table[b] * block_elems, block_elems * sizeof(T));
+    for (int64_t h = 0; h < p.kv_heads; ++h) {
+      prefetch_l2(p.k + h * p.k_hs + table[b] * p.k_bs, bytes);
+      prefetch_l2(p.v + h * p.v_hs + table[b] * p.v_bs, bytes);
+    }
   }
 }
 
@@ -209,13 +256,14 @@ void run_fma(const Problem<T>& p) {
       for (int64_t g = 0; g < G; ++g)
         for (int64_t i = 0; i < D; ++i)
           qf[g][i] = to_float(p.q[r * p.q_row + (h * G + g) * D + i]) * p.scale;
-      const T* k_head = p.k + h * p.num_blocks * D * BS;
-      const T* v_head = p.v + h * p.num_blocks * BS * D;
-      if (p.row_first[r] || work == begin) prefetch_sequence(k_head, v_head, table, nblocks, D * BS);
-      prefetch_l1(k_head + table[0] * D * BS, D * BS * sizeof(T));
+      const T* k_head = p.k + h * p.k_hs;
+      const T* v_head = p.v + h * p.v_hs;
+      if ((p.row_first[r] && h == 0) || work == begin) prefetch_sequence(p, table, nblocks);
+      if (p.row_decode[r]) store_token(p, r, h);
+      prefetch_l1(k_head + table[0] * p.k_bs, D * BS * sizeof(T));
       for (int64_t b = 0; b < nblocks; ++b) {
-        if (b + 1 < nblocks) prefetch_l1(k_head + table[b + 1] * D * BS, D * BS * sizeof(T));
-        const T* kb = k_head + table[b] * D * BS;  // [D][16]
+        if (b + 1 < nblocks) prefetch_l1(k_head + table[b + 1] * p.k_bs, D * BS * sizeof(T));
+        const T* kb = k_head + table[b] * p.k_bs;  // [D][16]
         __m512 a0[G], a1[G];  // two chains per head hide the FMA latency
         for (int64_t g = 0; g < G; ++g) a0[g] = a1[g] = _mm512_setzero_ps();
         for (int64_t i = 0; i < D; i += 2) {
@@ -237,7 +285,7 @@ void run_fma(const Problem<T>& p) {
         for (int64_t g = 0; g < GC; ++g)
           for (int64_t c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
         for (int64_t b = 0; b < nblocks; ++b) {
-          const T* vb = v_head + table[b] * BS * D;
+          const T* vb = v_head + table[b] * p.v_bs;
           const int64_t rows = std::min<int64_t>(BS, len - b * BS);
           for (int64_t j = 0; j < rows; ++j) {
             __m512 v[C];
@@ -309,13 +357,14 @@ void run_dpbf16(const Problem<c10::BFloat16>& p) {
       p_hi.resize(G * padded);
       p_lo.resize(G * padded);
       const uint16_t* qh = qp + r * p.q_row + h * G * D;
-      const uint16_t* k_head = kp + h * p.num_blocks * D * BS;
-      const uint16_t* v_head = vp + h * p.num_blocks * BS * D;
-      if (p.row_first[r] || work == begin) prefetch_sequence(k_head, v_head, table, nblocks, D * BS);
-      prefetch_l1(k_head + table[0] * D * BS, D * BS * 2);
+      const uint16_t* k_head = kp + h * p.k_hs;
+      const uint16_t* v_head = vp + h * p.v_hs;
+      if ((p.row_first[r] && h == 0) || work == begin) prefetch_sequence(p, table, nblocks);
+      if (p.row_decode[r]) store_token(p, r, h);
+      prefetch_l1(k_head + table[0] * p.k_bs, D * BS * 2);
       for (int64_t b = 0; b < nblocks; ++b) {
-        if (b + 1 < nblocks) prefetch_l1(k_head + table[b + 1] * D * BS, D * BS * 2);
-        const uint16_t* kb = k_head + table[b] * D * BS;  // [D][16]
+        if (b + 1 < nblocks) prefetch_l1(k_head + table[b + 1] * p.k_bs, D * BS * 2);
+        const uint16_t* kb = k_head + table[b] * p.k_bs;  // [D][16]
         __m512 a0[G], a1[G];
         for (int64_t g = 0; g < G; ++g) a0[g] = a1[g] = _mm512_setzero_ps();
         for (int64_t i = 0; i < D; i += 4) {
@@ -347,7 +396,7 @@ void run_dpbf16(const Problem<c10::BFloat16>& p) {
         for (int64_t g = 0; g < GC; ++g)
           for (int64_t c = 0; c < 2 * C; ++c) acc[g][c] = _mm512_setzero_ps();
         for (int64_t b = 0; b < nblocks; ++b) {
-          const uint16_t* vb = v_head + table[b] * BS * D;
+          const uint16_t* vb = v_head + table[b] * p.v_bs;
           const int64_t rows = std::min<int64_t>(BS, len - b * BS);
           for (int64_t j = 0; j < rows; j += 2) {
             // an odd last row pairs with a zero row (the slot past len may hold anything)
@@ -428,32 +477,47 @@ void dispatch(const Problem<T>& p) {
 
 }  // namespace
 
-// q: [T, H, D] (heads contiguous within a row; rows may be strided views into the fused
-// qkv); k_cache [KVH, num_blocks, D, bs]; v_cache [KVH, num_blocks, bs, D];
+// Writes this step's keys and values into the cache, then attends every query row.
+// q: [T, H, D], k, v: [T, KVH, D] (heads contiguous within a row; rows may be strided
+// views into the fused qkv); k_cache [KVH, num_blocks, D, bs]; v_cache [KVH, num_blocks,
+// bs, D]; slots [T] int64: the cache slot (block * bs + offset) of each row's token;
 // block_tables [S, max_blocks] int64; seq_lens [S] int64: each sequence's context after
-// this step (its new tokens included, already written to the cache); query_start [S + 1]
-// int64: sequence s owns rows query_start[s] .. query_start[s + 1] of q, its last
-// tokens. Returns [T, H, D].
-torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+// this step, its new tokens included; query_start [S + 1] int64: sequence s owns rows
+// query_start[s] .. query_start[s + 1], its last tokens. Returns [T, H, D].
+torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
+                              torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
                               torch::Tensor block_tables, torch::Tensor seq_lens,
                               torch::Tensor query_start, double scale) {
-  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2) &&
-              k_cache.is_contiguous() && v_cache.is_contiguous(),
-              "paged_attention needs contiguous heads and caches");
-  TORCH_CHECK(q.size(1) % k_cache.size(0) == 0, "heads must be a multiple of kv heads");
-  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
-              "q and the caches must share a dtype");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be [T, heads, D]");
+  for (const auto* x : {&q, &k, &v})
+    TORCH_CHECK(x->stride(2) == 1 && x->stride(1) == x->size(2) && x->size(0) == q.size(0),
+                "paged_attention needs the heads of a q/k/v row contiguous, one row per token");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.stride(3) == 1 && k_cache.stride(2) == k_cache.size(3) &&
+              v_cache.dim() == 4 && v_cache.stride(3) == 1 && v_cache.stride(2) == v_cache.size(3),
+              "paged_attention needs each cache block contiguous (heads and blocks may be strided)");
+  TORCH_CHECK(k.size(1) == k_cache.size(0) && v.size(1) == k_cache.size(0) &&
+              q.size(1) % k_cache.size(0) == 0, "heads must be a multiple of kv heads");
+  for (const auto* x : {&k, &v, &k_cache, &v_cache})
+    TORCH_CHECK(x->scalar_type() == q.scalar_type(), "q, k, v and the caches must share a dtype");
+  auto slots_ = slots.to(torch::kLong).contiguous();
+  TORCH_CHECK(slots_.size(0) == q.size(0), "one cache slot per row");
   auto tables = block_tables.to(torch::kLong).contiguous();
   auto lens = seq_lens.to(torch::kLong).contiguous();
   auto starts = query_start.to(torch::kLong).contiguous();
   auto out = torch::empty(q.sizes(), q.options());
+  auto run = [&](auto tag) {
+    using T = decltype(tag);
+    Problem<T> p(q, k, v, k_cache, v_cache, slots_, tables, lens, starts, out, scale);
+    store_prefill_tokens(p);
+    dispatch(p);
+  };
   if (q.scalar_type() == torch::kBFloat16) {
-    dispatch(Problem<c10::BFloat16>(q, k_cache, v_cache, tables, lens, starts, out, scale));
+    run(c10::BFloat16());
   } else if (q.scalar_type() == torch::kHalf) {
-    dispatch(Problem<c10::Half>(q, k_cache, v_cache, tables, lens, starts, out, scale));
+    run(c10::Half());
   } else {
     TORCH_CHECK(q.scalar_type() == torch::kFloat, "unsupported dtype");
-    dispatch(Problem<float>(q, k_cache, v_cache, tables, lens, starts, out, scale));
+    run(float());
   }
   return out;
 }

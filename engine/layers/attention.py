@@ -1,17 +1,23 @@
 """Paged attention over the block-structured KV cache.
 
-Cache layout per layer: one tensor [2, KVH, num_blocks, block_size, D]. Values
-use it as is; keys store each block transposed, [KVH, num_blocks, D, block_size],
-so a block's scores are block_size-wide vector operations in the CPU kernel.
+Cache layout per layer: one tensor [num_blocks, 2, KVH, block_size, D]: a block
+holds the keys and values of all its kv heads in one contiguous span, so reading a
+sequence's context touches few, large pieces of memory (decode attention is bound
+by memory; scattered 2 KiB per-head pieces read ~25% slower than 12 KiB blocks).
+Keys store each block transposed, [D, block_size] per head, so a block's scores are
+block_size-wide vector operations in the CPU kernel. The kernels and the torch path
+see strided views: keys [KVH, num_blocks, D, block_size], values [KVH, num_blocks,
+block_size, D].
 
 Every step first writes the new keys/values of all scheduled tokens into their
 cache slots, then computes attention. Because the writes of a layer precede its
 reads, a request may read blocks that another request fills in the same step
 (prefix-cache hits on blocks scheduled in the same batch stay correct).
 
-- On CPU with the compiled kernels (engine/kernels), one call attends every row of
-  the step, decodes and prefill chunks alike, reading keys and values from the cache
-  in place with a causal limit per row (a 64-token prefill spent 4x longer in SDPA).
+- On CPU with the compiled kernels (engine/kernels), one call writes the step's keys
+  and values and attends every row of the step, decodes and prefill chunks alike,
+  reading the cache in place with a causal limit per row (a 64-token prefill spent
+  4x longer in SDPA).
 - Otherwise (CUDA, or kernels off) with torch ops: single-token queries are batched:
   their blocks are gathered and attended with two batched matmuls and a masked
   softmax. Prefill chunks without cached context attend to their fresh k/v;
@@ -60,35 +66,37 @@ class AttentionMetadata:
     prefills: list[PrefillGroup] = field(default_factory=list)  # torch path
     query_start: torch.Tensor | None = None  # [S + 1] int64 row offsets (native path)
     native_attention: Callable | None = None  # compiled CPU kernel (engine.kernels), if any
-    native_store: Callable | None = None  # compiled cache-write kernel, if any
     slot_blocks: torch.Tensor | None = None  # [T] slot_mapping // block_size
     slot_offsets: torch.Tensor | None = None  # [T] slot_mapping % block_size
 
 
+def cache_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's cache [num_blocks, 2, KVH, bs, D] as strided views: keys [KVH,
+    num_blocks, D, bs] (blocks stored transposed) and values [KVH, num_blocks, bs, D]."""
+    num_blocks, _, kv_heads, block_size, head_dim = kv_cache.shape
+    keys = kv_cache[:, 0].view(num_blocks, kv_heads, head_dim, block_size)
+    return keys.transpose(0, 1), kv_cache[:, 1].transpose(0, 1)
+
+
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              meta: AttentionMetadata) -> None:
-    """Store this step's keys [T, KVH, D] and values into their slots."""
-    if meta.native_store is not None:  # one pass, no index tensors (2 ms of a W1 step)
-        meta.native_store(k, v, k_cache, v_cache, meta.slot_mapping)
-        return
-    kv_heads, _, head_dim, _ = k_cache.shape
+    """Store this step's keys [T, KVH, D] and values into their slots (torch path; the
+    native kernel writes them itself)."""
     k_cache.permute(1, 3, 0, 2)[meta.slot_blocks, meta.slot_offsets] = k
-    v_cache.view(kv_heads, -1, head_dim).index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+    v_cache.permute(1, 2, 0, 3)[meta.slot_blocks, meta.slot_offsets] = v
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q: [T, H, D]; k, v: [T, KVH, D]; kv_cache: [2, KVH, num_blocks, block_size, D].
+    """q: [T, H, D]; k, v: [T, KVH, D]; kv_cache: [num_blocks, 2, KVH, block_size, D].
 
     Returns the attention output [T, H, D].
     """
-    _, kv_heads, num_blocks, block_size, head_dim = kv_cache.shape
-    k_cache = kv_cache[0].view(kv_heads, num_blocks, head_dim, block_size)
-    v_cache = kv_cache[1]
-    write_kv(k, v, k_cache, v_cache, meta)
+    k_cache, v_cache = cache_views(kv_cache)
     if meta.native_attention is not None:
-        return meta.native_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                     meta.query_start, scale)
+        return meta.native_attention(q, k, v, k_cache, v_cache, meta.slot_mapping,
+                                     meta.block_tables, meta.seq_lens, meta.query_start, scale)
+    write_kv(k, v, k_cache, v_cache, meta)
     if meta.num_decodes == q.shape[0]:
         return _decode_attention(q, k_cache, v_cache, meta, scale)
     out = torch.empty_like(q)

@@ -210,7 +210,7 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """kv_caches: [num_layers, 2, KVH, num_blocks, block_size, D] (this rank's KVH)."""
+        """kv_caches: [num_layers, num_blocks, 2, KVH, block_size, D] (this rank's KVH)."""
         x = self.embed(input_ids)
         rope = self.rotary.lookup(positions, x.dtype)
         residual = None
