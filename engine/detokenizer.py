@@ -10,6 +10,7 @@ context (sentencepiece drops a leading space at the start of a decode).
 """
 from __future__ import annotations
 
+import tokenizers
 from transformers import PreTrainedTokenizerBase
 
 _PROMPT_CONTEXT = 5
@@ -20,6 +21,10 @@ class IncrementalDetokenizer:
                  skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        # a fast tokenizer's Rust backend decodes the same text ~4x quicker than the
+        # transformers wrapper (two decodes per generated token)
+        backend = getattr(tokenizer, "_tokenizer", None)
+        self._backend = backend if isinstance(backend, tokenizers.Tokenizer) else None
         context = list(prompt_token_ids[-_PROMPT_CONTEXT:])
         self.ids = context
         self.prefix_offset = 0
@@ -42,5 +47,7 @@ class IncrementalDetokenizer:
         return text
 
     def _decode(self, ids: list[int]) -> str:
+        if self._backend is not None:
+            return self._backend.decode(ids, skip_special_tokens=self.skip_special_tokens)
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
                                      clean_up_tokenization_spaces=False)

@@ -18,7 +18,7 @@ import torch
 
 from engine.config import CPU_DEFAULT_KV_CACHE_BYTES, EngineConfig
 from engine.errors import InvalidRequestError
-from engine.layers.attention import AttentionMetadata, PrefillGroup
+from engine.layers.attention import AttentionMetadata, PrefillGroup, cache_views
 from engine.layers.linear import Linear, can_pack, pack_linears
 from engine.layers.rotary import RotaryEmbedding
 from engine.kernels import cpu_kernels, native_enabled
@@ -90,6 +90,7 @@ class ModelRunner:
         self.native_attention = self.kernels.paged_attention if self.kernels else None
         self.model = self._load_model()
         self.kv_caches: torch.Tensor | None = None
+        self.layer_caches: list[tuple[torch.Tensor, torch.Tensor]] = []  # views, per layer
         self.num_blocks = 0
 
     def _load_model(self) -> LlamaForCausalLM:
@@ -148,9 +149,11 @@ class ModelRunner:
             _advise_huge_pages(cache)
         # zeros, not garbage: masked-out slots still enter the matmuls, and 0 * NaN = NaN
         self.kv_caches = cache.zero_()
+        self.layer_caches = [cache_views(layer) for layer in cache]  # made once, not per step
 
     def free_kv_cache(self) -> None:
         self.kv_caches = None
+        self.layer_caches = []
 
     # ---- sleep mode -------------------------------------------------------------------
     def has_weights(self) -> bool:
@@ -219,7 +222,7 @@ class ModelRunner:
         meta = self._attention_metadata(step)
         input_ids = torch.tensor(step.ids, dtype=torch.long, device=dev)
         pos = torch.tensor(step.positions, dtype=torch.long, device=dev)
-        hidden = self.model(input_ids, pos, self.kv_caches, meta)
+        hidden = self.model(input_ids, pos, self.layer_caches, meta)
         if not step.logit_positions:
             return hidden.new_empty((0, self.shape.vocab_size), dtype=torch.float32)
         index = torch.tensor(step.logit_positions, dtype=torch.long, device=dev)

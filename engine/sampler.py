@@ -27,14 +27,14 @@ class SamplerOutput:
 class Sampler:
     def __init__(self, vocab_size: int, native_argmax: Callable | None = None) -> None:
         """native_argmax: the compiled CPU argmax (engine.kernels), 7x faster than torch's
-        on a 64 x 49152 batch; used for float32 logits without NaN."""
+        on a 64 x 49152 batch, same result (NaN included); used for float32 CPU logits."""
         self.vocab_size = vocab_size
         self.native_argmax = native_argmax
 
     def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
         native = self.native_argmax
         if (native is not None and logits.device.type == "cpu" and logits.is_contiguous()
-                and logits.dtype == torch.float32 and not torch.isnan(logits.amax())):
+                and logits.dtype == torch.float32):
             return native(logits)
         return logits.argmax(dim=-1)
 

@@ -144,5 +144,11 @@ def test_native_greedy_argmax_matches_torch_and_takes_the_first_maximum():
     sampler = Sampler(1000, kernels.argmax_rows)
     assert torch.equal(sampler._argmax(logits), logits.argmax(dim=-1))
     assert sampler._argmax(logits)[2].item() == 17
-    logits[6, 3] = float("nan")  # torch's rule (NaN is the maximum) via its own argmax
+    logits[6, 3] = float("nan")  # torch's rule: NaN is the maximum, the first one wins
+    logits[6, 700] = float("nan")
+    logits[7, 998] = float("nan")  # the last 16 columns
+    logits[7, 999] = float("-nan")
+    logits[8, 0] = float("inf")
+    assert torch.equal(kernels.argmax_rows(logits), logits.argmax(dim=-1))
+    assert kernels.argmax_rows(logits)[6].item() == 3
     assert torch.equal(sampler._argmax(logits), logits.argmax(dim=-1))

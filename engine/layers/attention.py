@@ -86,13 +86,15 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     v_cache.permute(1, 2, 0, 3)[meta.slot_blocks, meta.slot_offsets] = v
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q: [T, H, D]; k, v: [T, KVH, D]; kv_cache: [num_blocks, 2, KVH, block_size, D].
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                    scale: float) -> torch.Tensor:
+    """q: [T, H, D]; k, v: [T, KVH, D]; kv_cache: this layer's (keys, values) views
+    (cache_views).
 
     Returns the attention output [T, H, D].
     """
-    k_cache, v_cache = cache_views(kv_cache)
+    k_cache, v_cache = kv_cache
     if meta.native_attention is not None:
         return meta.native_attention(q, k, v, k_cache, v_cache, meta.slot_mapping,
                                      meta.block_tables, meta.seq_lens, meta.query_start, scale)

@@ -43,9 +43,9 @@ class Linear(nn.Linear):
         return 0 if w is None else w.numel() * w.element_size()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed_weight is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias,
-                                                      "none", [], "")
+        if self.packed_weight is not None:  # the resolved overload: no per-call lookup
+            return torch.ops.mkldnn._linear_pointwise.default(x, self.packed_weight, self.bias,
+                                                              "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:

@@ -112,7 +112,7 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(shape.head_dim, shape.rms_norm_eps) if shape.qk_norm else None
         self.scale = shape.head_dim ** -0.5
 
-    def forward(self, rope: Rope, x: torch.Tensor, kv_cache: torch.Tensor,
+    def forward(self, rope: Rope, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)
@@ -166,7 +166,7 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(shape, plan, tp, kernels)
 
     def forward(self, rope: Rope, x: torch.Tensor, residual: torch.Tensor | None,
-                kv_cache: torch.Tensor, meta: AttentionMetadata
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """Takes the previous layer's output and the running residual stream."""
         if residual is None:
@@ -209,8 +209,10 @@ class LlamaForCausalLM(nn.Module):
         return self.tp.all_reduce(x)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """kv_caches: [num_layers, num_blocks, 2, KVH, block_size, D] (this rank's KVH)."""
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata
+                ) -> torch.Tensor:
+        """kv_caches: each layer's (keys, values) views of the paged cache
+        (engine.layers.attention.cache_views), this rank's kv heads."""
         x = self.embed(input_ids)
         rope = self.rotary.lookup(positions, x.dtype)
         residual = None
