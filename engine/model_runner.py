@@ -8,9 +8,7 @@ sample this step.
 """
 from __future__ import annotations
 
-import ctypes
 import logging
-import sys
 import time
 
 import msgspec
@@ -18,6 +16,7 @@ import torch
 
 from engine.config import CPU_DEFAULT_KV_CACHE_BYTES, EngineConfig
 from engine.errors import InvalidRequestError
+from engine.hugepages import advise_huge_pages, anonymous_regions, collapse_new_regions
 from engine.layers.attention import AttentionMetadata, PrefillGroup, cache_views
 from engine.layers.linear import Linear, can_pack, pack_linears
 from engine.layers.rotary import RotaryEmbedding
@@ -31,29 +30,6 @@ logger = logging.getLogger(__name__)
 
 # Room left on the GPU for activations of one max-size batch (beyond weights and KV).
 _GPU_ACTIVATION_RESERVE_BYTES = 1 << 30
-
-
-def _advise_huge_pages(tensor: torch.Tensor) -> None:
-    """Ask Linux for 2 MiB pages under a large CPU tensor before it is first touched.
-
-    A request's KV blocks end up scattered over the whole pool; with 4 KiB pages nearly
-    every block read is a TLB miss. With transparent huge pages the decode attention
-    over a 2 GiB pool ran 10-25% faster (docs/benchmarks.md). Best effort: nothing
-    happens where THP is off or madvise is unavailable."""
-    huge = 1 << 21
-    size = tensor.numel() * tensor.element_size()
-    if size < 4 * huge or not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        start = (tensor.data_ptr() + huge - 1) & ~(huge - 1)
-        length = (tensor.data_ptr() + size - start) & ~(huge - 1)
-        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), _MADV_HUGEPAGE)
-    except (OSError, AttributeError):
-        pass
-
-
-_MADV_HUGEPAGE = 14
 
 
 class StepInput(msgspec.Struct, array_like=True, gc=False):
@@ -95,6 +71,7 @@ class ModelRunner:
 
     def _load_model(self) -> LlamaForCausalLM:
         start = time.perf_counter()
+        regions = anonymous_regions() if self.device.type == "cpu" else set()
         with torch.device("meta"):
             model = LlamaForCausalLM(self.shape, self.hf_config, self.max_model_len, self.kernels,
                                      self.plan, self.tp)
@@ -109,6 +86,8 @@ class ModelRunner:
         model.requires_grad_(False)
         if native_enabled() and can_pack(self.device, self.dtype):
             pack_linears(model, keep_dense={id(model.embed_tokens.weight)})
+        if self.device.type == "cpu":
+            collapse_new_regions(regions)
         logger.info("loaded %s in %.2fs", self.shape.architecture, time.perf_counter() - start)
         return model
 
@@ -146,7 +125,7 @@ class ModelRunner:
         cache = torch.empty(s.num_layers, num_blocks, 2, self.plan.num_kv_heads,
                             self.block_size, s.head_dim, dtype=self.dtype, device=self.device)
         if self.device.type == "cpu":
-            _advise_huge_pages(cache)
+            advise_huge_pages(cache)
         # zeros, not garbage: masked-out slots still enter the matmuls, and 0 * NaN = NaN
         self.kv_caches = cache.zero_()
         self.layer_caches = [cache_views(layer) for layer in cache]  # made once, not per step

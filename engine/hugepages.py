@@ -1,0 +1,79 @@
+"""Transparent huge pages for the engine's large CPU memory (KV cache and weights).
+
+Decode streams every weight and much of the KV cache through the CPU once per step;
+with 4 KiB pages nearly every page of that is a TLB miss. Linux backs memory with
+2 MiB pages where asked: madvise(MADV_HUGEPAGE) before memory is first touched (the
+KV cache, which we allocate), or MADV_COLLAPSE (Linux 6.1+) on memory already
+written (the weights, which torch and oneDNN allocate out of our sight). Measured on
+this project's 2-core VM: decode attention over a 2 GiB pool 10-25% faster; the 30
+layers' 64-row matmuls with cold weights 38.5 -> 36.9 ms (docs/benchmarks.md). Best
+effort: nothing happens where THP is off or the calls are unavailable.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import sys
+import time
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_HUGE = 1 << 21
+_MADV_HUGEPAGE = 14
+_MADV_COLLAPSE = 25
+
+
+def _madvise(start: int, length: int, advice: int) -> bool:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), advice) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _huge_span(start: int, end: int) -> tuple[int, int]:
+    """The 2 MiB-aligned part of [start, end): (aligned start, length), length maybe 0."""
+    first = (start + _HUGE - 1) & ~(_HUGE - 1)
+    return first, max(0, (end & ~(_HUGE - 1)) - first)
+
+
+def advise_huge_pages(tensor: torch.Tensor) -> None:
+    """Ask for 2 MiB pages under a large CPU tensor before it is first touched."""
+    size = tensor.numel() * tensor.element_size()
+    if size < 4 * _HUGE or not sys.platform.startswith("linux"):
+        return
+    start, length = _huge_span(tensor.data_ptr(), tensor.data_ptr() + size)
+    _madvise(start, length, _MADV_HUGEPAGE)
+
+
+def anonymous_regions() -> set[tuple[int, int]]:
+    """The process's writable anonymous mappings (heap included) as (start, end)."""
+    if not sys.platform.startswith("linux"):
+        return set()
+    regions = set()
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                fields = line.split()
+                if "w" in fields[1] and (len(fields) == 5 or fields[5] == "[heap]"):
+                    start, end = (int(x, 16) for x in fields[0].split("-"))
+                    regions.add((start, end))
+    except OSError:
+        pass
+    return regions
+
+
+def collapse_new_regions(before: set[tuple[int, int]]) -> int:
+    """Collapse into huge pages the anonymous memory mapped (or grown) since `before` was
+    taken: where a model's weights went. Returns the bytes collapsed."""
+    start_time, done = time.perf_counter(), 0
+    for region in anonymous_regions() - before:
+        start, length = _huge_span(*region)
+        if length and _madvise(start, length, _MADV_COLLAPSE):
+            done += length
+    if done:
+        logger.info("weights on huge pages: %d MiB in %.2fs", done >> 20,
+                    time.perf_counter() - start_time)
+    return done
