@@ -202,10 +202,17 @@ inline void prefetch_l2(const void* p, int64_t bytes) {
 }
 
 // All of a sequence's key and value blocks, every kv head, towards L2 at once (many
-// misses in flight instead of one block's worth), issued by the first work item of a
-// row. Blocks are scattered over the pool once the prefix cache has churned; without
-// prefetching a random block order ran 3x slower than a sequential one. Later rows of a
-// prefill chunk find them cached.
+// misses in flight instead of one block's worth): the first row of a thread's range.
+// Blocks are scattered over the pool once the prefix cache has churned; without
+// prefetching a random block order ran 3x slower than a sequential one.
+//
+// After that the kernels pipeline across rows: while item (row r, kv head h) computes
+// block b of its sequence it fetches its share of head h's blocks of row r + 1's
+// sequence towards L2, so the next row finds its context there (decode attention waits
+// on memory: 30 layers of W1 decode 10.8 -> 8.3 ms against fetching a row's context
+// when it starts). Later rows of a prefill chunk find the data cached already. The
+// prefetch sizes are compile-time constants: the same code with run-time sizes behind
+// a helper ran ~20% slower.
 template <typename T>
 inline void prefetch_sequence(const Problem<T>& p, const int64_t* table, int64_t nblocks) {
   const int64_t bytes = p.d * p.bs * sizeof(T);
@@ -258,11 +265,22 @@ void run_fma(const Problem<T>& p) {
           qf[g][i] = to_float(p.q[r * p.q_row + (h * G + g) * D + i]) * p.scale;
       const T* k_head = p.k + h * p.k_hs;
       const T* v_head = p.v + h * p.v_hs;
-      if ((p.row_first[r] && h == 0) || work == begin) prefetch_sequence(p, table, nblocks);
+      if (work == begin) prefetch_sequence(p, table, nblocks);
+      // this head's blocks of the next row's sequence, spread over this item's block loop
+      const int64_t* next_table = nullptr;
+      int64_t next_blocks = 0;
+      if (work + p.kv_heads < end && p.row_first[r + 1]) {
+        next_table = p.tables + p.row_seq[r + 1] * p.max_blocks;
+        next_blocks = (p.row_len[r + 1] + BS - 1) / BS;
+      }
       if (p.row_decode[r]) store_token(p, r, h);
       prefetch_l1(k_head + table[0] * p.k_bs, D * BS * sizeof(T));
       for (int64_t b = 0; b < nblocks; ++b) {
         if (b + 1 < nblocks) prefetch_l1(k_head + table[b + 1] * p.k_bs, D * BS * sizeof(T));
+        for (int64_t j = b * next_blocks / nblocks; j < (b + 1) * next_blocks / nblocks; ++j) {
+          prefetch_l2(k_head + next_table[j] * p.k_bs, D * BS * sizeof(T));
+          prefetch_l2(v_head + next_table[j] * p.v_bs, D * BS * sizeof(T));
+        }
         const T* kb = k_head + table[b] * p.k_bs;  // [D][16]
         __m512 a0[G], a1[G];  // two chains per head hide the FMA latency
         for (int64_t g = 0; g < G; ++g) a0[g] = a1[g] = _mm512_setzero_ps();
@@ -359,11 +377,22 @@ void run_dpbf16(const Problem<c10::BFloat16>& p) {
       const uint16_t* qh = qp + r * p.q_row + h * G * D;
       const uint16_t* k_head = kp + h * p.k_hs;
       const uint16_t* v_head = vp + h * p.v_hs;
-      if ((p.row_first[r] && h == 0) || work == begin) prefetch_sequence(p, table, nblocks);
+      if (work == begin) prefetch_sequence(p, table, nblocks);
+      // this head's blocks of the next row's sequence, spread over this item's block loop
+      const int64_t* next_table = nullptr;
+      int64_t next_blocks = 0;
+      if (work + p.kv_heads < end && p.row_first[r + 1]) {
+        next_table = p.tables + p.row_seq[r + 1] * p.max_blocks;
+        next_blocks = (p.row_len[r + 1] + BS - 1) / BS;
+      }
       if (p.row_decode[r]) store_token(p, r, h);
       prefetch_l1(k_head + table[0] * p.k_bs, D * BS * 2);
       for (int64_t b = 0; b < nblocks; ++b) {
         if (b + 1 < nblocks) prefetch_l1(k_head + table[b + 1] * p.k_bs, D * BS * 2);
+        for (int64_t j = b * next_blocks / nblocks; j < (b + 1) * next_blocks / nblocks; ++j) {
+          prefetch_l2(k_head + next_table[j] * p.k_bs, D * BS * 2);
+          prefetch_l2(v_head + next_table[j] * p.v_bs, D * BS * 2);
+        }
         const uint16_t* kb = k_head + table[b] * p.k_bs;  // [D][16]
         __m512 a0[G], a1[G];
         for (int64_t g = 0; g < G; ++g) a0[g] = a1[g] = _mm512_setzero_ps();
