@@ -140,6 +140,12 @@ def test_native_kernel_rejects_inconsistent_row_offsets():
                                    0.25)
     with pytest.raises(RuntimeError, match="one cache slot per row"):
         _kernels().paged_attention(q, k, v, kc_t, vc, slots[:2], tables, lens, starts, 0.25)
+    with pytest.raises(RuntimeError, match="outside the cache"):  # would write out of bounds
+        _kernels().paged_attention(q, k, v, kc_t, vc, torch.tensor([2, 3, 80]), tables, lens,
+                                   starts, 0.25)
+    with pytest.raises(RuntimeError, match="outside the cache"):  # would read out of bounds
+        _kernels().paged_attention(q, k, v, kc_t, vc, slots, torch.tensor([[10, 0]]), lens,
+                                   starts, 0.25)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -37,7 +37,7 @@ struct Problem {
   T* v;
   T* out;
   const int64_t* tables;
-  int64_t max_blocks, heads, kv_heads, group, num_blocks, d, bs;
+  int64_t max_blocks, heads, kv_heads, group, num_blocks, d, bs;  // num_blocks: in the cache
   int64_t k_hs, k_bs, v_hs, v_bs;  // element strides of a kv head and of a block
   float scale;
   std::vector<int64_t> row_seq, row_len;
@@ -81,14 +81,23 @@ struct Problem {
     row_len.resize(rows);
     row_first.resize(rows);
     row_decode.resize(rows);
+    TORCH_CHECK(block_tables.size(0) == seqs, "one block table per sequence");
     for (int64_t s = 0; s < seqs; ++s) {
-      TORCH_CHECK(starts[s + 1] - starts[s] <= lens[s] && lens[s] <= max_blocks * bs,
+      TORCH_CHECK(starts[s + 1] >= starts[s] && starts[s + 1] - starts[s] <= lens[s] &&
+                  lens[s] <= max_blocks * bs,
                   "sequence ", s, ": context length does not fit its queries or block table");
+      for (int64_t b = 0; b < (lens[s] + bs - 1) / bs; ++b) {
+        const int64_t block = tables[s * max_blocks + b];
+        TORCH_CHECK(block >= 0 && block < num_blocks, "sequence ", s, ": block ", block,
+                    " is outside the cache");
+      }
       for (int64_t r = starts[s]; r < starts[s + 1]; ++r) {
         row_seq[r] = s;
         row_len[r] = lens[s] - (starts[s + 1] - 1 - r);  // keys up to the row's position
         row_first[r] = r == starts[s];
         row_decode[r] = starts[s + 1] - starts[s] == 1;
+        TORCH_CHECK(slots[r] >= 0 && slots[r] < num_blocks * bs, "row ", r, ": cache slot ",
+                    slots[r], " is outside the cache");
       }
     }
   }
