@@ -20,6 +20,11 @@ from engine.core_server import EngineCoreServer, free_port
 
 logger = logging.getLogger(__name__)
 DRAIN_TIMEOUT_S = 15.0  # below graceful_shutdown_timeout_s
+# How long a leaving engine keeps refusing (not dropping) new requests: ingress replicas
+# follow the coordinator's membership every 0.5 s, and the release is asynchronous. A
+# fake-cluster downscale lost one request when the engine closed at once (nothing in
+# flight) while an ingress still routed to it.
+ROUTING_SETTLE_S = 2.0
 
 
 
@@ -96,5 +101,5 @@ class EngineServer:
             self.coordinator.release.remote(self.rank, self.replica_id)
         except Exception:  # the coordinator may already be gone at app teardown
             pass
-        self.server.drain(DRAIN_TIMEOUT_S)
+        self.server.drain(DRAIN_TIMEOUT_S, min_s=ROUTING_SETTLE_S)
         self.server.shutdown()

@@ -107,12 +107,18 @@ class EngineCoreServer:
         return (not self._stopped.is_set() and self._dead_error is None
                 and all(t.is_alive() for t in threads))
 
-    def drain(self, timeout: float) -> bool:
+    def drain(self, timeout: float, min_s: float = 0.0) -> bool:
         """Refuse new requests, let in-flight ones finish for up to `timeout` seconds, then
-        abort what is left. Returns True when everything finished on its own."""
+        abort what is left. Returns True when everything finished on its own.
+
+        min_s: keep refusing for at least this long even when nothing is in flight, so
+        that clients that have not yet seen this engine leave their routing set are told
+        to go elsewhere (refused, resubmitted) instead of sending into a closed socket."""
         self._draining.set()
-        deadline = time.monotonic() + timeout
-        while self._owner_of and time.monotonic() < deadline and self.alive():
+        start = time.monotonic()
+        deadline = start + max(timeout, min_s)
+        while ((self._owner_of or time.monotonic() < start + min_s)
+               and time.monotonic() < deadline and self.alive()):
             time.sleep(0.05)
         left = list(self._owner_of)
         if left:

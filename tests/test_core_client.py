@@ -352,3 +352,28 @@ def test_draining_engine_finishes_in_flight_and_refuses_new(engines):
 
     tokens, finished_cleanly = asyncio.run(main())
     assert len(tokens) == 30 and finished_cleanly is True
+
+
+def test_a_drain_keeps_refusing_for_its_settle_time_when_nothing_is_in_flight(engines):
+    """A leaving engine with nothing in flight still refuses (rather than dropping) what
+    clients send during the settle time, so they resubmit elsewhere."""
+    from engine.errors import EngineDrainingError
+    engines.add(itl_s=0.01)
+
+    async def main():
+        client = await engines.client()
+        loop = asyncio.get_running_loop()
+        drained = loop.run_in_executor(None, lambda: engines.servers[0].drain(5.0, min_s=1.5))
+        started = time.monotonic()
+        while not engines.servers[0]._draining.is_set():
+            await asyncio.sleep(0.01)
+        with pytest.raises(EngineDrainingError):
+            await _tokens(client, "late", [5, 6], SamplingParams(max_tokens=4))
+        still_draining = not drained.done() or time.monotonic() - started >= 1.5
+        result = await drained
+        await client.shutdown()
+        return result, still_draining
+
+    finished_cleanly, lingered = asyncio.run(main())
+    assert finished_cleanly is True
+    assert lingered  # nothing was in flight, yet the drain did not end before min_s
