@@ -1,6 +1,6 @@
 """Frontend benchmark: the async EngineClient against mock engines in other processes.
 
-Starts `python -m engine.mock --engines E` (zero latency model by default, so the
+Starts `python -m engine.wire.mock --engines E` (zero latency model by default, so the
 engines answer as fast as they can), opens N concurrent streams of T tokens each,
 and prints streamed tokens/s and requests/s, plus the client's own cost per token
 (CPU time of this process / tokens received), which is what the ingress pays.
@@ -16,9 +16,9 @@ import sys
 import time
 
 from engine import SamplingParams
-from engine.core_client import EngineClient
-from engine.core_server import engine_addresses
-from engine.model_loader import load_tokenizer, resolve_model
+from engine.model.loader import load_tokenizer, resolve_model
+from engine.wire.core_client import EngineClient
+from engine.wire.core_server import engine_addresses
 
 
 def free_port_block(count: int) -> int:
@@ -76,9 +76,9 @@ def main() -> None:
     tokenizer = load_tokenizer(resolve_model("default"))
     base = f"tcp://127.0.0.1:{free_port_block(args.engines)}"
     addresses = engine_addresses(base, args.engines)
-    proc = subprocess.Popen([sys.executable, "-m", "engine.mock", "--address", base,
+    proc = subprocess.Popen([sys.executable, "-m", "engine.wire.mock", "--address", base,
                              "--engines", str(args.engines), "--vocab-size", str(len(tokenizer)),
-                             "--output-chunk-size", str(args.chunk_size), "--itl", str(args.itl)],
+                             "--output-chunk-size", str(args.chunk_size), "--itl-s", str(args.itl)],
                             stderr=subprocess.DEVNULL)
     try:
         asyncio.run(run(args, addresses, tokenizer))

@@ -44,7 +44,8 @@ def run_flotilla(args, prompts) -> float:
 
 def run_hf(args, prompts) -> float:
     from transformers import AutoModelForCausalLM
-    from engine.model_loader import resolve_model
+
+    from engine.model.loader import resolve_model
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     model = AutoModelForCausalLM.from_pretrained(str(resolve_model(args.model)),

@@ -38,7 +38,7 @@ def build_model(out: Path) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from engine.model_loader import load_tokenizer, resolve_model
+    from engine.model.loader import load_tokenizer, resolve_model
     if (out / "config.json").exists():
         return out
     config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,

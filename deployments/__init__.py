@@ -1,1 +1,1 @@
-"""Ray Serve deployments (ingress, engine servers, coordinator); see ARCHITECTURE.md."""
+"""Ray Serve deployments (ingress, engine servers, coordinator); see docs/architecture.md."""

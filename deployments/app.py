@@ -11,10 +11,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from pydantic import ValidationError
 from ray.serve import Application
 
-from deployments.config import AppArgs
+from deployments.config import AppArgs, parse_app_args
 from deployments.coordinator import Coordinator
 from deployments.engine_server import EngineServer
 from deployments.ingress import OpenAIIngress
@@ -22,15 +21,7 @@ from deployments.ingress import OpenAIIngress
 
 def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
     """Validate args (clear errors for bad values) and bind the deployment graph."""
-    if isinstance(args, AppArgs):
-        parsed = args
-    else:
-        try:
-            parsed = AppArgs.model_validate(dict(args or {}))
-        except ValidationError as exc:
-            problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'args'}: {e['msg']}"
-                                 for e in exc.errors())
-            raise ValueError(f"invalid Flotilla app args: {problems}") from None
+    parsed = parse_app_args(args)
     raw = parsed.model_dump(mode="json")
     coordinator = Coordinator.bind(raw)
     bundles = parsed.engine_bundles()
@@ -42,7 +33,7 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
     else:
         count = {"num_replicas": parsed.data_parallel_size}
     engines = EngineServer.options(
-        ray_actor_options={"num_cpus": parsed.engine_num_cpus,
+        ray_actor_options={"num_cpus": parsed.engine_cpus,
                            "num_gpus": parsed.engine_num_gpus},
         **count, **placement,
     ).bind(raw, coordinator)

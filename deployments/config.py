@@ -5,16 +5,26 @@ The same fields come from `serve run deployments.app:build_app key=value`, from 
 """
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from deployments.autoscaling import EngineAutoscaling
 from engine.config import EngineConfig
-from engine.mock import MockConfig
+from engine.options import Option, dataclass_options, option_kind
+from engine.wire.mock import MockConfig, MockTiming
 
 MOCK_MODEL = "mock"
+MOCK_MAX_MODEL_LEN = 4096  # the mock engine's context length when max_model_len is none
+# Ray CPUs an engine replica asks for when engine_num_cpus is not set: a model engine
+# computes on its CPU; the mock engine only encodes messages, so it asks for almost
+# none and `flotilla serve --model mock --data-parallel-size 2` fits a 2-core laptop.
+REAL_ENGINE_CPUS = 1.0
+MOCK_ENGINE_CPUS = 0.05
+PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
 
 
 class IngressAutoscaling(BaseModel):
@@ -37,45 +47,80 @@ class IngressAutoscaling(BaseModel):
 
 
 class AppArgs(BaseModel):
+    """The app's options. Engine options are EngineConfig's fields and the mock engine's
+    are MockTiming's, carried by composition (`engine`, `mock`); they may also be given
+    flat, under their own names (`max_num_seqs=128`) and as `mock_<name>`
+    (`mock_itl_s=0.02`), which is how `serve run ... key=value`, the Helm values and
+    `flotilla serve` flags spell them (flat_options() lists every flat name)."""
+
     model_config = ConfigDict(extra="forbid")
 
-    model: str = "default"  # a checkpoint dir, a .gguf file, "default", or "mock"
-    served_model_name: str | None = None
-    data_parallel_size: int = Field(1, ge=1, le=256)
-    tensor_parallel_size: int = Field(1, ge=1)
-    dtype: str = "auto"
-    block_size: int = 16
-    max_model_len: int | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    enable_prefix_caching: bool = True
-    num_threads: int | None = None
-    engine_num_cpus: float = Field(1.0, ge=0)  # Ray CPUs per engine replica
-    engine_num_gpus: float = Field(0.0, ge=0)  # Ray GPUs per engine replica (per TP rank)
-    placement_strategy: str = "STRICT_PACK"  # of each engine's placement group
-    ingress_num_cpus: float = Field(0.5, ge=0)
-    ingress_autoscaling: IngressAutoscaling = IngressAutoscaling()
-    # None: a fixed data_parallel_size engines; else engines scale between its min and
-    # max on queue depth and KV usage (deployments.autoscaling), starting at
-    # data_parallel_size
-    engine_autoscaling: EngineAutoscaling | None = None
-    api_key: str | None = None
-    admin_key: str | None = None
-    dev_mode: bool = False
-    max_body_bytes: int = Field(1 << 20, ge=1024)
-    # mock engine options (model=mock)
-    mock_itl_s: float = Field(0.0, ge=0)
-    mock_ttft_s: float = Field(0.0, ge=0)
-    mock_output_chunk_size: int = Field(1, ge=1)
-    mock_max_model_len: int = Field(4096, ge=2)
-    mock_force_is_sleeping_rank: int | None = None  # test knob: that rank reports asleep
-    mock_force_reset_false_rank: int | None = None  # test knob: that rank refuses resets
+    engine: EngineConfig = Field(default_factory=EngineConfig,
+                                 description="the engine options (EngineConfig)")
+    mock: MockTiming = Field(default_factory=MockTiming,
+                             description="the mock engine's timing (model=mock)")
+    served_model_name: str | None = Field(
+        None, description="the model name clients send and see; none: derived from model")
+    data_parallel_size: int = Field(1, ge=1, le=256, description="engine replicas, one "
+                                    "per data-parallel rank (the start count when autoscaled)")
+    engine_num_cpus: float | None = Field(
+        None, ge=0, description="Ray CPUs per engine replica (per tensor-parallel rank); "
+        f"none: {REAL_ENGINE_CPUS:g} for a model, {MOCK_ENGINE_CPUS:g} for the mock engine")
+    engine_num_gpus: float = Field(0.0, ge=0, description="Ray GPUs per engine replica "
+                                   "(per tensor-parallel rank)")
+    placement_strategy: str = Field(
+        "STRICT_PACK", description="placement-group strategy of each engine's TP ranks",
+        json_schema_extra={"enum": list(PLACEMENT_STRATEGIES)})
+    ingress_num_cpus: float = Field(0.5, ge=0, description="Ray CPUs per ingress replica")
+    ingress_autoscaling: IngressAutoscaling = Field(
+        default_factory=IngressAutoscaling,
+        description="Serve autoscaling of the ingress replicas (JSON)")
+    engine_autoscaling: EngineAutoscaling | None = Field(
+        None, description="engine autoscaling on queue depth and KV usage between its "
+        "min_replicas and max_replicas, starting at data_parallel_size (JSON); none: a "
+        "fixed data_parallel_size engines")
+    api_key: str | None = Field(None, description="bearer key of the API; none: "
+                                "$FLOTILLA_API_KEY, else open")
+    admin_key: str | None = Field(None, description="bearer key of the control endpoints; "
+                                  "none: $FLOTILLA_ADMIN_KEY")
+    dev_mode: bool = Field(False, description="open the control endpoints without an "
+                           "admin key (development only)")
+    max_body_bytes: int = Field(1 << 20, ge=1024, description="largest request body "
+                                "accepted (bytes)")
+    mock_force_is_sleeping_rank: int | None = Field(
+        None, description="test knob: the mock engine of this rank reports it is asleep")
+    mock_force_reset_false_rank: int | None = Field(
+        None, description="test knob: the mock engine of this rank refuses prefix-cache "
+        "resets")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nest_flat_names(cls, data: Any) -> Any:
+        """Move flat engine / mock names into `engine` / `mock`; JSON text is accepted
+        for the structured options (`serve run` passes every value as a string)."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        engine = _as_dict(data.get("engine"))
+        mock = _as_dict(data.get("mock"))
+        for name in list(data):
+            if name in _ENGINE_FIELDS:
+                engine[name] = data.pop(name)
+            elif name.startswith("mock_") and name[5:] in _MOCK_FIELDS:
+                mock[name[5:]] = data.pop(name)
+        for name in ("ingress_autoscaling", "engine_autoscaling"):
+            if isinstance(data.get(name), str):
+                try:
+                    data[name] = json.loads(data[name])
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"{name}: not valid JSON ({exc.msg})") from None
+        data["engine"], data["mock"] = engine, mock
+        return data
 
     @model_validator(mode="after")
     def _checks(self) -> "AppArgs":
-        if self.placement_strategy not in ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"):
-            raise ValueError("placement_strategy must be STRICT_PACK, PACK, SPREAD or "
-                             "STRICT_SPREAD")
+        if self.placement_strategy not in PLACEMENT_STRATEGIES:
+            raise ValueError("placement_strategy must be " + ", ".join(PLACEMENT_STRATEGIES))
         scaling = self.engine_autoscaling
         if scaling is not None and not (scaling.min_replicas <= self.data_parallel_size
                                         <= scaling.max_replicas):
@@ -84,7 +129,6 @@ class AppArgs(BaseModel):
         if self.ingress_autoscaling.min_replicas > self.ingress_autoscaling.max_replicas:
             raise ValueError("ingress_autoscaling.min_replicas > max_replicas")
         if not self.is_mock:
-            self.engine_config(0)  # EngineConfig's own checks, at build time
             self._check_tensor_parallel()
         return self
 
@@ -94,11 +138,11 @@ class AppArgs(BaseModel):
         if self.tensor_parallel_size == 1:
             return
         from engine.errors import FlotillaError
-        from engine.model_loader import load_hf_config, resolve_model
-        from engine.models.llama import ModelShape
-        from engine.parallel import check_divisible
+        from engine.executor.parallel import check_divisible
+        from engine.model.llama import ModelShape
+        from engine.model.loader import load_hf_config, resolve_model
         try:
-            shape = ModelShape.from_hf_config(load_hf_config(resolve_model(self.model)))
+            shape = ModelShape.from_hf_config(load_hf_config(resolve_model(self.engine.model)))
         except (FlotillaError, OSError):
             return  # not on this machine (e.g. only on the GPU workers)
         try:
@@ -106,10 +150,22 @@ class AppArgs(BaseModel):
         except FlotillaError as exc:
             raise ValueError(str(exc)) from None
 
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.engine.tensor_parallel_size
+
+    @property
+    def engine_cpus(self) -> float:
+        """Ray CPUs per engine replica (per TP rank): engine_num_cpus, else a default that
+        fits what the engine uses: a model computes, the mock engine barely does."""
+        if self.engine_num_cpus is not None:
+            return self.engine_num_cpus
+        return MOCK_ENGINE_CPUS if self.is_mock else REAL_ENGINE_CPUS
+
     def engine_bundles(self) -> list[dict[str, float]] | None:
         """Placement-group bundles of one engine replica: one per TP rank.
         None when the engine asks for no resources (tests give it 0 CPUs)."""
-        bundle = {k: v for k, v in (("CPU", self.engine_num_cpus),
+        bundle = {k: v for k, v in (("CPU", self.engine_cpus),
                                     ("GPU", self.engine_num_gpus)) if v > 0}
         return [bundle] * self.tensor_parallel_size if bundle else None
 
@@ -125,7 +181,7 @@ class AppArgs(BaseModel):
         resources) cannot hold the starting engines: their placement groups would wait
         forever. Clusters with an autoscaler add nodes instead; do not call it there."""
         engines, tp = self.data_parallel_size, self.tensor_parallel_size
-        need = {"CPU": engines * tp * self.engine_num_cpus
+        need = {"CPU": engines * tp * self.engine_cpus
                 + self.ingress_autoscaling.min_replicas * self.ingress_num_cpus,
                 "GPU": engines * tp * self.engine_num_gpus}
         short = [f"{need[k]:g} {k}s, the cluster has {cluster.get(k, 0):g}"
@@ -145,28 +201,68 @@ class AppArgs(BaseModel):
 
     @property
     def is_mock(self) -> bool:
-        return self.model == MOCK_MODEL
+        return self.engine.model == MOCK_MODEL
 
     @property
     def model_name(self) -> str:
         if self.served_model_name:
             return self.served_model_name
-        return "SmolLM2-135M-Instruct" if self.model == "default" else self.model
+        model = self.engine.model
+        return "SmolLM2-135M-Instruct" if model == "default" else model
 
     def engine_config(self, rank: int) -> EngineConfig:
-        return EngineConfig(model=self.model, dtype=self.dtype, block_size=self.block_size,
-                            max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
-                            max_num_batched_tokens=self.max_num_batched_tokens,
-                            enable_prefix_caching=self.enable_prefix_caching,
-                            num_threads=self.num_threads, seed=rank,
-                            tensor_parallel_size=self.tensor_parallel_size)
+        """The engine options of data-parallel rank `rank`: its own sampling seed."""
+        return dataclasses.replace(self.engine, seed=self.engine.seed + rank)
 
     def mock_config(self, rank: int, vocab_size: int) -> MockConfig:
-        return MockConfig(engine_index=rank, vocab_size=vocab_size, block_size=self.block_size,
-                          max_model_len=self.mock_max_model_len, itl_s=self.mock_itl_s,
-                          ttft_s=self.mock_ttft_s, max_num_seqs=self.max_num_seqs,
-                          output_chunk_size=self.mock_output_chunk_size,
-                          force_is_sleeping=True if rank == self.mock_force_is_sleeping_rank
-                          else None,
-                          force_reset_prefix_cache=False if rank == self.mock_force_reset_false_rank
-                          else None)
+        """The mock engine of rank `rank`: the timing options plus the engine options
+        that mean the same (block size, batch size, context length, seed)."""
+        engine = self.engine
+        return MockConfig(
+            **dataclasses.asdict(self.mock), engine_index=rank, vocab_size=vocab_size,
+            seed=engine.seed, block_size=engine.block_size, max_num_seqs=engine.max_num_seqs,
+            max_model_len=engine.max_model_len or MOCK_MAX_MODEL_LEN,
+            force_is_sleeping=True if rank == self.mock_force_is_sleeping_rank else None,
+            force_reset_prefix_cache=False if rank == self.mock_force_reset_false_rank
+            else None)
+
+
+def parse_app_args(args: dict[str, Any] | AppArgs | None) -> AppArgs:
+    """AppArgs from a dict (flat or nested names), or ValueError with one clear line:
+    `field: problem; field: problem`."""
+    if isinstance(args, AppArgs):
+        return args
+    try:
+        return AppArgs.model_validate(dict(args or {}))
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(map(str, e['loc'])) or 'args'}: "
+            f"{e['msg'].removeprefix('Value error, ')}" for e in exc.errors())
+        raise ValueError(f"invalid Flotilla app args: {problems}") from None
+
+
+def _as_dict(value: Any) -> dict[str, Any]:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    return dict(value or {})
+
+
+def flat_options() -> list[Option]:
+    """Every option of the app under its flat name (`max_num_seqs`, `mock_itl_s`,
+    `data_parallel_size`, ...): the names of `serve run ... key=value`, of the Helm
+    chart's `app:` values and, dashed, of `flotilla serve`'s flags."""
+    own = []
+    for name, info in AppArgs.model_fields.items():
+        if name in ("engine", "mock"):
+            continue
+        kind, nullable = option_kind(info.annotation)
+        default = info.get_default(call_default_factory=True)
+        if isinstance(default, BaseModel):
+            default = default.model_dump(mode="json")
+        own.append(Option(name, kind, default, info.description or "", nullable))
+    return (dataclass_options(EngineConfig) + own
+            + dataclass_options(MockTiming, prefix="mock_"))
+
+
+_ENGINE_FIELDS = frozenset(f.name for f in dataclasses.fields(EngineConfig))
+_MOCK_FIELDS = frozenset(f.name for f in dataclasses.fields(MockTiming))

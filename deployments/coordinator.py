@@ -8,7 +8,7 @@
   ingress replicas poll it and move to the new set; engine autoscaling adds and
   removes ranks at run time).
 - Fans utility calls out to every engine over its own EngineClient, with the
-  aggregation rules of ARCHITECTURE.md (is_sleeping must agree, reset is an AND,
+  aggregation rules of docs/architecture.md (is_sleeping must agree, reset is an AND,
   sleep / wake_up must succeed everywhere and failures name the rank).
 """
 from __future__ import annotations
@@ -23,8 +23,8 @@ from ray import serve
 
 from deployments.config import AppArgs
 from deployments.tokenizers import tokenizer_for
-from engine.core_client import EngineClient
 from engine.errors import NoEnginesError
+from engine.wire.core_client import EngineClient
 
 logger = logging.getLogger(__name__)
 STALE_AFTER_S = 30.0
@@ -36,7 +36,7 @@ async def _answers(address: str) -> bool:
     import zmq
     import zmq.asyncio
 
-    from engine.protocol import HELLO, READY, Hello
+    from engine.wire.protocol import HELLO, READY, Hello
     ctx = zmq.asyncio.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)

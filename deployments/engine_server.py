@@ -16,7 +16,7 @@ from ray import serve
 from deployments.autoscaling import autoscaling_stats
 from deployments.config import AppArgs
 from deployments.tokenizers import tokenizer_for
-from engine.core_server import EngineCoreServer, free_port
+from engine.wire.core_server import EngineCoreServer, free_port
 
 logger = logging.getLogger(__name__)
 DRAIN_TIMEOUT_S = 15.0  # below graceful_shutdown_timeout_s
@@ -42,15 +42,15 @@ class EngineServer:
     async def _start(self) -> None:
         self.rank = await self.coordinator.assign_rank.remote(self.replica_id)
         if self.args.is_mock:
-            from engine.mock import MockEngineCore
+            from engine.wire.mock import MockEngineCore
             core = MockEngineCore(self.args.mock_config(self.rank,
                                                         len(tokenizer_for(self.args))))
         else:
-            from engine.engine_core import EngineCore
+            from engine.core.engine_core import EngineCore
             launcher = None
             if self.args.tensor_parallel_size > 1:  # ranks 1..N-1 in our placement group
                 from deployments.tp_workers import RayWorkerLauncher
-                launcher = RayWorkerLauncher(self.args.engine_num_cpus, self.args.engine_num_gpus)
+                launcher = RayWorkerLauncher(self.args.engine_cpus, self.args.engine_num_gpus)
             core = EngineCore(self.args.engine_config(self.rank), launcher)
         host = ray.util.get_node_ip_address()
         address = f"tcp://{host}:{free_port(host)}"

@@ -13,8 +13,8 @@ from ray import serve
 from deployments.config import AppArgs
 from deployments.openai_app import IngressOptions, build_openai_app
 from deployments.tokenizers import tokenizer_for
-from engine.core_client import EngineClient
 from engine.errors import NoEnginesError
+from engine.wire.core_client import EngineClient
 
 logger = logging.getLogger(__name__)
 ENGINE_WAIT_S = 300.0

@@ -21,13 +21,23 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from deployments.metrics import IngressMetrics
-from deployments.openai_protocol import (ChatCompletionRequest, CompletionRequest,
-                                         DetokenizeRequest, TokenizeRequest)
-from engine.core_client import EngineClient
-from engine.errors import (EngineDeadError, EngineDrainingError, EngineSleepingError,
-                           FlotillaError,
-                           InconsistentUtilityResults, InvalidRequestError, NoEnginesError)
+from deployments.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from engine.errors import (
+    EngineDeadError,
+    EngineDrainingError,
+    EngineSleepingError,
+    FlotillaError,
+    InconsistentUtilityResults,
+    InvalidRequestError,
+    NoEnginesError,
+)
 from engine.outputs import RequestOutput
+from engine.wire.core_client import EngineClient
 
 
 @dataclass(frozen=True)

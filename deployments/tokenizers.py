@@ -4,7 +4,7 @@ from __future__ import annotations
 import functools
 
 from deployments.config import AppArgs
-from engine.model_loader import load_tokenizer, resolve_model
+from engine.model.loader import load_tokenizer, resolve_model
 
 
 @functools.cache
@@ -13,4 +13,4 @@ def _load(model: str):
 
 
 def tokenizer_for(args: AppArgs):
-    return _load("default" if args.is_mock else args.model)
+    return _load("default" if args.is_mock else args.engine.model)

@@ -2,7 +2,7 @@
 
 The EngineServer replica is TP rank 0 (it sits in bundle 0); ranks 1..N-1 are
 TPWorker actors pinned to bundles 1..N-1, each with that bundle's CPUs/GPU. They
-run engine.tp_worker.run_worker, the same loop as local worker processes.
+run engine.executor.tp_worker.run_worker, the same loop as local worker processes.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import msgspec
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from engine.tp_executor import WorkerArgs
+from engine.executor.tp_executor import WorkerArgs
 
 logger = logging.getLogger(__name__)
 
@@ -22,12 +22,12 @@ class TPWorker:
     """One TP rank; run() blocks for the worker's life and returns when rank 0 stops it."""
 
     def run(self, args: bytes) -> None:
-        from engine.tp_worker import run_worker
+        from engine.executor.tp_worker import run_worker
         run_worker(msgspec.msgpack.decode(args, type=WorkerArgs))
 
 
 class RayWorkerLauncher:
-    """engine.tp_executor.WorkerLauncher for Ray: actors in the current placement group."""
+    """engine.executor.tp_executor.WorkerLauncher for Ray: actors in the current placement group."""
 
     def __init__(self, num_cpus: float, num_gpus: float) -> None:
         self.num_cpus, self.num_gpus = num_cpus, num_gpus

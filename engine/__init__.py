@@ -6,9 +6,15 @@ engine-core server.
 __version__ = "0.1.0"
 
 from engine.config import EngineConfig
-from engine.errors import (DuplicateRequestError, EngineDeadError, FlotillaError,
-                           InvalidRequestError, ModelNotFoundError, PromptTooLongError,
-                           UnsupportedModelError)
+from engine.errors import (
+    DuplicateRequestError,
+    EngineDeadError,
+    FlotillaError,
+    InvalidRequestError,
+    ModelNotFoundError,
+    PromptTooLongError,
+    UnsupportedModelError,
+)
 from engine.outputs import CompletionOutput, Logprob, RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -16,7 +22,7 @@ from engine.sampling_params import SamplingParams
 def __getattr__(name: str):
     # LLM pulls in torch and transformers: import it only when asked for.
     if name == "LLM":
-        from engine.llm import LLM
+        from engine.frontend.llm import LLM
         return LLM
     raise AttributeError(name)
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.errors import InvalidRequestError
+from engine.options import option
 
 _DTYPES = {"auto": None, "float32": torch.float32, "fp32": torch.float32,
            "float": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -24,21 +25,30 @@ CPU_DEFAULT_KV_CACHE_BYTES = 2 << 30
 class EngineConfig:
     """Engine options; names follow vLLM's engine arguments."""
 
-    model: str = "default"
-    dtype: str = "auto"
-    device: str = "auto"  # auto: cuda when available, else cpu
-    block_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
-    kv_cache_memory_bytes: int | None = None  # CPU budget (default 2 GiB); on GPU overrides
-    gpu_memory_utilization: float = 0.9
-    num_gpu_blocks_override: int | None = None  # exact KV pool size (tests, debugging)
-    enable_prefix_caching: bool = True
-    num_threads: int | None = None  # torch intra-op threads on CPU; None: default_num_threads()
-    seed: int = 0
-    tensor_parallel_size: int = 1
-    max_logprobs: int = 20
+    model: str = option("default", "a Hugging Face checkpoint directory, a .gguf file, "
+                        "'default' (SmolLM2-135M-Instruct, shipped) or 'mock' (served "
+                        "apps only: a model-free engine)")
+    dtype: str = option("auto", "weights and activations; auto: bfloat16 on CUDA and on CPUs "
+                        "with native bf16, else float32", choices=tuple(_DTYPES))
+    device: str = option("auto", "auto (cuda when available, else cpu), cpu, cuda or cuda:N")
+    block_size: int = option(16, "tokens per KV-cache block (a power of two)")
+    max_num_seqs: int = option(256, "the most sequences in one batch")
+    max_num_batched_tokens: int = option(8192, "the most tokens one step computes "
+                                               "(longer prompts are prefilled in chunks)")
+    max_model_len: int | None = option(None, "context length (prompt + output); none: the "
+                                             "model's max_position_embeddings")
+    kv_cache_memory_bytes: int | None = option(
+        None, "bytes for the KV cache; none: 2 GiB on CPU, gpu_memory_utilization on GPU")
+    gpu_memory_utilization: float = option(0.9, "share of GPU memory the engine may use "
+                                                "(weights + KV cache)")
+    num_gpu_blocks_override: int | None = option(None, "exact number of KV-cache blocks, "
+                                                       "ignoring the memory budget (testing)")
+    enable_prefix_caching: bool = option(True, "reuse the KV blocks of shared prompt prefixes")
+    num_threads: int | None = option(None, "torch CPU threads; none: OMP_NUM_THREADS, else "
+                                           "every core this process may run on")
+    seed: int = option(0, "base seed of sampling (a request's own seed overrides it)")
+    tensor_parallel_size: int = option(1, "ranks the model is split over (heads, MLP, vocab)")
+    max_logprobs: int = option(20, "the most logprobs a request may ask for per token")
 
     def __post_init__(self) -> None:
         checks = [

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.model_loader import load_tokenizer, resolve_model
+from engine.model.loader import load_tokenizer, resolve_model
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
@@ -32,7 +32,7 @@ def default_model_dir() -> Path:
 
 def build_tiny_model(out: Path, arch: str, tokenizer_dir: Path, **overrides) -> Path:
     """Save a random-weight HF checkpoint of `arch` (llama, qwen2, qwen3) under out."""
-    from transformers import (AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config)
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
     tokenizer = load_tokenizer(tokenizer_dir)
     kwargs = dict(TINY, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
                   eos_token_id=tokenizer.eos_token_id, **overrides)

@@ -69,10 +69,10 @@ def test_keys_come_from_args_else_the_replica_environment(monkeypatch):
 
 
 def test_engine_autoscaling_replaces_the_fixed_replica_count():
+    from ray.serve._private.build_app import build_app as serve_build
     from ray.serve.config import AutoscalingConfig
 
     from deployments.config import AppArgs
-    from ray.serve._private.build_app import build_app as serve_build
     app = build_app({"model": "mock", "data_parallel_size": 2,
                      "engine_autoscaling": {"min_replicas": 1, "max_replicas": 3}})
     deployments = {d.name: d for d in serve_build(app, name="x").deployments}

@@ -2,8 +2,12 @@
 import pytest
 import torch
 
-from engine.kernels import cpu_kernels
-from engine.layers.attention import AttentionMetadata, _decode_attention, cache_views
+from engine.model.kernels import cpu_kernels
+from engine.model.layers.attention import (
+    AttentionMetadata,
+    _decode_attention,
+    cache_views,
+)
 
 
 def _kernels():
@@ -153,7 +157,7 @@ def test_native_kernel_writes_the_cache_like_the_torch_path(dtype):
     """The kernel stores the step's keys and values itself (prefill chunks first, decodes
     inside their own work item); the cache must end up as torch's write_kv leaves it,
     and the output must match attention over that cache."""
-    from engine.layers.attention import write_kv
+    from engine.model.layers.attention import write_kv
     torch.manual_seed(0)
     heads, kv_heads, d, bs, blocks = 9, 3, 64, 16, 12
     query_lens, lens = [1, 1, 20, 15], [9, 17, 20, 40]  # decodes, fresh prompt, later chunk

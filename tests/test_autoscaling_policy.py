@@ -6,8 +6,14 @@ from ray._common.utils import import_attr
 from ray.serve._private.common import DeploymentID, ReplicaID
 from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
-from deployments.autoscaling import (KV_USAGE_KEY, RUNNING_KEY, WAITING_KEY, EngineAutoscaling,
-                                     EngineQueuePolicy, autoscaling_stats)
+from deployments.autoscaling import (
+    KV_USAGE_KEY,
+    RUNNING_KEY,
+    WAITING_KEY,
+    EngineAutoscaling,
+    EngineQueuePolicy,
+    autoscaling_stats,
+)
 
 DEPLOYMENT = DeploymentID(name="EngineServer", app_name="flotilla")
 SETTINGS = EngineAutoscaling()  # target 4 waiting, 0.8 KV, up after 30 s, down after 120 s

@@ -6,8 +6,8 @@ import subprocess
 import sys
 
 from engine import SamplingParams
-from engine.core_client import EngineClient
-from engine.model_loader import load_tokenizer
+from engine.model.loader import load_tokenizer
+from engine.wire.core_client import EngineClient
 
 CLI = [sys.executable, "-m", "engine.cli"]
 

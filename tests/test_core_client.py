@@ -9,13 +9,17 @@ import time
 import pytest
 
 from engine import SamplingParams
-from engine.core_client import EngineClient, HandshakeError
-from engine.core_server import EngineCoreServer
-from engine.errors import (EngineDeadError, EngineDrainingError, InconsistentUtilityResults,
-                           NoEnginesError)
-from engine.mock import MockConfig, MockEngineCore
-from engine.model_loader import load_tokenizer
-from engine.utility_results import all_true, consensus
+from engine.errors import (
+    EngineDeadError,
+    EngineDrainingError,
+    InconsistentUtilityResults,
+    NoEnginesError,
+)
+from engine.model.loader import load_tokenizer
+from engine.wire.core_client import EngineClient, HandshakeError
+from engine.wire.core_server import EngineCoreServer
+from engine.wire.mock import MockConfig, MockEngineCore
+from engine.wire.utility_results import all_true, consensus
 
 
 def free_address() -> str:
@@ -89,7 +93,7 @@ def test_two_engines_share_load_and_explicit_rank_wins(engines):
     assert all(len(t) == 8 for t, _ in spread)
     # mock tokens depend on the engine index: the pinned request ran on rank 1
     solo = MockEngineCore(MockConfig(engine_index=1, vocab_size=len(engines.tokenizer)))
-    from engine.protocol import EngineCoreRequest
+    from engine.wire.protocol import EngineCoreRequest
     solo.add_request(EngineCoreRequest("pinned", [10, 11, 12], params))
     expected = []
     while solo.has_unfinished_requests():
@@ -231,8 +235,8 @@ def test_handshake_times_out_on_a_silent_address(tokenizer):
 
 def _mock_engine_process(address: str, tokenizer) -> subprocess.Popen:
     """A mock engine-core server in its own process (so that it can be SIGKILLed)."""
-    return subprocess.Popen([sys.executable, "-m", "engine.mock", "--address", address,
-                             "--vocab-size", str(len(tokenizer)), "--itl", "0.05"],
+    return subprocess.Popen([sys.executable, "-m", "engine.wire.mock", "--address", address,
+                             "--vocab-size", str(len(tokenizer)), "--itl-s", "0.05"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 

@@ -9,12 +9,12 @@ import zmq.asyncio
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
-from engine.core_client import EngineClient
-from engine.core_server import EngineCoreServer
-from engine.engine_core import EngineCore
+from engine.core.engine_core import EngineCore
 from engine.errors import EngineRequestError, EngineSleepingError
-from engine.model_loader import load_tokenizer
-from engine.protocol import ADD
+from engine.model.loader import load_tokenizer
+from engine.wire.core_client import EngineClient
+from engine.wire.core_server import EngineCoreServer
+from engine.wire.protocol import ADD
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 PROMPTS = [[5, 6, 7, 8, 9], list(range(300, 340)), [1000, 1001]]
@@ -141,9 +141,15 @@ def test_stop_string_aborts_at_engine(served):
 def test_bad_input_gets_error_output_and_engine_keeps_serving(served):
     core, address, _ = served
     import msgspec
+
     from engine.errors import PromptTooLongError
-    from engine.protocol import (HELLO, READY, EngineCoreOutputs, EngineCoreRequest,
-                                 Hello)
+    from engine.wire.protocol import (
+        HELLO,
+        READY,
+        EngineCoreOutputs,
+        EngineCoreRequest,
+        Hello,
+    )
 
     async def main():
         client = await _connect(core, address)

@@ -3,8 +3,14 @@ import json
 
 import pytest
 
-from engine import (LLM, InvalidRequestError, ModelNotFoundError, PromptTooLongError,
-                    SamplingParams, UnsupportedModelError)
+from engine import (
+    LLM,
+    InvalidRequestError,
+    ModelNotFoundError,
+    PromptTooLongError,
+    SamplingParams,
+    UnsupportedModelError,
+)
 from engine.config import EngineConfig
 
 

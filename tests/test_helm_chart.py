@@ -244,14 +244,23 @@ def test_render_checks_catch_inconsistent_values(helm):
 
 
 def test_chart_app_values_are_appargs_fields():
-    """The chart's `app` schema names AppArgs fields with AppArgs' own bounds."""
-    from deployments.config import AppArgs
+    """The chart's `app` schema names every app option (flat names), with its JSON type
+    and AppArgs' own bounds; the chart's defaults validate."""
+    from deployments.config import AppArgs, flat_options
     chart = json.loads((CHART / "values.schema.json").read_text())["properties"]["app"]
     appargs = AppArgs.model_json_schema()
     assert chart["additionalProperties"] is False
-    assert set(chart["properties"]) <= set(appargs["properties"]) - {"api_key", "admin_key"}
+    options = {o.name: o for o in flat_options()}
+    assert set(chart["properties"]) == set(options) - {"api_key", "admin_key"}
+    json_types = {int: {"integer"}, float: {"number"}, str: {"string"}, bool: {"boolean"},
+                  dict: {"object"}}
     for name, prop in chart["properties"].items():
-        ref = appargs["properties"][name]
+        opt = options[name]
+        types = prop.get("type", "string" if "enum" in prop else None)
+        types = {types} if isinstance(types, str) else set(types)
+        assert json_types[opt.kind] <= types, (name, types)
+        assert ("null" in types) == opt.nullable, (name, types)
+        ref = appargs["properties"].get(name, {})
         for bound in ("minimum", "maximum"):
             if bound in ref:
                 assert prop.get(bound) == ref[bound], (name, bound)

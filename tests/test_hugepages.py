@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.hugepages import anonymous_regions, collapse_new_regions
+from engine.model.hugepages import anonymous_regions, collapse_new_regions
 
 _THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 _SIZE = 16 << 20

@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.layers.linear import Linear, can_pack, pack_linears
+from engine.model.layers.linear import Linear, can_pack, pack_linears
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -43,7 +43,7 @@ def test_tied_weight_stays_dense():
 
 def test_cpu_engine_packs_its_linears(tiny_llama):
     from engine.config import EngineConfig
-    from engine.engine_core import EngineCore
+    from engine.core.engine_core import EngineCore
     assert can_pack(torch.device("cpu"), torch.float32)  # oneDNN ships in torch's CPU build
     core = EngineCore(EngineConfig(model=str(tiny_llama), dtype="float32"))
     linears = [m for m in core.runner.model.modules() if isinstance(m, Linear)]

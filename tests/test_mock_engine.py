@@ -8,11 +8,19 @@ from collections import defaultdict
 import msgspec
 import pytest
 
-from engine.errors import (DuplicateRequestError, EngineSleepingError, InvalidRequestError,
-                           PromptTooLongError)
-from engine.mock import FIRST_TOKEN_ID, MockConfig, MockEngineCore
-from engine.protocol import EngineCoreOutput, EngineCoreReadyResponse, EngineCoreRequest
+from engine.errors import (
+    DuplicateRequestError,
+    EngineSleepingError,
+    InvalidRequestError,
+    PromptTooLongError,
+)
 from engine.sampling_params import SamplingParams
+from engine.wire.mock import FIRST_TOKEN_ID, MockConfig, MockEngineCore
+from engine.wire.protocol import (
+    EngineCoreOutput,
+    EngineCoreReadyResponse,
+    EngineCoreRequest,
+)
 
 
 class FakeClock:

@@ -6,7 +6,7 @@ import openai
 import pytest
 
 from deployments.openai_app import IngressOptions, build_openai_app
-from engine.core_client import EngineClient
+from engine.wire.core_client import EngineClient
 from tests.test_core_client import Engines
 
 MODEL = "mock-model"
@@ -21,7 +21,7 @@ def engines(tokenizer):
 
 @pytest.fixture(scope="module")
 def tokenizer(default_model_dir):
-    from engine.model_loader import load_tokenizer
+    from engine.model.loader import load_tokenizer
     return load_tokenizer(default_model_dir)
 
 
@@ -82,8 +82,8 @@ def test_completions_with_the_openai_client(engines):
 def tiny_server(tiny_llama):
     """The real engine (tiny model, greedy is deterministic) behind a server."""
     from engine.config import EngineConfig
-    from engine.core_server import EngineCoreServer
-    from engine.engine_core import EngineCore
+    from engine.core.engine_core import EngineCore
+    from engine.wire.core_server import EngineCoreServer
     from tests.test_core_client import free_address
     core = EngineCore(EngineConfig(model=str(tiny_llama), dtype="float32"))
     address = free_address()
@@ -101,7 +101,7 @@ class _Real:
 
 
 def test_chat_completions_and_stop(tiny_server, tiny_llama):
-    from engine.model_loader import load_tokenizer
+    from engine.model.loader import load_tokenizer
     real = _Real(tiny_server, load_tokenizer(tiny_llama))
 
     async def test(http, oai):

@@ -13,6 +13,6 @@ def test_wheel_ships_the_cpu_kernel_sources(tmp_path):
                     "--no-build-isolation", "-w", str(tmp_path), str(ROOT)], check=True)
     wheel, = tmp_path.glob("flotilla-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    from engine.kernels import _HEADERS, _SOURCES
+    from engine.model.kernels import _HEADERS, _SOURCES
     for path in _SOURCES + _HEADERS:
-        assert f"engine/kernels/{path.name}" in names, path.name
+        assert f"engine/model/kernels/{path.name}" in names, path.name

@@ -54,9 +54,9 @@ def test_torch_attention_path_matches_hf(tiny_llama, monkeypatch):
     """Without the compiled kernels (CUDA, or FLOTILLA_NATIVE_KERNELS=0) attention runs on
     torch ops: equal-length prompts share an SDPA call, chunks after cached context and
     prefix-cache hits gather their blocks, decodes are batched."""
-    import engine.model_runner
-    monkeypatch.setattr(engine.model_runner, "cpu_kernels", lambda: None)
-    monkeypatch.setattr(engine.model_runner, "native_enabled", lambda: False)
+    import engine.executor.model_runner
+    monkeypatch.setattr(engine.executor.model_runner, "cpu_kernels", lambda: None)
+    monkeypatch.setattr(engine.executor.model_runner, "native_enabled", lambda: False)
     prompts = _prompts([17, 17, 17, 70, 5])
     llm = LLM(str(tiny_llama), dtype="float32", max_num_batched_tokens=48, block_size=8)
     assert llm.llm_engine.engine_core.runner.native_attention is None

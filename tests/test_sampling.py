@@ -132,8 +132,8 @@ def test_invalid_sampling_params_raise_typed_error(bad):
 def test_native_greedy_argmax_matches_torch_and_takes_the_first_maximum():
     import torch
 
-    from engine.kernels import cpu_kernels
-    from engine.sampler import Sampler
+    from engine.executor.sampler import Sampler
+    from engine.model.kernels import cpu_kernels
     kernels = cpu_kernels()
     assert kernels is not None, "the native CPU kernel should build on this machine"
     torch.manual_seed(0)

@@ -110,10 +110,10 @@ def test_served_tp_engine_fails_requests_and_reports_unhealthy_when_a_worker_die
     import socket
 
     from engine.config import EngineConfig
-    from engine.core_client import EngineClient
-    from engine.core_server import EngineCoreServer
-    from engine.engine_core import EngineCore
-    from engine.model_loader import load_tokenizer
+    from engine.core.engine_core import EngineCore
+    from engine.model.loader import load_tokenizer
+    from engine.wire.core_client import EngineClient
+    from engine.wire.core_server import EngineCoreServer
 
     core = EngineCore(EngineConfig(model=str(tiny_llama), dtype="float32",
                                    tensor_parallel_size=2))

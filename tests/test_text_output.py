@@ -2,10 +2,10 @@
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.detokenizer import IncrementalDetokenizer
-from engine.model_loader import load_tokenizer
+from engine.frontend.detokenizer import IncrementalDetokenizer
+from engine.frontend.stop_strings import find_stop_string
+from engine.model.loader import load_tokenizer
 from engine.outputs import OutputKind
-from engine.stop_strings import find_stop_string
 
 TEXTS = ["naïve café — 東京 🚀 emoji, ℝ² and ΔΩ", "  leading spaces\tand\nnewlines ",
          "Hello world! Привет, мир. こんにちは"]

@@ -1,0 +1,263 @@
+"""EngineCore: the token-in/token-out heart of the engine (no tokenizer, no text).
+
+add_request / abort_requests / step: the scheduler picks the batch, the model
+runner computes it, the sampler picks tokens, and finished requests release
+their KV blocks. One step returns one EngineCoreOutput per request that made
+progress. This object is driven in-process by LLMEngine, or by the engine-core
+server loop.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from engine.config import EngineConfig
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.request import Request, RequestStatus
+from engine.core.scheduler import Scheduler
+from engine.errors import (
+    DuplicateRequestError,
+    EngineSleepingError,
+    InvalidRequestError,
+)
+from engine.executor.model_runner import ModelRunner
+from engine.executor.sampler import Sampler
+from engine.model.kernels import cpu_kernels
+from engine.model.llama import ModelShape
+from engine.model.loader import load_hf_config, resolve_model
+from engine.request_checks import check_params, check_prompt
+from engine.wire.protocol import (
+    FINISH_ABORT,
+    EngineCoreOutput,
+    EngineCoreReadyResponse,
+    EngineCoreRequest,
+    SchedulerStats,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, worker_launcher=None) -> None:
+        """worker_launcher starts the tensor-parallel workers (ranks 1..N-1) when
+        config.tensor_parallel_size > 1; default: local processes."""
+        self.config = config
+        self.checkpoint = resolve_model(config.model)
+        hf_config = load_hf_config(self.checkpoint)
+        self.shape = ModelShape.from_hf_config(hf_config)
+        self.device = config.torch_device()
+        self.dtype = config.torch_dtype(self.device)
+        if self.device.type == "cpu":
+            torch.set_num_threads(config.cpu_threads())
+        max_len = self._max_model_len(self.shape)
+        self.eos_token_ids = _eos_ids(self.checkpoint, hf_config)
+        if config.tensor_parallel_size > 1:
+            from engine.executor.tp_executor import TPExecutor
+            self.runner = TPExecutor(config, self.shape, hf_config, self.checkpoint, max_len,
+                                     self.device, self.dtype, worker_launcher)
+        else:
+            self.runner = ModelRunner(config, self.shape, hf_config, self.checkpoint, max_len,
+                                      self.device, self.dtype)
+        self.num_blocks = self._num_blocks()
+        self.runner.allocate_kv_cache(self.num_blocks)
+        # A request must fit in the pool on its own, or it could never be scheduled.
+        self.max_model_len = min(max_len, self.num_blocks * config.block_size)
+        self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.kv, self.max_model_len)
+        kernels = cpu_kernels() if self.device.type == "cpu" else None
+        self.sampler = Sampler(self.shape.vocab_size,
+                               kernels.argmax_rows if kernels is not None else None,
+                               seed=config.seed, device=self.device)
+        self.requests: dict[str, Request] = {}
+        self._aborted: list[EngineCoreOutput] = []
+        self._sleep_level = 0  # 0 awake; 1 KV cache freed (weights off GPU); 2 weights freed
+        logger.info("engine ready: %s on %s/%s, %d KV blocks of %d tokens, max_model_len %d",
+                    self.shape.architecture, self.device, self.dtype, self.num_blocks,
+                    config.block_size, self.max_model_len)
+
+    # ---- set-up -----------------------------------------------------------------------
+    def _max_model_len(self, shape: ModelShape) -> int:
+        limit = shape.max_position_embeddings
+        if shape.sliding_window:
+            limit = min(limit, shape.sliding_window)
+        wanted = self.config.max_model_len
+        if wanted is not None and wanted > limit:
+            raise InvalidRequestError(
+                f"max_model_len {wanted} exceeds what the model supports ({limit})")
+        return wanted or limit
+
+    def _num_blocks(self) -> int:
+        return self.runner.max_kv_blocks()  # under TP: what fits on every rank
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    # ---- requests ---------------------------------------------------------------------
+    def add_request(self, req: EngineCoreRequest) -> None:
+        """Queue a request; raises a typed InvalidRequestError if it cannot run."""
+        if self._sleep_level:
+            raise EngineSleepingError("the engine is asleep (sleep mode); call wake_up first")
+        if req.request_id in self.requests:
+            raise DuplicateRequestError(f"request id {req.request_id!r} is already running")
+        check_prompt(req.prompt_token_ids, self.max_model_len, self.shape.vocab_size)
+        check_params(req.sampling_params, self.config.max_logprobs)
+        request = Request(req.request_id, req.prompt_token_ids, req.sampling_params,
+                          self.eos_token_ids, req.arrival_time or None, req.priority)
+        self.requests[req.request_id] = request
+        self.scheduler.add(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        """Stop requests at once; unknown or finished ids are ignored (idempotent)."""
+        for request_id in request_ids:
+            request = self.requests.pop(request_id, None)
+            if request is None:
+                continue
+            self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+            self._aborted.append(EngineCoreOutput(request_id, [], FINISH_ABORT,
+                                                  num_cached_tokens=max(0, request.num_cached_tokens)))
+
+    def has_unfinished_requests(self) -> bool:
+        """True while a step has something to do or to report (aborts included)."""
+        return self.scheduler.has_unfinished() or bool(self._aborted)
+
+    def step(self) -> list[EngineCoreOutput]:
+        """Run one scheduling step; return the outputs it produced (possibly none)."""
+        outputs, self._aborted = self._aborted, []
+        sched = self.scheduler.schedule()
+        if not sched:
+            return outputs
+        logits, rows = self.runner.execute(sched)
+        for request, n in zip(sched.requests, sched.num_new_tokens):
+            request.num_computed_tokens += n
+        if not rows:
+            return outputs
+        sampled_requests = [sched.requests[i] for i in rows]
+        result = self.sampler(logits, sampled_requests)
+        for request, token, lp in zip(sampled_requests, result.token_ids, result.logprobs):
+            request.append_token(token)
+            status = self._check_stop(request, token)
+            out = EngineCoreOutput(request.request_id, [token],
+                                   new_logprobs=None if lp is None else [lp],
+                                   num_cached_tokens=max(0, request.num_cached_tokens))
+            if status is not None:
+                out.finish_reason = status.value
+                out.stop_reason = request.stop_reason
+                self.scheduler.finish(request, status)
+                del self.requests[request.request_id]
+            outputs.append(out)
+        return outputs
+
+    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
+        p = request.params
+        past_min = request.num_output_tokens >= p.min_tokens
+        if past_min and not p.ignore_eos and token in request.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if past_min and token in p.stop_token_ids:
+            request.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+        if p.max_tokens is not None and request.num_output_tokens >= p.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    # ---- utilities --------------------------------------------------------------------
+    def reset_prefix_cache(self, reset_running_requests: bool = False,
+                           reset_connector: bool = False) -> bool:
+        """Drop the prefix cache. With running requests it refuses (False) unless told
+        to preempt them first; they then recompute from scratch. There is no KV
+        connector, so reset_connector has nothing to reset."""
+        if reset_running_requests:
+            self.scheduler.preempt_all()
+        return self.kv.reset_prefix_cache()
+
+    # ---- sleep mode -------------------------------------------------------------------
+    def is_sleeping(self) -> bool:
+        return self._sleep_level > 0
+
+    def sleep(self, level: int = 1) -> None:
+        """Free memory while idle. In-flight requests are aborted.
+
+        Level 1 discards the KV cache and moves the weights off the accelerator (on
+        CPU they stay); level 2 also discards the weights, reloaded by wake_up.
+        """
+        if level not in (1, 2):
+            raise InvalidRequestError(f"sleep level must be 1 or 2, got {level}")
+        self.abort_requests(list(self.requests))
+        self.runner.free_kv_cache()
+        self.kv = KVCacheManager(self.num_blocks, self.config.block_size,
+                                 self.config.enable_prefix_caching)
+        self.scheduler.kv = self.kv
+        if level == 2:
+            self.runner.free_weights()
+        elif self.device.type != "cpu":
+            self.runner.offload_weights()
+        self._sleep_level = max(self._sleep_level, level)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restore what sleep() freed (tags: "weights", "kv_cache"; default both)."""
+        if not self._sleep_level:
+            return
+        tags = ["weights", "kv_cache"] if tags is None else list(tags)
+        unknown = set(tags) - {"weights", "kv_cache"}
+        if unknown:
+            raise InvalidRequestError(f"unknown wake_up tags {sorted(unknown)}")
+        if "weights" in tags:
+            self.runner.restore_weights()
+        if "kv_cache" in tags and self.runner.kv_caches is None:
+            self.runner.allocate_kv_cache(self.num_blocks)
+        if self.runner.has_weights() and self.runner.kv_caches is not None:
+            self._sleep_level = 0
+
+    def get_memory_usage(self) -> dict[str, int]:
+        """Bytes held on the engine's device by the weights and the KV cache."""
+        return self.runner.memory_usage()
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any."""
+        stop = getattr(self.runner, "shutdown", None)
+        if stop is not None:
+            stop()
+
+    # ---- description ------------------------------------------------------------------
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+    def get_supported_tasks(self) -> list[str]:
+        return ["generate"]
+
+    def ready_response(self, engine_index: int) -> EngineCoreReadyResponse:
+        from engine import __version__
+        return EngineCoreReadyResponse(
+            engine_index=engine_index, max_model_len=self.max_model_len,
+            num_gpu_blocks=self.num_blocks, block_size=self.block_size,
+            dtype=self.dtype_name, version=__version__,
+            supported_tasks=self.get_supported_tasks(), max_num_seqs=self.config.max_num_seqs,
+            model=self.config.model, max_logprobs=self.config.max_logprobs)
+
+    def get_stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running_reqs=len(self.scheduler.running),
+            num_waiting_reqs=len(self.scheduler.waiting),
+            kv_cache_usage=self.kv.usage,
+            prefix_cache_queries=self.kv.prefix_queries,
+            prefix_cache_hits=self.kv.prefix_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_free_blocks=self.kv.num_free_blocks)
+
+
+def _eos_ids(checkpoint, hf_config) -> tuple[int, ...]:
+    ids = None
+    if (checkpoint / "generation_config.json").exists():
+        from transformers import GenerationConfig
+        ids = GenerationConfig.from_pretrained(str(checkpoint)).eos_token_id
+    if ids is None:
+        ids = getattr(hf_config, "eos_token_id", None)
+    if ids is None:
+        return ()
+    return tuple(ids) if isinstance(ids, (list, tuple)) else (int(ids),)

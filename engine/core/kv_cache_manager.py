@@ -1,0 +1,146 @@
+"""Paged KV cache bookkeeping: a reference-counted block pool with prefix caching.
+
+Full blocks are named by a hash chain (hash of the parent block's hash and the
+block's token ids) and stay findable after their request ends, until the pool
+needs them: free blocks are reused least-recently-freed first, and a block
+that is reused loses its hash. Token ids are kept beside the hash and compared
+on a hit, so a hash collision can never hand out the wrong KV.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from engine.core.request import Request
+
+
+class Block:
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "token_ids")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: int | None = None
+        self.token_ids: tuple[int, ...] = ()
+
+
+class KVCacheManager:
+    """Hands out cache blocks to requests; the model runner only sees block ids."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Free blocks in eviction order: the first is the least recently freed.
+        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached: dict[int, int] = {}  # block hash -> block id
+        self.prefix_queries = 0  # tokens looked up in the prefix cache
+        self.prefix_hits = 0  # of which found
+
+    # ---- accounting -------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by requests (cached-but-free blocks count as free)."""
+        return 1.0 - len(self.free) / self.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ---- prefix cache -----------------------------------------------------------------
+    def find_cached_prefix(self, request: Request) -> list[int]:
+        """Block ids of the longest cached prefix of the request's tokens.
+
+        At least one token is always left to compute, so the request yields logits.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        tokens = request.all_token_ids
+        usable = (len(tokens) - 1) // self.block_size
+        hits: list[int] = []
+        parent = None
+        for i in range(usable):
+            chunk = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
+            h = hash((parent, chunk))
+            block_id = self.cached.get(h)
+            if block_id is None or self.blocks[block_id].token_ids != chunk:
+                break
+            hits.append(block_id)
+            parent = h
+        self.prefix_queries += len(tokens)
+        self.prefix_hits += len(hits) * self.block_size
+        return hits
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block; refused (False) while any block is held."""
+        if len(self.free) != self.num_blocks:
+            return False
+        self.cached.clear()
+        for block in self.blocks:
+            block.block_hash, block.token_ids = None, ()
+        self.prefix_queries = self.prefix_hits = 0
+        return True
+
+    # ---- allocation -------------------------------------------------------------------
+    def allocate(self, request: Request, num_new_tokens: int,
+                 cached_block_ids: list[int] = ()) -> bool:
+        """Give the request blocks for num_new_tokens more tokens (after cached ones).
+
+        Returns False, changing nothing, when the pool cannot cover them.
+        """
+        cached_free = sum(1 for b in cached_block_ids if self.blocks[b].ref_cnt == 0)
+        total = request.num_computed_tokens + len(cached_block_ids) * self.block_size
+        total += num_new_tokens
+        needed = self.blocks_needed(total) - len(request.block_ids) - len(cached_block_ids)
+        if needed + cached_free > len(self.free):
+            return False
+        for block_id in cached_block_ids:
+            self._take(block_id)
+            request.block_ids.append(block_id)
+        if cached_block_ids:
+            request.block_hashes = [self.blocks[b].block_hash for b in request.block_ids]
+        for _ in range(max(needed, 0)):
+            block_id, _ = self.free.popitem(last=False)
+            block = self.blocks[block_id]
+            if block.block_hash is not None:
+                if self.cached.get(block.block_hash) == block_id:
+                    del self.cached[block.block_hash]
+                block.block_hash, block.token_ids = None, ()
+            block.ref_cnt = 1
+            request.block_ids.append(block_id)
+        if self.enable_prefix_caching:
+            self._register_full_blocks(request, min(total, request.num_tokens))
+        return True
+
+    def free_request(self, request: Request) -> None:
+        """Return the request's blocks; the tail goes first so it is evicted first."""
+        for block_id in reversed(request.block_ids):
+            block = self.blocks[block_id]
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free[block_id] = None
+        request.block_ids = []
+        request.block_hashes = []
+
+    def _take(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_cnt == 0:
+            del self.free[block_id]
+        block.ref_cnt += 1
+
+    def _register_full_blocks(self, request: Request, num_tokens: int) -> None:
+        """Hash the request's blocks that will be full once num_tokens are computed."""
+        full = num_tokens // self.block_size
+        tokens = request.all_token_ids
+        for i in range(len(request.block_hashes), full):
+            parent = request.block_hashes[-1] if request.block_hashes else None
+            chunk = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
+            h = hash((parent, chunk))
+            request.block_hashes.append(h)
+            block = self.blocks[request.block_ids[i]]
+            if block.block_hash is None:
+                block.block_hash, block.token_ids = h, chunk
+                self.cached.setdefault(h, block.block_id)

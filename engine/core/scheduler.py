@@ -1,0 +1,114 @@
+"""Continuous-batching scheduler with chunked prefill and preemption by recompute.
+
+Each step has a token budget (max_num_batched_tokens). Running requests are
+served first, in arrival order, each taking what it still needs (one token for
+a decode, the rest of its prompt, capped by the budget, for a prefill in
+progress). When the pool cannot hold a running request's next tokens, the
+request at the tail of the running queue is preempted: its blocks are freed
+and it goes back to the front of the waiting queue, to be recomputed later
+(its full blocks often survive in the prefix cache). Waiting requests are
+admitted with what budget and max_num_seqs leave.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.config import EngineConfig
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerOutput:
+    """The requests of one step and how many new tokens each computes."""
+
+    requests: list[Request] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.requests)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, max_model_len: int) -> None:
+        self.config = config
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[Request] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.kv.allocate(request, n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                scheduled.append(request)
+                out.num_new_tokens.append(n)
+                budget -= n
+                i += 1
+                continue
+            break  # the request preempted itself: nothing after it can run either
+
+        if not out.preempted:
+            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+                request = self.waiting[0]
+                hits = self.kv.find_cached_prefix(request)
+                computed = len(hits) * self.kv.block_size
+                n = min(request.num_tokens - computed, budget)
+                if not self.kv.allocate(request, n, hits):
+                    break
+                self.waiting.popleft()
+                request.num_computed_tokens = computed
+                if request.num_cached_tokens < 0:
+                    request.num_cached_tokens = computed
+                request.status = RequestStatus.RUNNING
+                self.running.append(request)
+                scheduled.append(request)
+                out.num_new_tokens.append(n)
+                budget -= n
+        out.requests = scheduled
+        return out
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free_request(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """Remove a request that stopped or was aborted and release its blocks."""
+        request.status = status
+        if request in self.running:
+            self.running.remove(request)
+        else:
+            try:
+                self.waiting.remove(request)
+            except ValueError:
+                pass
+        self.kv.free_request(request)
+
+    def preempt_all(self) -> None:
+        """Send every running request back to waiting (used to reset the prefix cache)."""
+        while self.running:
+            self._preempt(self.running.pop())

@@ -1,0 +1,263 @@
+"""ModelRunner: owns the model weights and the KV cache tensor of one worker.
+
+prepare() turns a SchedulerOutput into a StepInput: plain lists (token ids,
+positions, cache slots, query and context lengths, block tables) that are cheap to encode,
+so a tensor-parallel driver can send the same step to its workers. run() makes
+the tensors, runs the forward pass, and computes logits only for the rows that
+sample this step.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import msgspec
+import torch
+
+from engine.config import CPU_DEFAULT_KV_CACHE_BYTES, EngineConfig
+from engine.core.scheduler import SchedulerOutput
+from engine.errors import InvalidRequestError
+from engine.executor.parallel import ShardPlan, TPGroup
+from engine.model.hugepages import (
+    advise_huge_pages,
+    anonymous_regions,
+    collapse_new_regions,
+)
+from engine.model.kernels import cpu_kernels, native_enabled
+from engine.model.layers.attention import AttentionMetadata, PrefillGroup, cache_views
+from engine.model.layers.linear import Linear, can_pack, pack_linears
+from engine.model.layers.rotary import RotaryEmbedding
+from engine.model.llama import LlamaForCausalLM, ModelShape
+from engine.model.loader import iter_weights
+
+logger = logging.getLogger(__name__)
+
+# Room left on the GPU for activations of one max-size batch (beyond weights and KV).
+_GPU_ACTIVATION_RESERVE_BYTES = 1 << 30
+
+
+class StepInput(msgspec.Struct, array_like=True, gc=False):
+    """One step's batch for the forward pass, the same on every TP rank.
+
+    Sequences are in batch order, decodes (one new token) first; each owns its last
+    query_lens[i] tokens of ids/positions/slots."""
+
+    ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    query_lens: list[int]  # new tokens of each sequence this step
+    seq_lens: list[int]  # its context after this step, new tokens included
+    block_tables: list[list[int]]  # its blocks covering seq_lens
+    logit_positions: list[int]  # flat token index of each sampling row
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, shape: ModelShape, hf_config, checkpoint,
+                 max_model_len: int, device: torch.device, dtype: torch.dtype,
+                 plan: ShardPlan | None = None, tp: TPGroup | None = None) -> None:
+        """plan / tp: this rank's shard and its group under tensor parallelism."""
+        self.config = config
+        self.shape = shape
+        self.plan = plan or ShardPlan.build(shape, 0, 1)
+        self.tp = tp
+        self.device = device
+        self.dtype = dtype
+        self.block_size = config.block_size
+        self.checkpoint = checkpoint
+        self.hf_config = hf_config
+        self.max_model_len = max_model_len
+        self.kernels = cpu_kernels() if device.type == "cpu" else None
+        self.native_attention = self.kernels.paged_attention if self.kernels else None
+        self.model = self._load_model()
+        self.kv_caches: torch.Tensor | None = None
+        self.layer_caches: list[tuple[torch.Tensor, torch.Tensor]] = []  # views, per layer
+        self.num_blocks = 0
+
+    def _load_model(self) -> LlamaForCausalLM:
+        start = time.perf_counter()
+        regions = anonymous_regions() if self.device.type == "cpu" else set()
+        with torch.device("meta"):
+            model = LlamaForCausalLM(self.shape, self.hf_config, self.max_model_len, self.kernels,
+                                     self.plan, self.tp)
+        model = model.to_empty(device=self.device)
+        # Buffers (the RoPE table) are not in the checkpoint: rebuild them for real.
+        model.rotary = RotaryEmbedding(self.hf_config, self.shape.head_dim,
+                                       self.max_model_len).to(self.device)
+        if self.shape.tie_word_embeddings:
+            model.lm_head.weight = model.embed_tokens.weight
+        model.load_weights(iter_weights(self.checkpoint))
+        model = model.to(self.dtype).eval()
+        model.requires_grad_(False)
+        if native_enabled() and can_pack(self.device, self.dtype):
+            pack_linears(model, keep_dense={id(model.embed_tokens.weight)})
+        if self.device.type == "cpu":
+            collapse_new_regions(regions)
+        logger.info("loaded %s in %.2fs", self.shape.architecture, time.perf_counter() - start)
+        return model
+
+    # ---- KV cache ---------------------------------------------------------------------
+    def bytes_per_block(self) -> int:
+        s = self.shape
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * s.num_layers * self.block_size * self.plan.num_kv_heads * s.head_dim * elem
+
+    def max_kv_blocks(self) -> int:
+        """KV blocks that fit this rank's budget: bytes on CPU (kv_cache_memory_bytes,
+        default 2 GiB), a share of free device memory on GPU."""
+        if self.config.num_gpu_blocks_override:
+            return self.config.num_gpu_blocks_override
+        per_block = self.bytes_per_block()
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = free - (1 - self.config.gpu_memory_utilization) * total
+            budget -= _GPU_ACTIVATION_RESERVE_BYTES
+            if self.config.kv_cache_memory_bytes:
+                budget = min(budget, self.config.kv_cache_memory_bytes)
+        else:
+            budget = self.config.kv_cache_memory_bytes or CPU_DEFAULT_KV_CACHE_BYTES
+        blocks = int(budget // per_block)
+        if blocks < 1:
+            raise InvalidRequestError(
+                f"KV cache budget of {int(budget)} bytes holds no block of {per_block} bytes")
+        return blocks
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        s = self.shape
+        self.num_blocks = num_blocks
+        # block-major (engine.model.layers.attention): a block's keys and values, all kv heads,
+        # are one contiguous span
+        cache = torch.empty(s.num_layers, num_blocks, 2, self.plan.num_kv_heads,
+                            self.block_size, s.head_dim, dtype=self.dtype, device=self.device)
+        if self.device.type == "cpu":
+            advise_huge_pages(cache)
+        # zeros, not garbage: masked-out slots still enter the matmuls, and 0 * NaN = NaN
+        self.kv_caches = cache.zero_()
+        self.layer_caches = [cache_views(layer) for layer in cache]  # made once, not per step
+
+    def free_kv_cache(self) -> None:
+        self.kv_caches = None
+        self.layer_caches = []
+
+    # ---- sleep mode -------------------------------------------------------------------
+    def has_weights(self) -> bool:
+        return self.model is not None and next(self.model.parameters()).device == self.device
+
+    def offload_weights(self) -> None:
+        """Move the weights to host memory (sleep level 1 on an accelerator)."""
+        self.model.to("cpu")
+
+    def free_weights(self) -> None:
+        """Drop the weights (sleep level 2); restore_weights reloads the checkpoint."""
+        self.model = None
+
+    def restore_weights(self) -> None:
+        if self.model is None:
+            self.model = self._load_model()
+        elif not self.has_weights():
+            self.model.to(self.device)
+
+    def memory_usage(self) -> dict[str, int]:
+        weights = 0
+        if self.model is not None:
+            weights = sum(p.numel() * p.element_size() for p in self.model.parameters()
+                          if p.device == self.device)
+            weights += sum(m.packed_bytes() for m in self.model.modules()
+                           if isinstance(m, Linear))
+        kv = 0 if self.kv_caches is None else self.kv_caches.numel() * self.kv_caches.element_size()
+        return {"weights_bytes": weights, "kv_cache_bytes": kv}
+
+    # ---- one step ---------------------------------------------------------------------
+    def execute(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:
+        """Run the forward pass; return logits [S, V] and the batch rows that sample."""
+        step, sample_rows = self.prepare(sched)
+        logits = self.run(step)
+        return logits, sample_rows
+
+    def prepare(self, sched: SchedulerOutput) -> tuple[StepInput, list[int]]:
+        """The step's inputs as lists, and the rows of sched.requests that sample.
+        Decodes come first in the flat batch, then the prefill chunks."""
+        bs = self.block_size
+        order = sorted(range(len(sched.requests)), key=lambda i: sched.num_new_tokens[i] != 1)
+        step = StepInput([], [], [], [], [], [], [])
+        ids, positions, slots = step.ids, step.positions, step.slots
+        sample_rows: list[int] = []  # index into sched.requests
+        for i in order:
+            request, n = sched.requests[i], sched.num_new_tokens[i]
+            start = request.num_computed_tokens
+            end = start + n
+            ids.extend(request.all_token_ids[start:end])
+            positions.extend(range(start, end))
+            blocks = request.block_ids
+            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
+            step.query_lens.append(n)
+            step.seq_lens.append(end)
+            step.block_tables.append(blocks[:-(-end // bs)])
+            if end == request.num_tokens:
+                sample_rows.append(i)
+                step.logit_positions.append(len(ids) - 1)
+        return step, sample_rows
+
+    @torch.inference_mode()
+    def run(self, step: StepInput) -> torch.Tensor | None:
+        """Forward pass of one step; logits [S, V] of its sampling rows (None on TP
+        ranks other than 0)."""
+        dev = self.device
+        meta = self._attention_metadata(step)
+        input_ids = torch.tensor(step.ids, dtype=torch.long, device=dev)
+        pos = torch.tensor(step.positions, dtype=torch.long, device=dev)
+        hidden = self.model(input_ids, pos, self.layer_caches, meta)
+        if not step.logit_positions:
+            return hidden.new_empty((0, self.shape.vocab_size), dtype=torch.float32)
+        index = torch.tensor(step.logit_positions, dtype=torch.long, device=dev)
+        return self.model.compute_logits(hidden.index_select(0, index))
+
+    def _attention_metadata(self, step: StepInput) -> AttentionMetadata:
+        dev = self.device
+        slot_mapping = torch.tensor(step.slots, dtype=torch.long, device=dev)
+        num_decodes = next((i for i, n in enumerate(step.query_lens) if n != 1),
+                           len(step.query_lens))
+        if self.native_attention is not None:  # one kernel call for every row
+            starts = [0]
+            for n in step.query_lens:
+                starts.append(starts[-1] + n)
+            return AttentionMetadata(
+                slot_mapping=slot_mapping, num_decodes=num_decodes,
+                block_tables=self._table_tensor(step.block_tables),
+                seq_lens=torch.tensor(step.seq_lens, dtype=torch.long, device=dev),
+                query_start=torch.tensor(starts, dtype=torch.long, device=dev),
+                native_attention=self.native_attention)
+        tables = lens = bias = None
+        if num_decodes:
+            tables = self._table_tensor(step.block_tables[:num_decodes])
+            lens = torch.tensor(step.seq_lens[:num_decodes], dtype=torch.long, device=dev)
+            span = torch.arange(tables.shape[1] * self.block_size, device=dev)
+            bias = torch.zeros(num_decodes, tables.shape[1] * self.block_size, device=dev)
+            bias.masked_fill_(span.unsqueeze(0) >= lens.unsqueeze(1), float("-inf"))
+        return AttentionMetadata(
+            slot_mapping=slot_mapping, slot_blocks=slot_mapping // self.block_size,
+            slot_offsets=slot_mapping % self.block_size,
+            num_decodes=num_decodes, block_tables=tables, seq_lens=lens, decode_bias=bias,
+            prefills=self._prefill_groups(step, num_decodes))
+
+    def _table_tensor(self, tables: list[list[int]]) -> torch.Tensor:
+        """Block tables padded with block 0 to the longest (the kernels stop at seq_lens)."""
+        width = max(len(t) for t in tables)
+        padded = [t + [0] * (width - len(t)) for t in tables]
+        return torch.tensor(padded, dtype=torch.long, device=self.device)
+
+    def _prefill_groups(self, step: StepInput, num_decodes: int) -> list[PrefillGroup]:
+        """Prefill chunks for the torch path: consecutive fresh chunks (no cached context)
+        of equal length share one group; a chunk with context carries its block table."""
+        groups: list[PrefillGroup] = []
+        first = num_decodes
+        for i in range(num_decodes, len(step.query_lens)):
+            n, ctx = step.query_lens[i], step.seq_lens[i]
+            if ctx > n:
+                table = torch.tensor(step.block_tables[i], dtype=torch.long, device=self.device)
+                groups.append(PrefillGroup(first, n, 1, ctx, table))
+            elif groups and groups[-1].block_table is None and groups[-1].query_len == n:
+                groups[-1].count += 1
+            else:
+                groups.append(PrefillGroup(first, n, 1, n, None))
+            first += n
+        return groups

@@ -1,0 +1,102 @@
+"""LLM: the offline batch API, with vLLM's names so code can switch over."""
+from __future__ import annotations
+
+import itertools
+from typing import Any, Sequence
+
+from tqdm.auto import tqdm
+
+from engine.config import EngineConfig
+from engine.errors import InvalidRequestError
+from engine.frontend.llm_engine import LLMEngine
+from engine.frontend.processor import Prompt
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+
+class LLM:
+    """Load a model once, then generate for many prompts with continuous batching.
+
+    `LLM()` serves the default model (SmolLM2-135M-Instruct); keyword arguments
+    are EngineConfig fields (dtype, block_size, max_num_seqs, ...).
+    """
+
+    def __init__(self, model: str = "default", **kwargs: Any) -> None:
+        self.llm_engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        self._counter = itertools.count()
+
+    def shutdown(self) -> None:
+        """Stop the engine's tensor-parallel workers now (they also stop when this LLM
+        is garbage-collected or the process exits)."""
+        self.llm_engine.engine_core.shutdown()
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt; results come back in prompt order."""
+        if isinstance(prompts, (str, dict)) or (
+                isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params = self._params_list(sampling_params, len(prompts))
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params):
+                request_id = str(next(self._counter))
+                self.llm_engine.add_request(request_id, prompt, p)
+                ids.append(request_id)
+        except Exception:
+            self.llm_engine.abort_request(ids)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             chat_template: str | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """Chat with the tokenizer's chat template; one conversation or a list of them."""
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        processor = self.llm_engine.processor
+        prompts = []
+        for conversation in conversations:
+            text = processor.apply_chat_template(conversation, add_generation_prompt,
+                                                 chat_template, **(chat_template_kwargs or {}))
+            # the template already holds the BOS/special tokens: do not add them twice
+            ids = processor.tokenizer.encode(text, add_special_tokens=False)
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        return self.llm_engine.reset_prefix_cache(reset_running_requests)
+
+    def _params_list(self, params, count: int) -> list[SamplingParams]:
+        if params is None:
+            return [SamplingParams()] * count
+        if isinstance(params, SamplingParams):
+            return [params] * count
+        params = list(params)
+        if len(params) != count:
+            raise InvalidRequestError(
+                f"got {len(params)} sampling params for {count} prompts")
+        return params
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm)
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        bar.update(1)
+        except BaseException:
+            engine.abort_request([i for i in ids if i not in done])
+            raise
+        finally:
+            bar.close()
+        return [done[i] for i in ids]

@@ -1,0 +1,207 @@
+"""OutputProcessor: engine-core outputs (token ids) -> RequestOutputs (text).
+
+Runs in the frontend: incremental detokenization, stop strings, logprob
+formatting, n > 1 fan-in. When a stop string ends a request before the engine
+stopped it, the request id is reported back for an abort at the engine.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from transformers import PreTrainedTokenizerBase
+
+from engine.frontend.detokenizer import IncrementalDetokenizer
+from engine.frontend.stop_strings import find_stop_string, held_back_chars
+from engine.outputs import (
+    CompletionOutput,
+    Logprob,
+    OutputKind,
+    RequestMetrics,
+    RequestOutput,
+)
+from engine.sampling_params import SamplingParams
+from engine.wire.protocol import FINISH_STOP, EngineCoreOutput, EngineCoreRequest
+
+
+@dataclass
+class _Child:
+    """One sequence (one of n) of a user request, as the engine knows it."""
+
+    engine_id: str
+    index: int
+    detok: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    text: str = ""
+    sent_chars: int = 0
+    sent_tokens: int = 0
+    sent_logprobs: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class _Parent:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    kind: OutputKind
+    children: list[_Child]
+    metrics: RequestMetrics
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.children)
+
+
+@dataclass
+class ProcessedOutputs:
+    request_outputs: list[RequestOutput]
+    reqs_to_abort: list[str]  # engine request ids stopped here by a stop string
+
+
+def child_request_id(request_id: str, index: int, n: int) -> str:
+    """Engine-level id of sequence `index` of a request with n sequences."""
+    return request_id if n == 1 else f"{index}_{request_id}"
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.tokenizer = tokenizer
+        self._parents: dict[str, _Parent] = {}
+        self._by_engine_id: dict[str, tuple[_Parent, _Child]] = {}
+
+    def add_request(self, request_id: str, prompt: str | None,
+                    engine_requests: list[EngineCoreRequest],
+                    kind: OutputKind = OutputKind.FINAL_ONLY) -> None:
+        first = engine_requests[0]
+        params = first.sampling_params
+        children = [
+            _Child(r.request_id, i, IncrementalDetokenizer(
+                self.tokenizer, r.prompt_token_ids, params.skip_special_tokens),
+                logprobs=[] if params.logprobs is not None else None,
+                cumulative_logprob=0.0 if params.logprobs is not None else None)
+            for i, r in enumerate(engine_requests)]
+        parent = _Parent(request_id, prompt, first.prompt_token_ids, params, kind, children,
+                         RequestMetrics(first.arrival_time or time.time()))
+        self._parents[request_id] = parent
+        for child in children:
+            self._by_engine_id[child.engine_id] = (parent, child)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._parents
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._parents)
+
+    def engine_ids(self, request_id: str) -> list[str]:
+        parent = self._parents.get(request_id)
+        return [c.engine_id for c in parent.children] if parent else []
+
+    def abort_requests(self, request_ids: list[str]) -> list[str]:
+        """Forget user requests; return their engine ids that still need an abort."""
+        engine_ids = []
+        for request_id in request_ids:
+            parent = self._parents.pop(request_id, None)
+            if parent is None:
+                continue
+            for child in parent.children:
+                self._by_engine_id.pop(child.engine_id, None)
+                if child.finish_reason is None:
+                    engine_ids.append(child.engine_id)
+        return engine_ids
+
+    def metrics_of(self, request_id: str) -> RequestMetrics | None:
+        parent = self._parents.get(request_id)
+        return parent.metrics if parent else None
+
+    def process_outputs(self, outputs: list[EngineCoreOutput],
+                        engine_timestamp: float | None = None) -> ProcessedOutputs:
+        """engine_timestamp: when the engine sent these outputs (served path)."""
+        now = time.time()
+        touched: dict[str, _Parent] = {}
+        to_abort: list[str] = []
+        for out in outputs:
+            entry = self._by_engine_id.get(out.request_id)
+            if entry is None:
+                continue  # aborted here already
+            parent, child = entry
+            if child.finish_reason is not None:
+                continue
+            if (engine_timestamp and out.new_token_ids
+                    and parent.metrics.engine_first_token_time is None):
+                parent.metrics.engine_first_token_time = engine_timestamp
+            self._add_tokens(parent, child, out, now)
+            if child.finish_reason is not None and out.finish_reason is None:
+                to_abort.append(child.engine_id)
+            if child.finish_reason is not None:
+                self._by_engine_id.pop(child.engine_id, None)
+            touched[parent.request_id] = parent
+
+        results = []
+        for parent in touched.values():
+            done = parent.finished
+            if done:
+                parent.metrics.finished_time = now
+                del self._parents[parent.request_id]
+            if parent.kind is OutputKind.FINAL_ONLY and not done:
+                continue
+            results.append(self._make_output(parent, done))
+        return ProcessedOutputs(results, to_abort)
+
+    def _add_tokens(self, parent: _Parent, child: _Child, out: EngineCoreOutput,
+                    now: float) -> None:
+        m = parent.metrics
+        if out.new_token_ids and m.first_token_time is None:
+            m.first_token_time = now
+        if out.new_token_ids:
+            m.last_token_time = now
+            m.num_generation_tokens += len(out.new_token_ids)
+        parent.num_cached_tokens = out.num_cached_tokens
+        child.token_ids.extend(out.new_token_ids)
+        if child.logprobs is not None and out.new_logprobs:
+            for ids, vals, ranks in out.new_logprobs:
+                entry = {}
+                for t, v, r in zip(ids, vals, ranks):
+                    entry.setdefault(t, Logprob(v, r, self.tokenizer.decode([t])))
+                child.logprobs.append(entry)
+                child.cumulative_logprob += vals[0]
+        delta = child.detok.update(out.new_token_ids)
+        child.text = child.detok.output_text
+        stops = parent.params.stop
+        if stops and delta:
+            match = find_stop_string(child.text, len(delta), stops)
+            if match is not None:
+                stop, index = match
+                end = index + len(stop) if parent.params.include_stop_str_in_output else index
+                child.text = child.text[:end]
+                child.finish_reason, child.stop_reason = FINISH_STOP, stop
+                return
+        if out.finish_reason is not None:
+            child.finish_reason, child.stop_reason = out.finish_reason, out.stop_reason
+
+    def _make_output(self, parent: _Parent, finished: bool) -> RequestOutput:
+        completions = []
+        for child in parent.children:
+            if parent.kind is OutputKind.DELTA:
+                end = len(child.text)
+                if child.finish_reason is None:
+                    end -= held_back_chars(parent.params.stop) if parent.params.stop else 0
+                end = max(end, child.sent_chars)
+                text = child.text[child.sent_chars:end]
+                tokens = child.token_ids[child.sent_tokens:]
+                logprobs = (None if child.logprobs is None
+                            else child.logprobs[child.sent_logprobs:])
+                child.sent_chars, child.sent_tokens = end, len(child.token_ids)
+                child.sent_logprobs = len(child.logprobs or [])
+            else:
+                text, tokens, logprobs = child.text, list(child.token_ids), child.logprobs
+            completions.append(CompletionOutput(
+                child.index, text, tokens, child.cumulative_logprob, logprobs,
+                child.finish_reason, child.stop_reason))
+        return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids,
+                             completions, finished, parent.num_cached_tokens, parent.metrics)

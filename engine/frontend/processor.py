@@ -1,0 +1,72 @@
+"""Processor: user input -> EngineCoreRequests (tokenize, chat template, checks).
+
+Runs in the frontend, so bad input fails here with a typed error before it
+reaches an engine. A request with n > 1 becomes n engine requests that share
+the prompt (and, through the prefix cache, its KV blocks).
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from engine.errors import InvalidRequestError
+from engine.frontend.output_processor import child_request_id
+from engine.request_checks import check_params, check_prompt
+from engine.sampling_params import SamplingParams
+from engine.wire.protocol import EngineCoreRequest
+
+Prompt = str | list[int] | dict[str, Any]
+
+
+class Processor:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, max_model_len: int,
+                 vocab_size: int, max_logprobs: int = 20) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.max_logprobs = max_logprobs
+
+    def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        """Accepts text, a token id list, or {"prompt": ...} / {"prompt_token_ids": ...}."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            prompt = prompt.get("prompt")
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise InvalidRequestError("a prompt must be a string or a list of token ids")
+
+    def apply_chat_template(self, messages: list[dict[str, Any]],
+                            add_generation_prompt: bool = True,
+                            chat_template: str | None = None, **kwargs: Any) -> str:
+        if not isinstance(messages, list) or not all(
+                isinstance(m, dict) and "role" in m for m in messages):
+            raise InvalidRequestError("messages must be a list of {role, content} objects")
+        if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
+            raise InvalidRequestError("this model's tokenizer has no chat template")
+        return self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+            chat_template=chat_template, **kwargs)
+
+    def make_requests(self, request_id: str, prompt_token_ids: list[int],
+                      params: SamplingParams, arrival_time: float | None = None,
+                      priority: int = 0, data_parallel_rank: int | None = None
+                      ) -> list[EngineCoreRequest]:
+        """Validate and build one EngineCoreRequest per sequence (n of them)."""
+        check_prompt(prompt_token_ids, self.max_model_len, self.vocab_size)
+        check_params(params, self.max_logprobs)
+        arrival = arrival_time or time.time()
+        requests = []
+        for i in range(params.n):
+            child = params
+            if params.n > 1:
+                seed = None if params.seed is None else params.seed + i
+                child = params.clone(n=1, seed=seed)
+            requests.append(EngineCoreRequest(
+                child_request_id(request_id, i, params.n), list(prompt_token_ids), child,
+                arrival, priority=priority, data_parallel_rank=data_parallel_rank))
+        return requests

@@ -1,0 +1,21 @@
+// Python bindings of the CPU kernels (one extension module, engine.model.kernels.cpu_kernels()).
+#include <torch/extension.h>
+
+torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
+                              torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
+                              torch::Tensor block_tables, torch::Tensor seq_lens,
+                              torch::Tensor query_start, double scale);
+void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
+torch::Tensor silu_and_mul(torch::Tensor gate_up);
+torch::Tensor argmax_rows(torch::Tensor x);
+void rotary_inplace(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
+                    int64_t num_rotated_heads, int64_t head_dim);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention", &paged_attention,
+        "write the step's keys/values to the paged KV cache, then attend causally (CPU)");
+  m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual add + RMSNorm, in place");
+  m.def("silu_and_mul", &silu_and_mul, "SwiGLU activation");
+  m.def("rotary_inplace", &rotary_inplace, "neox RoPE on q and k, in place");
+  m.def("argmax_rows", &argmax_rows, "first index of each row's maximum (float32)");
+}

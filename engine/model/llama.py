@@ -1,0 +1,318 @@
+"""Llama-family decoder (Llama, SmolLM, Mistral, Qwen2, Qwen3) over a paged KV cache.
+
+One implementation covers the family: the variants differ only in flags read
+from the Hugging Face config (qkv bias for Qwen2, q/k RMSNorm for Qwen3, tied
+embeddings, RoPE scaling). q/k/v and gate/up projections are fused into one
+matmul each; the loader slices the checkpoint's separate tensors into them.
+
+Under tensor parallelism (engine.executor.parallel) every layer holds one rank's shard:
+q/k/v and gate/up are split by output (column-parallel, still fused per rank),
+o_proj and down_proj by input (row-parallel, summed with an all-reduce; a bias is
+held by rank 0 only so the sum adds it once), the embedding and LM head by
+vocabulary rows. The loader reads only this rank's slice of each tensor.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig
+
+from engine.errors import UnsupportedModelError
+from engine.executor.parallel import ShardPlan, TPGroup
+from engine.model.layers.attention import AttentionMetadata, paged_attention
+from engine.model.layers.linear import Linear
+from engine.model.layers.norm import RMSNorm
+from engine.model.layers.rotary import Rope, RotaryEmbedding, apply_rotary
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                           "Qwen3ForCausalLM")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The numbers of a checkpoint that the engine needs, read once from its config."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    sliding_window: int | None
+
+    @classmethod
+    def from_hf_config(cls, cfg: PretrainedConfig) -> "ModelShape":
+        archs = list(getattr(cfg, "architectures", None) or [])
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            fallback = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                        "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+            arch = fallback.get(getattr(cfg, "model_type", ""))
+        if arch is None:
+            raise UnsupportedModelError(
+                f"architecture {archs or cfg.model_type!r} is not supported; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        heads = cfg.num_attention_heads
+        attention_bias = bool(getattr(cfg, "attention_bias", False))
+        is_qwen2 = arch == "Qwen2ForCausalLM"
+        window = getattr(cfg, "sliding_window", None)
+        if is_qwen2 and not getattr(cfg, "use_sliding_window", False):
+            window = None
+        act = getattr(cfg, "hidden_act", "silu")
+        if act != "silu":
+            raise UnsupportedModelError(f"hidden_act {act!r} is not supported (only silu)")
+        return cls(
+            architecture=arch,
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.hidden_size,
+            num_layers=cfg.num_hidden_layers,
+            num_heads=heads,
+            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+            intermediate_size=cfg.intermediate_size,
+            rms_norm_eps=cfg.rms_norm_eps,
+            qkv_bias=is_qwen2 or attention_bias,
+            o_bias=attention_bias and not is_qwen2,
+            mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+            max_position_embeddings=cfg.max_position_embeddings,
+            sliding_window=window,
+        )
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, shape: ModelShape, plan: ShardPlan, tp: TPGroup | None,
+                 kernels=None) -> None:
+        super().__init__()
+        self.kernels = kernels
+        self.tp = tp
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            plan.num_heads, plan.num_kv_heads, shape.head_dim)
+        self.q_size = plan.num_heads * shape.head_dim
+        self.kv_size = plan.num_kv_heads * shape.head_dim
+        self.qkv_proj = Linear(shape.hidden_size, self.q_size + 2 * self.kv_size,
+                               bias=shape.qkv_bias)
+        self.o_proj = Linear(self.q_size, shape.hidden_size,
+                             bias=shape.o_bias and plan.rank == 0)
+        self.q_norm = RMSNorm(shape.head_dim, shape.rms_norm_eps) if shape.qk_norm else None
+        self.k_norm = RMSNorm(shape.head_dim, shape.rms_norm_eps) if shape.qk_norm else None
+        self.scale = shape.head_dim ** -0.5
+
+    def forward(self, rope: Rope, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata) -> torch.Tensor:
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)
+        native_rope = self.kernels is not None and self.q_norm is None
+        if native_rope:  # rotate q and k heads in place inside the fused qkv rows
+            self.kernels.rotary_inplace(qkv, rope.positions, rope.cos_table, rope.sin_table,
+                                        self.num_heads + self.num_kv_heads, self.head_dim)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if not native_rope:
+            q, k = apply_rotary(q, k, rope.cos, rope.sin)
+        o = paged_attention(q, k, v, kv_cache, meta, self.scale)
+        out = self.o_proj(o.reshape(t, self.q_size))
+        return self.tp.all_reduce(out) if self.tp is not None else out
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, shape: ModelShape, plan: ShardPlan, tp: TPGroup | None,
+                 kernels=None) -> None:
+        super().__init__()
+        self.kernels = kernels
+        self.tp = tp
+        self.intermediate = plan.intermediate_size
+        self.gate_up_proj = Linear(shape.hidden_size, 2 * plan.intermediate_size,
+                                   bias=shape.mlp_bias)
+        self.down_proj = Linear(plan.intermediate_size, shape.hidden_size,
+                                bias=shape.mlp_bias and plan.rank == 0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        if self.kernels is not None:
+            out = self.down_proj(self.kernels.silu_and_mul(gate_up))
+        else:
+            gate, up = gate_up.split(self.intermediate, dim=-1)
+            out = self.down_proj(F.silu(gate) * up)
+        return self.tp.all_reduce(out) if self.tp is not None else out
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, shape: ModelShape, plan: ShardPlan, tp: TPGroup | None,
+                 kernels=None) -> None:
+        super().__init__()
+        eps = shape.rms_norm_eps
+        self.input_layernorm = RMSNorm(shape.hidden_size, eps, kernels)
+        self.self_attn = LlamaAttention(shape, plan, tp, kernels)
+        self.post_attention_layernorm = RMSNorm(shape.hidden_size, eps, kernels)
+        self.mlp = LlamaMLP(shape, plan, tp, kernels)
+
+    def forward(self, rope: Rope, x: torch.Tensor, residual: torch.Tensor | None,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Takes the previous layer's output and the running residual stream."""
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(rope, x, kv_cache, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    """The decoder stack plus LM head; forward returns hidden states of every token."""
+
+    def __init__(self, shape: ModelShape, hf_config: PretrainedConfig, max_positions: int,
+                 kernels=None, plan: ShardPlan | None = None, tp: TPGroup | None = None
+                 ) -> None:
+        """kernels: the compiled CPU ops module (engine.model.kernels), or None for torch ops.
+        plan / tp: this rank's shard and its group (default: the whole model, no TP)."""
+        super().__init__()
+        self.shape = shape
+        self.plan = plan = plan or ShardPlan.build(shape, 0, 1)
+        self.tp = tp if plan.size > 1 else None
+        self.rotary = RotaryEmbedding(hf_config, shape.head_dim, max_positions)
+        self.embed_tokens = nn.Embedding(plan.vocab_per_rank, shape.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(shape, plan, self.tp, kernels)
+                                    for _ in range(shape.num_layers))
+        self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, kernels)
+        self.lm_head = Linear(shape.hidden_size, plan.vocab_per_rank, bias=False)
+        if shape.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp is None:
+            return self.embed_tokens(input_ids)
+        local = input_ids - self.plan.vocab_start
+        outside = (local < 0) | (local >= self.plan.vocab_per_rank)
+        x = self.embed_tokens(local.masked_fill(outside, 0))
+        x.masked_fill_(outside.unsqueeze(-1), 0)
+        return self.tp.all_reduce(x)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata
+                ) -> torch.Tensor:
+        """kv_caches: each layer's (keys, values) views of the paged cache
+        (engine.model.layers.attention.cache_views), this rank's kv heads."""
+        x = self.embed(input_ids)
+        rope = self.rotary.lookup(positions, x.dtype)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x, residual = layer(rope, x, residual, kv_cache, meta)
+        return self.norm(x, residual)[0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Float32 logits over the whole vocabulary; under TP they are gathered on rank 0
+        (the sampler's rank) and the other ranks get None."""
+        logits = self.lm_head(hidden)
+        if self.tp is not None:
+            logits = self.tp.gather_last_dim(logits)
+            if logits is None:
+                return None
+            logits = logits[:, :self.shape.vocab_size]
+        return logits.float()
+
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
+        """Copy this rank's slice of each checkpoint tensor (HF names) into the fused
+        parameters. weights yields (name, t) where t is a tensor or a lazy safetensors
+        slice; only the sliced rows/columns are read.
+
+        Raises UnsupportedModelError naming any parameter the checkpoint left unset.
+        """
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        rules = _shard_rules(self.shape, self.plan)
+        for name, tensor in weights:
+            if "rotary_emb" in name:
+                continue
+            if name.startswith("model."):
+                name = name[len("model."):]
+            if name == "lm_head.weight" and self.shape.tie_word_embeddings:
+                continue
+            parts = name.split(".")
+            module, kind = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", name)
+            target, offset, src = name, None, None
+            if module in rules:
+                fused_name, offset, src = rules[module]
+                target = ".".join(parts[:-2] + [fused_name, kind])
+                if kind == "bias" and module in _ROW_PARALLEL:
+                    src = None  # a row-parallel bias is whole, on rank 0 only
+                    if target not in params:
+                        continue
+            param = params.get(target)
+            if param is None:
+                raise UnsupportedModelError(f"unexpected checkpoint tensor {name!r}")
+            piece = _read_slice(tensor, src)
+            with torch.no_grad():
+                if module in _VOCAB_PARALLEL and piece.shape[0] < param.shape[0]:
+                    param.zero_()  # padding rows past the vocabulary stay zero
+                dst = param.narrow(0, offset or 0, piece.shape[0]) \
+                    if offset is not None or module in _VOCAB_PARALLEL else param
+                if dst.shape != piece.shape:
+                    raise UnsupportedModelError(
+                        f"checkpoint tensor {name!r} has shape {tuple(piece.shape)}, "
+                        f"expected {tuple(dst.shape)}")
+                dst.copy_(piece)
+            loaded.add(f"{target}:{offset}")
+        expected = {f"{n}:{o}" for n in params for o in _offsets(n, rules)}
+        missing = sorted(expected - loaded)
+        if missing:
+            raise UnsupportedModelError(f"checkpoint is missing tensors for {missing[:5]}")
+
+
+Slice = tuple[int, int, int]  # (dim, start, length) of the checkpoint tensor
+_ROW_PARALLEL = ("o_proj", "down_proj")  # split by input: biases stay whole
+_VOCAB_PARALLEL = ("embed_tokens", "lm_head")  # split by vocabulary rows
+
+
+def _shard_rules(s: ModelShape, plan: ShardPlan) -> dict[str, tuple[str, int | None, Slice]]:
+    """checkpoint module name -> (fused parameter, row offset in it, source slice), for
+    weights and biases alike (row-parallel biases excepted, see load_weights)."""
+    d, h, kv, inter = s.head_dim, plan.num_heads, plan.num_kv_heads, plan.intermediate_size
+    q_src = (0, plan.head_start * d, h * d)
+    kv_src = (0, plan.kv_head_start * d, kv * d)
+    mlp_src = (0, plan.rank * inter, inter)
+    vocab = (0, plan.vocab_start, min(plan.vocab_per_rank, s.vocab_size - plan.vocab_start))
+    return {"q_proj": ("qkv_proj", 0, q_src), "k_proj": ("qkv_proj", h * d, kv_src),
+            "v_proj": ("qkv_proj", (h + kv) * d, kv_src),
+            "gate_proj": ("gate_up_proj", 0, mlp_src),
+            "up_proj": ("gate_up_proj", inter, mlp_src),
+            "o_proj": ("o_proj", None, (1, plan.head_start * d, h * d)),
+            "down_proj": ("down_proj", None, (1, plan.rank * inter, inter)),
+            "embed_tokens": ("embed_tokens", None, vocab),
+            "lm_head": ("lm_head", None, vocab)}
+
+
+def _read_slice(tensor, src: Slice | None) -> torch.Tensor:
+    """The source slice of a tensor or lazy safetensors slice, as a tensor."""
+    if src is None:
+        return tensor[:] if not isinstance(tensor, torch.Tensor) else tensor
+    dim, start, length = src
+    if dim == 0:
+        return tensor[start:start + length]
+    return tensor[:, start:start + length]
+
+
+def _offsets(param_name: str, rules: dict) -> list:
+    """The row offsets a parameter is filled at (several for fused ones)."""
+    fused = param_name.split(".")[-2] if "." in param_name else ""
+    return [offset for target, offset, _ in rules.values() if target == fused] or [None]

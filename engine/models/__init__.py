@@ -1,1 +1,0 @@
-"""Model implementations whose attention reads the paged KV cache."""

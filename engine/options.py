@@ -1,0 +1,108 @@
+"""Options declared once, as dataclass fields, and turned into command-line flags.
+
+A config dataclass (EngineConfig, MockTiming, ...) declares each option with its type,
+default and a one-line description (`option(default, "help")`). `add_flags` turns
+those fields into argparse flags with vLLM's spelling (`max_num_seqs` ->
+`--max-num-seqs`, a bool `enable_prefix_caching` -> `--enable-prefix-caching` /
+`--no-enable-prefix-caching`), and `given` reads back only the flags the user passed,
+so the defaults stay where they are declared. deployments.cli feeds the Serve app's
+pydantic fields through the same two functions.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import types
+import typing
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Sequence
+
+
+def option(default: Any, help: str, *, choices: Sequence[str] | None = None) -> Any:
+    """A dataclass field that is also a documented option."""
+    return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass(frozen=True)
+class Option:
+    """One option as the command line sees it."""
+
+    name: str  # the field's name; the flag is --name-with-dashes
+    kind: type  # int, float, str, bool, or dict (a JSON value)
+    default: Any
+    help: str
+    nullable: bool = False  # None is a valid value (JSON null for dict options)
+    choices: Sequence[str] | None = None
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+
+def option_kind(annotation: Any) -> tuple[type, bool]:
+    """(kind, nullable) of a field annotation: `int | None` -> (int, True); anything
+    that is not a plain scalar (a nested model, a dict) is a JSON value."""
+    if isinstance(annotation, str):
+        raise TypeError(f"unresolved annotation {annotation!r}: resolve with get_type_hints")
+    args = typing.get_args(annotation)
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        inner = [a for a in args if a is not type(None)]
+        kind, _ = option_kind(inner[0]) if len(inner) == 1 else (dict, True)
+        return kind, type(None) in args
+    if origin is typing.Literal:
+        return type(args[0]), False
+    if annotation in (int, float, str, bool):
+        return annotation, False
+    return dict, False
+
+
+def dataclass_options(cls: type, skip: Iterable[str] = (), prefix: str = "") -> list[Option]:
+    """The documented fields of a config dataclass as Options (names get `prefix`)."""
+    hints = typing.get_type_hints(cls)
+    skipped = set(skip)
+    found = []
+    for f in dataclasses.fields(cls):
+        if f.name in skipped or "help" not in f.metadata:
+            continue
+        kind, nullable = option_kind(hints[f.name])
+        found.append(Option(prefix + f.name, kind, f.default, f.metadata["help"], nullable,
+                            f.metadata.get("choices")))
+    return found
+
+
+def _json_value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {exc.msg}") from None
+
+
+_PARSERS: dict[type, Callable[[str], Any]] = {int: int, float: float, str: str,
+                                               dict: _json_value}
+
+
+def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+              options: Iterable[Option]) -> None:
+    """One flag per option; unset flags are absent from the parsed namespace."""
+    for opt in options:
+        shown = "none" if opt.default is None else json.dumps(opt.default) \
+            if opt.kind is dict else opt.default
+        text = f"{opt.help} (default: {shown})"
+        if opt.kind is bool:
+            parser.add_argument(opt.flag, action=argparse.BooleanOptionalAction,
+                                default=argparse.SUPPRESS, help=text)
+            continue
+        parser.add_argument(opt.flag, type=_PARSERS[opt.kind], default=argparse.SUPPRESS,
+                            choices=opt.choices, help=text,
+                            metavar="JSON" if opt.kind is dict else None)
+
+
+def given(namespace: argparse.Namespace, options: Iterable[Option]) -> dict[str, Any]:
+    """The options the user set on the command line, by field name."""
+    values = vars(namespace)
+    return {opt.name: values[opt.name] for opt in options if opt.name in values}
+
+
+__all__ = ["Option", "option", "option_kind", "dataclass_options", "add_flags", "given"]

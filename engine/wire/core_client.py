@@ -1,0 +1,499 @@
+"""EngineClient: the frontend's asyncio client for N engine-core servers.
+
+One DEALER socket per engine. Background tasks, each with one job:
+- output reader (one per engine): decodes EngineCoreOutputs, runs the
+  OutputProcessor (detokenization, stop strings) and feeds per-request queues;
+  resolves utility calls; records the engine's stats and last-heard time.
+- abort loop: drains the queue of ids to abort (dropped streams, stop-string
+  matches), up to 1024 at a time, and sends one ABORT per engine.
+- health monitor: an engine silent past the heartbeat timeout (or whose process
+  died) is dead: its in-flight requests end with EngineDeadError and the client
+  reports unhealthy, keeping the first error.
+Shutdown stops them in reverse order and closes the sockets.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+import uuid
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable
+
+import msgspec
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from engine.errors import (
+    DuplicateRequestError,
+    EngineDeadError,
+    EngineDrainingError,
+    EngineRequestError,
+    EngineSleepingError,
+    FlotillaError,
+    InvalidRequestError,
+    NoEnginesError,
+    PromptTooLongError,
+    UtilityCallError,
+)
+from engine.frontend.output_processor import OutputProcessor
+from engine.frontend.processor import Processor, Prompt
+from engine.outputs import OutputKind, RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.wire.protocol import (
+    ABORT,
+    ADD,
+    FINISH_ERROR,
+    HELLO,
+    OUTPUTS,
+    READY,
+    UTILITY,
+    EngineCoreOutputs,
+    EngineCoreReadyResponse,
+    Hello,
+    SchedulerStats,
+    UtilityRequest,
+)
+from engine.wire.utility_results import all_true, consensus
+
+logger = logging.getLogger(__name__)
+
+ABORT_BATCH = 1024
+DISCONNECT_GRACE_S = 3.0  # after a TCP disconnect: time to hear from the engine again
+
+
+def _typed_error(message: str) -> FlotillaError:
+    """Rebuild the engine's typed error from its "TypeName: message" error output."""
+    name, _, text = message.partition(": ")
+    cls = {c.__name__: c for c in (EngineSleepingError, PromptTooLongError, EngineDrainingError,
+                                   DuplicateRequestError, InvalidRequestError,
+                                   EngineDeadError)}.get(name)
+    return cls(text) if cls else EngineRequestError(message)
+
+
+class HandshakeError(FlotillaError):
+    """An engine did not answer HELLO in time, or answered something incompatible."""
+
+
+@dataclass
+class _Engine:
+    index: int
+    address: str
+    socket: zmq.asyncio.Socket
+    ready: EngineCoreReadyResponse
+    last_heard: float
+    stats: SchedulerStats | None = None
+    in_flight: int = 0
+    dead: bool = False
+    draining: bool = False  # it refused a request because it is shutting down
+    is_alive: Callable[[], bool] | None = None
+
+
+class EngineClient:
+    """Connect with `await EngineClient.connect(addresses, tokenizer)`."""
+
+    def __init__(self) -> None:  # use connect()
+        self.engines: list[_Engine] = []
+        self.client_id = uuid.uuid4().hex
+        self._ctx: zmq.asyncio.Context | None = None
+        self.processor: Processor | None = None
+        self.output_processor: OutputProcessor | None = None
+        self._queues: dict[str, asyncio.Queue] = {}  # user request id -> its outputs
+        self._parent_of: dict[str, str] = {}  # engine request id -> user request id
+        self._engine_of: dict[str, int] = {}  # engine request id -> engine index
+        self._utility_waiters: dict[int, asyncio.Future] = {}
+        self._call_ids = itertools.count()
+        self._abort_queue: asyncio.Queue = asyncio.Queue()
+        self.abort_causes: Counter = Counter()  # why requests were aborted (metrics, tests)
+        self.abort_messages_sent = 0
+        self._tasks: list[asyncio.Task] = []
+        self._rr = itertools.count()
+        self.dead_error: EngineDeadError | None = None
+        self.heartbeat_timeout_s = 10.0
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
+        self._closed = False
+
+    # ---- set-up -------------------------------------------------------------------------
+    @classmethod
+    async def connect(cls, addresses: list[str], tokenizer, *,
+                      handshake_timeout_s: float = 30.0, heartbeat_timeout_s: float = 10.0,
+                      is_alive: list[Callable[[], bool]] | None = None) -> "EngineClient":
+        """Handshake with every engine; the READY values configure the client."""
+        if not addresses:
+            raise NoEnginesError("no engine addresses given")
+        self = cls()
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self._ctx = zmq.asyncio.Context()
+        try:
+            readies = await asyncio.gather(*(
+                self._handshake(i, a, handshake_timeout_s) for i, a in enumerate(addresses)))
+        except BaseException:
+            await self._close_sockets()
+            raise
+        for i, (address, (socket, ready)) in enumerate(zip(addresses, readies)):
+            alive = is_alive[i] if is_alive else None
+            self.engines.append(_Engine(i, address, socket, ready, time.monotonic(),
+                                        is_alive=alive))
+        sizes = {r.block_size for _, r in readies}
+        if len(sizes) != 1:
+            await self._close_sockets()
+            raise HandshakeError(f"engines disagree on block_size: {sorted(sizes)}")
+        vocab = len(tokenizer)
+        self.processor = Processor(tokenizer, self.max_model_len, vocab,
+                                   min(r.max_logprobs for _, r in readies))
+        self.output_processor = OutputProcessor(tokenizer)
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._read_outputs(e), name=f"engine-{e.index}-reader")
+                       for e in self.engines]
+        self._tasks.append(loop.create_task(self._abort_loop(), name="abort-loop"))
+        self._tasks.append(loop.create_task(self._monitor_health(), name="health-monitor"))
+        self._tasks += [loop.create_task(self._watch_connection(e), name=f"engine-{e.index}-tcp")
+                        for e in self.engines]
+        return self
+
+    async def _handshake(self, index: int, address: str, timeout: float
+                         ) -> tuple[zmq.asyncio.Socket, EngineCoreReadyResponse]:
+        socket = self._ctx.socket(zmq.DEALER)
+        socket.setsockopt(zmq.IDENTITY, self.client_id.encode())
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.connect(address)
+        await socket.send_multipart([HELLO, self._encoder.encode(Hello(self.client_id))])
+        try:
+            while True:
+                kind, payload = await asyncio.wait_for(socket.recv_multipart(), timeout)
+                if kind == READY:
+                    return socket, msgspec.msgpack.decode(payload, type=EngineCoreReadyResponse)
+        except asyncio.TimeoutError:
+            socket.close(linger=0)
+            raise HandshakeError(f"engine {index} at {address} did not answer within "
+                                 f"{timeout:.0f}s") from None
+
+    # ---- what the engines reported --------------------------------------------------------
+    @property
+    def max_model_len(self) -> int:
+        return min(e.ready.max_model_len for e in self.engines)
+
+    @property
+    def num_gpu_blocks(self) -> int:
+        return sum(e.ready.num_gpu_blocks for e in self.engines)
+
+    @property
+    def block_size(self) -> int:
+        return self.engines[0].ready.block_size
+
+    @property
+    def num_in_flight(self) -> int:
+        """User requests still streaming through this client."""
+        return len(self._queues)
+
+    @property
+    def healthy(self) -> bool:
+        return self.dead_error is None and not self._closed
+
+    # ---- generation -----------------------------------------------------------------------
+    async def generate(self, request_id: str, prompt: Prompt, params: SamplingParams, *,
+                       data_parallel_rank: int | None = None,
+                       kind: OutputKind = OutputKind.DELTA) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs; stopping the iteration early aborts it."""
+        if self.dead_error is not None:
+            raise self.dead_error
+        if request_id in self._queues:
+            raise EngineRequestError(f"request id {request_id!r} is already running")
+        text, ids = self.processor.tokenize(prompt)
+        requests = self.processor.make_requests(request_id, ids, params,
+                                                data_parallel_rank=data_parallel_rank)
+        finished = yielded = False
+        while True:  # more than once only when a draining engine refuses the request
+            engine = self._pick(data_parallel_rank)
+            q = self._submit(request_id, text, requests, kind, engine)
+            try:
+                for r in requests:
+                    await engine.socket.send_multipart([ADD, self._encoder.encode(r)])
+                metrics = self.output_processor.metrics_of(request_id)
+                if metrics is not None:
+                    metrics.engine_submit_time = time.time()
+                while True:
+                    item = await q.get()
+                    if isinstance(item, EngineDrainingError) and not yielded and \
+                            data_parallel_rank is None and self._others_than(engine):
+                        engine.draining = True  # shutting down: go to another engine
+                        break
+                    if isinstance(item, BaseException):
+                        finished = True
+                        raise item
+                    if item.finished:
+                        finished = True
+                    yielded = True
+                    yield item
+                    if finished:
+                        return
+            finally:
+                if not finished and (yielded or not engine.draining):
+                    for engine_id in self.output_processor.abort_requests([request_id]):
+                        self._queue_abort(engine_id, "client_disconnect")
+                self._forget(request_id, requests)
+
+    def _submit(self, request_id: str, text, requests, kind: OutputKind,
+                engine: _Engine) -> asyncio.Queue:
+        """Register a request's outputs queue and engine before its ADDs go out."""
+        q: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = q
+        self.output_processor.add_request(request_id, text, requests, kind)
+        for r in requests:
+            self._parent_of[r.request_id] = request_id
+            self._engine_of[r.request_id] = engine.index
+            engine.in_flight += 1
+        return q
+
+    def _others_than(self, engine: _Engine) -> bool:
+        return any(e is not engine and not e.dead and not e.draining for e in self.engines)
+
+    def _pick(self, rank: int | None) -> _Engine:
+        alive = [e for e in self.engines if not e.dead and not e.draining] or \
+            [e for e in self.engines if not e.dead]
+        if rank is not None:
+            if not 0 <= rank < len(self.engines):
+                raise EngineRequestError(
+                    f"data_parallel_rank {rank} out of range [0, {len(self.engines)})")
+            if self.engines[rank].dead:
+                raise self.dead_error or EngineDeadError(f"engine {rank} is dead")
+            return self.engines[rank]
+        if not alive:
+            raise self.dead_error or NoEnginesError("no live engine")
+        turn = next(self._rr)
+
+        def score(e: _Engine) -> tuple:
+            waiting = e.stats.num_waiting_reqs if e.stats else 0
+            return (e.in_flight + waiting, (e.index - turn) % len(self.engines))
+        return min(alive, key=score)
+
+    def _forget(self, request_id: str, requests) -> None:
+        self._queues.pop(request_id, None)
+        for r in requests:
+            self._parent_of.pop(r.request_id, None)
+            index = self._engine_of.pop(r.request_id, None)
+            if index is not None:
+                self.engines[index].in_flight -= 1
+
+    async def abort(self, request_ids: list[str]) -> None:
+        """Abort user requests now: one ABORT message per engine."""
+        engine_ids = self.output_processor.abort_requests(request_ids)
+        for request_id in request_ids:
+            q = self._queues.get(request_id)
+            if q is not None:
+                q.put_nowait(EngineRequestError(f"request {request_id} was aborted"))
+        await self._send_aborts([(i, self._engine_of.get(i), "explicit") for i in engine_ids])
+
+    # ---- utilities --------------------------------------------------------------------------
+    async def call_utility(self, method: str, *args: Any, timeout: float = 60.0,
+                           **kwargs: Any) -> list[Any]:
+        """Call `method` on every live engine; results in engine order."""
+        engines = [e for e in self.engines if not e.dead]
+        if not engines:
+            raise self.dead_error or NoEnginesError(f"no engine to call {method}")
+        loop = asyncio.get_running_loop()
+        calls = []
+        for e in engines:
+            call_id = next(self._call_ids)
+            fut = loop.create_future()
+            self._utility_waiters[call_id] = fut
+            calls.append((e, call_id, fut))
+            msg = UtilityRequest(call_id, method, list(args), dict(kwargs))
+            await e.socket.send_multipart([UTILITY, self._encoder.encode(msg)])
+        try:
+            done = await asyncio.wait_for(asyncio.gather(*(f for _, _, f in calls),
+                                                         return_exceptions=True), timeout)
+        finally:
+            for _, call_id, _ in calls:
+                self._utility_waiters.pop(call_id, None)
+        failures = [f"engine {e.index}: {r}" for (e, _, _), r in zip(calls, done)
+                    if isinstance(r, BaseException)]
+        if failures:
+            raise UtilityCallError(f"{method} failed on " + "; ".join(failures))
+        return list(done)
+
+    async def get_stats(self) -> list[SchedulerStats]:
+        """Every engine's scheduler stats, fresh (not the last ones seen with outputs)."""
+        return [msgspec.convert(v, SchedulerStats)
+                for v in await self.call_utility("get_stats")]
+
+    async def is_sleeping(self) -> bool:
+        return consensus("is_sleeping", await self.call_utility("is_sleeping"))
+
+    async def reset_prefix_cache(self, reset_running_requests: bool = False,
+                                 reset_connector: bool = False) -> bool:
+        return all_true("reset_prefix_cache", await self.call_utility(
+            "reset_prefix_cache", reset_running_requests, reset_connector))
+
+    # ---- background loops -------------------------------------------------------------------
+    async def _read_outputs(self, engine: _Engine) -> None:
+        try:
+            while True:
+                kind, payload = await engine.socket.recv_multipart()
+                engine.last_heard = time.monotonic()
+                if kind != OUTPUTS:
+                    continue
+                try:
+                    msg = self._decoder.decode(payload)
+                except msgspec.DecodeError:
+                    logger.warning("engine %d sent an undecodable frame", engine.index)
+                    continue
+                if msg.scheduler_stats is not None:
+                    engine.stats = msg.scheduler_stats
+                if msg.utility_output is not None:
+                    self._resolve_utility(msg.utility_output)
+                if msg.outputs:
+                    self._dispatch(msg.outputs, msg.timestamp, engine.index)
+        except (asyncio.CancelledError, zmq.ContextTerminated):
+            return
+
+    def _resolve_utility(self, out) -> None:
+        fut = self._utility_waiters.get(out.call_id)
+        if fut is None or fut.done():
+            return
+        if out.failure_message is not None:
+            fut.set_exception(UtilityCallError(out.failure_message))
+        else:
+            fut.set_result(out.result)
+
+    def _dispatch(self, outputs, engine_timestamp: float | None = None,
+                  engine_index: int | None = None) -> None:
+        normal = []
+        for out in outputs:
+            if engine_index is not None and self._engine_of.get(out.request_id) != engine_index:
+                continue  # stale: the request was resubmitted elsewhere, or is gone
+            if out.finish_reason == FINISH_ERROR:
+                parent = self._parent_of.get(out.request_id)
+                if parent is None:
+                    continue
+                for engine_id in self.output_processor.abort_requests([parent]):
+                    if engine_id != out.request_id:
+                        self._queue_abort(engine_id, "sibling_error")
+                error = _typed_error(out.error or "the engine refused the request")
+                index = self._engine_of.get(out.request_id)
+                if isinstance(error, EngineDeadError) and index is not None:
+                    if not self.engines[index].dead:  # the engine says it cannot go on
+                        self._mark_dead(self.engines[index], str(error))
+                    continue
+                q = self._queues.get(parent)
+                if q is not None:
+                    q.put_nowait(error)
+            else:
+                normal.append(out)
+        processed = self.output_processor.process_outputs(normal, engine_timestamp)
+        for engine_id in processed.reqs_to_abort:
+            self._queue_abort(engine_id, "stop_string")
+        for ro in processed.request_outputs:
+            q = self._queues.get(ro.request_id)
+            if q is not None:
+                q.put_nowait(ro)
+
+    def _queue_abort(self, engine_id: str, cause: str) -> None:
+        """Hand an id to the abort loop (which coalesces bursts into one ABORT per engine)."""
+        self._abort_queue.put_nowait((engine_id, self._engine_of.get(engine_id), cause))
+
+    async def _abort_loop(self) -> None:
+        try:
+            while True:
+                batch = [await self._abort_queue.get()]
+                while len(batch) < ABORT_BATCH:
+                    try:
+                        batch.append(self._abort_queue.get_nowait())
+                    except asyncio.QueueEmpty:
+                        break
+                await self._send_aborts(batch)
+        except asyncio.CancelledError:
+            return
+
+    async def _send_aborts(self, items: list[tuple[str, int | None, str]]) -> None:
+        per_engine: dict[int, list[str]] = defaultdict(list)
+        for engine_id, index, cause in items:
+            self.abort_causes[cause] += 1
+            if index is not None:
+                per_engine[index].append(engine_id)
+        for index, ids in per_engine.items():
+            engine = self.engines[index]
+            if not engine.dead:
+                await engine.socket.send_multipart([ABORT, self._encoder.encode(ids)])
+                self.abort_messages_sent += 1
+
+    async def _monitor_health(self) -> None:
+        period = max(0.05, min(1.0, self.heartbeat_timeout_s / 4))
+        try:
+            while True:
+                await asyncio.sleep(period)
+                now = time.monotonic()
+                for e in self.engines:
+                    if e.dead:
+                        continue
+                    silent = now - e.last_heard > self.heartbeat_timeout_s
+                    gone = e.is_alive is not None and not e.is_alive()
+                    if silent or gone:
+                        why = "process exited" if gone else (
+                            f"silent for {now - e.last_heard:.1f}s")
+                        self._mark_dead(e, why)
+        except asyncio.CancelledError:
+            return
+
+    async def _watch_connection(self, engine: _Engine) -> None:
+        """A dropped connection (the engine's process died, its node went away) shortens
+        the wait for the heartbeat to DISCONNECT_GRACE_S: if the engine does not speak
+        again by then, the health monitor declares it dead. A live engine reconnects
+        and its next heartbeat (1 s) clears the suspicion."""
+        monitor = engine.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        try:
+            while True:
+                event = parse_monitor_message(await monitor.recv_multipart())
+                if event["event"] == zmq.EVENT_DISCONNECTED and not engine.dead:
+                    suspect = time.monotonic() - self.heartbeat_timeout_s + DISCONNECT_GRACE_S
+                    engine.last_heard = min(engine.last_heard, suspect)
+                    logger.warning("engine %d at %s: connection lost", engine.index,
+                                   engine.address)
+        except (asyncio.CancelledError, zmq.ZMQError):
+            return
+        finally:
+            try:
+                engine.socket.disable_monitor()
+            except zmq.ZMQError:
+                pass
+            monitor.close(linger=0)
+
+    def _mark_dead(self, engine: _Engine, why: str) -> None:
+        engine.dead = True
+        error = EngineDeadError(f"engine {engine.index} at {engine.address} is dead: {why}")
+        if self.dead_error is None:
+            self.dead_error = error
+        logger.error("%s", error)
+        for engine_id, index in list(self._engine_of.items()):
+            if index == engine.index:
+                parent = self._parent_of.get(engine_id)
+                q = self._queues.get(parent) if parent else None
+                if q is not None:
+                    q.put_nowait(error)
+        for call_id, fut in list(self._utility_waiters.items()):
+            if not fut.done():
+                fut.set_exception(error)
+
+    # ---- shutdown ---------------------------------------------------------------------------
+    async def shutdown(self) -> None:
+        """Stop the background tasks (monitor, abort loop, readers), close the sockets."""
+        if self._closed:
+            return
+        self._closed = True
+        for task in reversed(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for q in self._queues.values():
+            q.put_nowait(EngineDeadError("the client was shut down"))
+        await self._close_sockets()
+
+    async def _close_sockets(self) -> None:
+        for e in self.engines:
+            e.socket.close(linger=0)
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None

@@ -1,0 +1,391 @@
+"""EngineCoreServer: one engine core behind a ZMQ ROUTER socket (tcp:// or ipc://).
+
+Threads, so that socket work never runs on the model thread:
+- io thread: owns the ROUTER socket; receives and decodes client frames onto the
+  input queue; forwards encoded outputs from the outbox to their client; sends a
+  heartbeat (stats only) to every client when the engine has been quiet for a while.
+- encoder thread: encodes (client, EngineCoreOutputs) pairs and hands the bytes to
+  the io thread through an inproc socket.
+- core loop (the caller's thread, or one started by start()): drains the input
+  queue, steps the core, routes each output to the client that sent the request.
+  When idle it blocks on the input queue: no busy loop.
+
+A bad frame, an unknown type or a refused request is logged and, where a request
+id is known, answered with an error output; the server keeps serving.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import socket
+import threading
+import time
+from collections import defaultdict
+from typing import Any
+
+import msgspec
+import zmq
+
+from engine.errors import EngineDeadError, EngineDrainingError, FlotillaError
+from engine.wire.protocol import (
+    ABORT,
+    ADD,
+    FINISH_ERROR,
+    HELLO,
+    OUTPUTS,
+    READY,
+    START_DP_WAVE,
+    UTILITY,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    Hello,
+    StartDPWave,
+    UtilityOutput,
+    UtilityRequest,
+)
+
+logger = logging.getLogger(__name__)
+
+UTILITY_METHODS = frozenset({
+    "get_supported_tasks", "is_sleeping", "sleep", "wake_up", "reset_prefix_cache",
+    "get_stats", "ready_response", "has_unfinished_requests", "get_memory_usage"})
+HEARTBEAT_INTERVAL_S = 1.0
+_STOP = object()
+
+
+def free_port(host: str) -> int:
+    """A TCP port free on host right now (for a server or rendezvous to bind next)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def engine_addresses(address: str, count: int) -> list[str]:
+    """Addresses of `count` engines started from one base address.
+
+    tcp://host:port -> ports port, port+1, ...; ipc://path -> path, path-1, path-2, ...
+    """
+    if count == 1:
+        return [address]
+    if address.startswith("tcp://"):
+        host, port = address[len("tcp://"):].rsplit(":", 1)
+        return [f"tcp://{host}:{int(port) + i}" for i in range(count)]
+    return [address if i == 0 else f"{address}-{i}" for i in range(count)]
+
+
+class EngineCoreServer:
+    """Serves `core` (an EngineCore or a MockEngineCore) at `address`."""
+
+    def __init__(self, core: Any, address: str, engine_index: int = 0,
+                 heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S) -> None:
+        self.core = core
+        self.address = address
+        self.engine_index = engine_index
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self._ctx = zmq.Context()
+        self._inputs: queue.Queue = queue.Queue()
+        self._to_encode: queue.Queue = queue.Queue()
+        self._stopped = threading.Event()
+        self._outbox_address = f"inproc://outbox-{id(self)}"
+        self._owner_of: dict[str, bytes] = {}  # request id -> client routing id
+        self._clients: set[bytes] = set()
+        self._wave = 0
+        self._bound = threading.Event()
+        self._draining = threading.Event()
+        self._dead_error: str | None = None  # set when the core can no longer step
+        self._bind_error: BaseException | None = None
+        self._threads: list[threading.Thread] = []
+        self._loop_thread: threading.Thread | None = None
+
+    # ---- life cycle ---------------------------------------------------------------------
+    def start(self) -> "EngineCoreServer":
+        """Run everything in background threads; returns once the socket is bound."""
+        self._start_io()
+        self._loop_thread = threading.Thread(target=self._core_loop, name="engine-core",
+                                             daemon=True)
+        self._loop_thread.start()
+        return self
+
+    def run(self) -> None:
+        """Serve in the calling thread until shutdown() (or KeyboardInterrupt)."""
+        self._start_io()
+        try:
+            self._core_loop()
+        finally:
+            self.shutdown()
+
+    def alive(self) -> bool:
+        """The core loop and the io thread are running."""
+        threads = self._threads + ([self._loop_thread] if self._loop_thread else [])
+        return (not self._stopped.is_set() and self._dead_error is None
+                and all(t.is_alive() for t in threads))
+
+    def drain(self, timeout: float, min_s: float = 0.0) -> bool:
+        """Refuse new requests, let in-flight ones finish for up to `timeout` seconds, then
+        abort what is left. Returns True when everything finished on its own.
+
+        min_s: keep refusing for at least this long even when nothing is in flight, so
+        that clients that have not yet seen this engine leave their routing set are told
+        to go elsewhere (refused, resubmitted) instead of sending into a closed socket."""
+        self._draining.set()
+        start = time.monotonic()
+        deadline = start + max(timeout, min_s)
+        while ((self._owner_of or time.monotonic() < start + min_s)
+               and time.monotonic() < deadline and self.alive()):
+            time.sleep(0.05)
+        left = list(self._owner_of)
+        if left:
+            self._inputs.put((b"", ABORT, left))
+            time.sleep(0.2)  # let the loop send their abort outputs
+        return not left
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """Stop the loops, close the sockets. In-flight requests are dropped."""
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        self._inputs.put(_STOP)
+        self._to_encode.put(_STOP)
+        for thread in self._threads + ([self._loop_thread] if self._loop_thread else []):
+            if thread is not threading.current_thread():
+                thread.join(timeout)
+        self._ctx.term()
+        stop_core = getattr(self.core, "shutdown", None)  # tensor-parallel workers
+        if stop_core is not None:
+            stop_core()
+
+    def _start_io(self) -> None:
+        outbox = self._ctx.socket(zmq.PULL)
+        outbox.bind(self._outbox_address)
+        io = threading.Thread(target=self._io_loop, args=(outbox,), name="engine-io",
+                              daemon=True)
+        enc = threading.Thread(target=self._encode_loop, name="engine-encode", daemon=True)
+        self._threads = [io, enc]
+        io.start()
+        self._bound.wait()
+        if self._bind_error is not None:
+            self._stopped.set()
+            raise self._bind_error
+        enc.start()
+
+    # ---- io thread ----------------------------------------------------------------------
+    def _io_loop(self, outbox: zmq.Socket) -> None:
+        router = self._ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        router.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        try:
+            router.bind(self.address)
+        except zmq.ZMQError as exc:
+            self._bind_error = exc
+            self._bound.set()
+            router.close()
+            outbox.close()
+            return
+        self._bound.set()
+        poller = zmq.Poller()
+        poller.register(router, zmq.POLLIN)
+        poller.register(outbox, zmq.POLLIN)
+        heartbeat = msgspec.msgpack.Encoder()
+        last_sent = time.monotonic()
+        try:
+            while not self._stopped.is_set():
+                ready = dict(poller.poll(timeout=int(self.heartbeat_interval_s * 1000)))
+                if router in ready:
+                    while True:
+                        try:
+                            frames = router.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        self._on_frames(frames)
+                if outbox in ready:
+                    while True:
+                        try:
+                            identity, kind, payload = outbox.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        router.send_multipart([identity, kind, payload], copy=False)
+                        last_sent = time.monotonic()
+                if time.monotonic() - last_sent >= self.heartbeat_interval_s and self._clients:
+                    beat = heartbeat.encode(EngineCoreOutputs(
+                        self.engine_index, timestamp=time.time(),
+                        scheduler_stats=self._safe_stats()))
+                    for identity in list(self._clients):
+                        router.send_multipart([identity, OUTPUTS, beat])
+                    last_sent = time.monotonic()
+        finally:
+            router.close(linger=0)
+            outbox.close(linger=0)
+
+    def _on_frames(self, frames: list[bytes]) -> None:
+        """Decode one client message onto the input queue (errors: log + error output)."""
+        if len(frames) != 3:
+            logger.warning("engine %d: dropped a malformed message of %d frames",
+                           self.engine_index, len(frames))
+            return
+        identity, kind, payload = frames
+        try:
+            if kind == ADD:
+                msg = msgspec.msgpack.decode(payload, type=EngineCoreRequest)
+            elif kind == ABORT:
+                msg = msgspec.msgpack.decode(payload, type=list[str])
+            elif kind == UTILITY:
+                msg = msgspec.msgpack.decode(payload, type=UtilityRequest)
+            elif kind == START_DP_WAVE:
+                msg = msgspec.msgpack.decode(payload, type=StartDPWave)
+            elif kind == HELLO:
+                msg = msgspec.msgpack.decode(payload, type=Hello)
+            else:
+                logger.warning("engine %d: unknown request type %r", self.engine_index, kind)
+                return
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            logger.warning("engine %d: bad %r payload: %s", self.engine_index, kind, exc)
+            request_id = _request_id_of(payload) if kind == ADD else None
+            if request_id is not None:
+                self._send(identity, EngineCoreOutputs(self.engine_index, [EngineCoreOutput(
+                    request_id, [], FINISH_ERROR, error=f"invalid request: {exc}")]))
+            return
+        self._inputs.put((identity, kind, msg))
+
+    # ---- encoder thread -----------------------------------------------------------------
+    def _encode_loop(self) -> None:
+        push = self._ctx.socket(zmq.PUSH)
+        push.setsockopt(zmq.LINGER, 0)
+        push.connect(self._outbox_address)
+        encoder = msgspec.msgpack.Encoder()
+        try:
+            while True:
+                item = self._to_encode.get()
+                if item is _STOP:
+                    return
+                identity, kind, msg = item
+                push.send_multipart([identity, kind, encoder.encode(msg)])
+        finally:
+            push.close(linger=0)
+
+    def _send(self, identity: bytes, outputs: EngineCoreOutputs) -> None:
+        self._to_encode.put((identity, OUTPUTS, outputs))
+
+    # ---- core loop ----------------------------------------------------------------------
+    def _core_loop(self) -> None:
+        core = self.core
+        while not self._stopped.is_set():
+            busy = core.has_unfinished_requests()
+            delay = _next_delay(core) if busy else None
+            try:
+                item = self._inputs.get(timeout=delay) if delay != 0 else self._inputs.get_nowait()
+            except queue.Empty:
+                item = None
+            while item is not None:
+                if item is _STOP:
+                    return
+                self._handle(*item)
+                try:
+                    item = self._inputs.get_nowait()
+                except queue.Empty:
+                    item = None
+            if core.has_unfinished_requests() and self._dead_error is None:
+                try:
+                    outputs = core.step()
+                except EngineDeadError as exc:  # e.g. a tensor-parallel worker died
+                    # keep answering (every request now fails with this error), and
+                    # report not alive, so that the replica gets restarted
+                    logger.error("engine %d is dead: %s", self.engine_index, exc)
+                    self._dead_error = f"EngineDeadError: {exc}"
+                    outputs = self._fail_all(self._dead_error, step=False)
+                except Exception:  # a broken step must not leave clients waiting forever
+                    logger.exception("engine %d: step failed; failing its requests",
+                                     self.engine_index)
+                    outputs = self._fail_all("engine step failed")
+                self._route(outputs)
+
+    def _handle(self, identity: bytes, kind: bytes, msg: Any) -> None:
+        if kind == ADD:
+            try:
+                if self._dead_error is not None:
+                    raise EngineDeadError(self._dead_error.removeprefix("EngineDeadError: "))
+                if self._draining.is_set():
+                    raise EngineDrainingError(f"engine {self.engine_index} is shutting down")
+                self.core.add_request(msg)
+            except (FlotillaError, ValueError) as exc:
+                logger.info("engine %d: refused request %s: %s", self.engine_index,
+                            msg.request_id, exc)
+                self._send(identity, EngineCoreOutputs(self.engine_index, [EngineCoreOutput(
+                    msg.request_id, [], FINISH_ERROR, error=f"{type(exc).__name__}: {exc}")],
+                    timestamp=time.time()))
+                return
+            self._owner_of[msg.request_id] = identity
+        elif kind == ABORT:
+            self.core.abort_requests(msg)
+        elif kind == UTILITY:
+            self._send(identity, EngineCoreOutputs(
+                self.engine_index, utility_output=self._call_utility(msg),
+                timestamp=time.time(), scheduler_stats=self._safe_stats()))
+        elif kind == START_DP_WAVE:
+            self._wave = max(self._wave, msg.wave)
+        elif kind == HELLO:
+            self._clients.add(identity)
+            self._to_encode.put((identity, READY, self.core.ready_response(self.engine_index)))
+
+    def _call_utility(self, req: UtilityRequest) -> UtilityOutput:
+        if req.method not in UTILITY_METHODS:
+            return UtilityOutput(req.call_id, failure_message=f"unknown method {req.method!r}")
+        try:
+            result = getattr(self.core, req.method)(*req.args, **req.kwargs)
+            return UtilityOutput(req.call_id, result=result)
+        except Exception as exc:
+            logger.warning("engine %d: utility %s failed: %s", self.engine_index, req.method, exc)
+            return UtilityOutput(req.call_id, failure_message=f"{type(exc).__name__}: {exc}")
+
+    def _route(self, outputs: list[EngineCoreOutput]) -> None:
+        if not outputs:
+            return
+        per_client: dict[bytes, list[EngineCoreOutput]] = defaultdict(list)
+        for out in outputs:
+            identity = self._owner_of.get(out.request_id)
+            if identity is None:
+                continue
+            if out.finish_reason is not None:
+                del self._owner_of[out.request_id]
+            per_client[identity].append(out)
+        stats = self._safe_stats()
+        now = time.time()
+        for identity, outs in per_client.items():
+            self._send(identity, EngineCoreOutputs(self.engine_index, outs, timestamp=now,
+                                                   scheduler_stats=stats))
+
+    def _fail_all(self, message: str, step: bool = True) -> list[EngineCoreOutput]:
+        ids = list(self._owner_of)
+        try:
+            self.core.abort_requests(ids)
+            if step:
+                self.core.step()
+        except Exception:
+            logger.exception("engine %d: could not abort after a failed step", self.engine_index)
+        return [EngineCoreOutput(i, [], FINISH_ERROR, error=message) for i in ids]
+
+    def _safe_stats(self):
+        try:
+            return self.core.get_stats()
+        except Exception:
+            return None
+
+
+def _next_delay(core: Any) -> float:
+    """How long the loop may wait for input before the next step is due."""
+    delay = getattr(core, "next_step_delay", None)
+    if delay is None:
+        return 0
+    value = delay()
+    return 0 if value is None else max(0.0, value)
+
+
+def _request_id_of(payload: bytes) -> str | None:
+    """Best effort: the request id of an ADD payload that failed validation."""
+    try:
+        raw = msgspec.msgpack.decode(payload)
+    except msgspec.DecodeError:
+        return None
+    if isinstance(raw, list) and raw and isinstance(raw[0], str):
+        return raw[0]
+    return None

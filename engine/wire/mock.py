@@ -1,0 +1,398 @@
+"""MockEngineCore: a model-free engine core with deterministic tokens and a latency model.
+
+Why: the frontend (ingress, core client, output processor, coordinator) has to be
+benchmarked and tested without the cost and the noise of a model. The mock has
+EngineCore's interface, so the engine-core server hosts it unchanged, and its
+tokens are a pure function of (seed, engine index, request id, output position):
+a test can predict what a client must receive, whatever else runs in the batch.
+
+Time is simulated on an absolute schedule, never slept: a request's first token
+is due at admission + ttft_s + prefill_s_per_token * prompt length, then one
+token every itl_s. step() returns what is due now (at most one output per request,
+as a real step); next_step_delay() says when the next output will be, so the
+server can block on its socket in between.
+
+Kept from a real engine: request validation and its typed errors, the stop rules
+(EOS, stop_token_ids, min_tokens masking both, max_tokens, max_model_len), at
+most max_num_seqs running requests (the rest wait, first come first served), KV
+block accounting for stats, sleep mode. Left out: the prefix cache
+(num_cached_tokens is 0), preemption, real logprobs (fake ones of the right shape).
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from engine.errors import (
+    DuplicateRequestError,
+    EngineSleepingError,
+    InvalidRequestError,
+)
+from engine.options import add_flags, dataclass_options, given, option
+from engine.request_checks import check_prompt
+from engine.sampling_params import SamplingParams
+from engine.wire.protocol import (
+    FINISH_ABORT,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    EngineCoreOutput,
+    EngineCoreReadyResponse,
+    EngineCoreRequest,
+    SchedulerStats,
+    TokenLogprobs,
+)
+
+# Drawn token ids lie in [FIRST_TOKEN_ID, vocab_size): ids below are specials (pad, bos, eos).
+FIRST_TOKEN_ID = 3
+SLEEP_TAGS = ("weights", "kv_cache")  # what sleep() puts to sleep; wake_up(tags) wakes some
+_MAX_REDRAWS = 64  # redraws of a stop token masked by min_tokens (then it is kept)
+
+
+@dataclass(frozen=True)
+class MockTiming:
+    """The mock's latency model and output shape: what a benchmark or a test chooses.
+    The served app exposes these as mock_<name> (deployments.config.AppArgs)."""
+
+    ttft_s: float = option(0.0, "seconds from admission to the first token, besides the "
+                                "prefill time")
+    prefill_s_per_token: float = option(0.0, "extra seconds per prompt token before the "
+                                             "first token")
+    itl_s: float = option(0.0, "seconds between two tokens of one request")
+    output_chunk_size: int = option(1, "tokens per engine output message (the last one may "
+                                       "hold fewer)")
+    emit_eos_after: int | None = option(None, "output index where EOS is drawn (not before "
+                                              "min_tokens); none: only stop rules end a request")
+    num_blocks: int = option(1024, "KV blocks the mock accounts for (stats and autoscaling)")
+
+    def __post_init__(self) -> None:
+        _check([
+            (self.num_blocks >= 1, "num_blocks must be >= 1"),
+            (self.output_chunk_size >= 1, "output_chunk_size must be >= 1"),
+            (min(self.ttft_s, self.prefill_s_per_token, self.itl_s) >= 0.0,
+             "latencies must be >= 0"),
+            (self.emit_eos_after is None or self.emit_eos_after >= 0,
+             "emit_eos_after must be >= 0"),
+        ])
+
+
+@dataclass(frozen=True)
+class MockConfig(MockTiming):
+    """Mock engine options: its timing plus the shape a real engine would report (names
+    as in EngineConfig where they mean the same)."""
+
+    seed: int = option(0, "seed of the token hash")
+    engine_index: int = 0  # part of the token hash: DP ranks answer differently
+    vocab_size: int = option(32000, "ids the mock draws tokens from")
+    eos_token_id: int = option(2, "the id it draws as EOS")
+    max_model_len: int = option(4096, "context length it enforces (prompt + output)")
+    block_size: int = option(16, "tokens per KV block it accounts")
+    max_num_seqs: int = option(256, "the most running requests (the rest wait)")
+    force_is_sleeping: bool | None = None  # test knob: is_sleeping() answers this
+    force_reset_prefix_cache: bool | None = None  # test knob: reset_prefix_cache() answers this
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check([
+            (0 <= self.eos_token_id < self.vocab_size, "eos_token_id must be in [0, vocab_size)"),
+            (self.vocab_size > FIRST_TOKEN_ID + (self.eos_token_id >= FIRST_TOKEN_ID),
+             f"vocab_size must leave ids to draw from beyond the specials [0, {FIRST_TOKEN_ID})"),
+            (self.max_model_len >= 2, "max_model_len must be >= 2"),
+            (self.block_size >= 1, "block_size must be >= 1"),
+            (self.max_num_seqs >= 1, "max_num_seqs must be >= 1"),
+        ])
+
+
+def _check(checks: list[tuple[bool, str]]) -> None:
+    for ok, message in checks:
+        if not ok:
+            raise InvalidRequestError(f"mock engine: {message}")
+
+
+@dataclass(slots=True, eq=False)
+class _Request:
+    request_id: str
+    prompt_len: int
+    params: SamplingParams
+    limit: int  # most output tokens: max_tokens, and what max_model_len leaves
+    arrival: float
+    first_due: float = 0.0  # when output token 0 is due (set on admission)
+    num_output: int = 0  # tokens already returned
+    chunk: list[int] = field(default_factory=list)  # the next output's tokens, drawn ahead
+    finish_reason: str | None = None  # of the next output
+    stop_reason: int | None = None
+    due: float = 0.0  # when the next output is due: the time of its last token
+
+
+class MockEngineCore:
+    """EngineCore's interface over deterministic tokens; see the module docstring."""
+
+    dtype_name = "mock"
+    model_name = "mock"
+
+    def __init__(self, config: MockConfig | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = c = config or MockConfig()
+        self.num_blocks = c.num_blocks
+        self.block_size = c.block_size
+        self.max_num_seqs = c.max_num_seqs
+        # As EngineCore: a request must fit in the KV pool on its own.
+        self.max_model_len = min(c.max_model_len, c.num_blocks * c.block_size)
+        self._clock = clock
+        self._num_drawable = c.vocab_size - FIRST_TOKEN_ID - (c.eos_token_id >= FIRST_TOKEN_ID)
+        self._running: dict[str, _Request] = {}
+        self._waiting: dict[str, _Request] = {}  # over max_num_seqs, in arrival order
+        self._aborted: list[EngineCoreOutput] = []
+        self._asleep: set[str] = set()  # the SLEEP_TAGS not woken up yet
+
+    # ---- requests ---------------------------------------------------------------------
+    def add_request(self, req: EngineCoreRequest) -> None:
+        """Queue a request; raises a typed error (as EngineCore) if it cannot run."""
+        if self._asleep:
+            raise EngineSleepingError("the engine is asleep (sleep mode); call wake_up first")
+        rid, ids = req.request_id, req.prompt_token_ids
+        if rid in self._running or rid in self._waiting:
+            raise DuplicateRequestError(f"request id {rid!r} is already running")
+        check_prompt(ids, self.max_model_len, self.config.vocab_size)
+        room = self.max_model_len - len(ids)
+        max_tokens = req.sampling_params.max_tokens
+        limit = room if max_tokens is None else min(max_tokens, room)
+        now = self._clock()
+        self._waiting[rid] = _Request(rid, len(ids), req.sampling_params, limit, now)
+        self._admit(now)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        """Stop requests at once; unknown or finished ids are ignored (idempotent).
+        Each aborted request gets one empty output with finish_reason "abort"."""
+        for rid in request_ids:
+            request = self._running.pop(rid, None) or self._waiting.pop(rid, None)
+            if request is not None:
+                self._aborted.append(EngineCoreOutput(rid, [], FINISH_ABORT))
+        self._admit(self._clock())
+
+    def has_unfinished_requests(self) -> bool:
+        """True while step() has something to do or to report (aborts included)."""
+        return bool(self._running or self._waiting or self._aborted)
+
+    def next_step_delay(self) -> float | None:
+        """Seconds until step() has an output to return: 0.0 if one is due, None if idle."""
+        if self._aborted:
+            return 0.0
+        if not self._running:
+            return None  # nothing waits without something running (max_num_seqs >= 1)
+        due = min(r.due for r in self._running.values())
+        return max(0.0, due - self._clock())
+
+    def step(self) -> list[EngineCoreOutput]:
+        """Return the outputs due now (never waits): at most one per request."""
+        now = self._clock()
+        outputs, self._aborted = self._aborted, []
+        for r in [r for r in self._running.values() if r.due <= now]:
+            outputs.append(EngineCoreOutput(
+                r.request_id, r.chunk, r.finish_reason, r.stop_reason,
+                new_logprobs=self._logprobs(r.chunk, r.params.logprobs)))
+            r.num_output += len(r.chunk)
+            if r.finish_reason is None:
+                self._draw_chunk(r)
+            else:
+                del self._running[r.request_id]
+                self._admit(r.due)  # the slot was free from then on
+        return outputs
+
+    # ---- the simulated model ----------------------------------------------------------
+    def _admit(self, at: float) -> None:
+        """Move waiting requests into free running slots, first come first served."""
+        c = self.config
+        while self._waiting and len(self._running) < c.max_num_seqs:
+            r = self._waiting.pop(next(iter(self._waiting)))
+            r.first_due = max(at, r.arrival) + c.ttft_s + c.prefill_s_per_token * r.prompt_len
+            self._running[r.request_id] = r
+            self._draw_chunk(r)
+
+    def _draw_chunk(self, r: _Request) -> None:
+        """Draw the next output's tokens, stopping where the request finishes."""
+        r.chunk = []
+        while len(r.chunk) < self.config.output_chunk_size and r.finish_reason is None:
+            pos = r.num_output + len(r.chunk)
+            token = self._token(r, pos)
+            r.chunk.append(token)
+            r.finish_reason, r.stop_reason = self._check_stop(r, token, pos + 1)
+        r.due = r.first_due + (r.num_output + len(r.chunk) - 1) * self.config.itl_s
+
+    def _token(self, r: _Request, pos: int) -> int:
+        """Output token `pos` of r. Before min_tokens, EOS and stop tokens are masked
+        (redrawn), as the real sampler masks them."""
+        c, p = self.config, r.params
+        eos_at = c.emit_eos_after
+        if eos_at is not None and not p.ignore_eos:
+            eos_at = max(eos_at, p.min_tokens)
+        if pos == eos_at:
+            return c.eos_token_id
+        for salt in range(_MAX_REDRAWS):
+            token = self._draw(r.request_id, pos, salt)
+            if pos >= p.min_tokens or token not in p.stop_token_ids:
+                break
+        return token
+
+    def _draw(self, request_id: str, pos: int, salt: int) -> int:
+        """A token id in [FIRST_TOKEN_ID, vocab_size), never EOS, from a hash of its key."""
+        c = self.config
+        key = f"{c.seed}:{c.engine_index}:{pos}:{salt}:{request_id}".encode()
+        h = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
+        token = FIRST_TOKEN_ID + h % self._num_drawable
+        return token + 1 if token >= c.eos_token_id >= FIRST_TOKEN_ID else token
+
+    def _check_stop(self, r: _Request, token: int,
+                    num_output: int) -> tuple[str | None, int | None]:
+        """(finish_reason, stop_reason) after the num_output-th token; EngineCore's rules."""
+        p = r.params
+        past_min = num_output >= p.min_tokens
+        if past_min and not p.ignore_eos and token == self.config.eos_token_id:
+            return FINISH_STOP, None
+        if past_min and token in p.stop_token_ids:
+            return FINISH_STOP, token
+        if num_output >= r.limit:
+            return FINISH_LENGTH, None
+        return None, None
+
+    def _logprobs(self, tokens: list[int], k: int | None) -> list[TokenLogprobs] | None:
+        """Fake but well-formed logprobs: the sampled token first (rank 1), then the top k
+        (the sampled token, then its neighbours in id order), as the real sampler lays out."""
+        if k is None:
+            return None
+        span = self.config.vocab_size - FIRST_TOKEN_ID
+        rows = []
+        for t in tokens:
+            top = [t] + [FIRST_TOKEN_ID + (t - FIRST_TOKEN_ID + j) % span for j in range(1, k)]
+            rows.append(([t] + top[:k], [-0.25] + [-0.25 - j for j in range(k)],
+                         [1] + list(range(1, k + 1))))
+        return rows
+
+    # ---- utilities (called by name over the wire) -------------------------------------
+    def get_supported_tasks(self) -> list[str]:
+        return ["generate"]
+
+    def is_sleeping(self) -> bool:
+        forced = self.config.force_is_sleeping
+        return bool(self._asleep) if forced is None else forced
+
+    def sleep(self, level: int = 1) -> None:
+        """Enter sleep mode: in-flight requests end with "abort", new ones are refused."""
+        if level not in (1, 2):
+            raise InvalidRequestError(f"sleep level must be 1 or 2, got {level}")
+        self.abort_requests(list(self._waiting) + list(self._running))
+        self._asleep = set(SLEEP_TAGS)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Wake the given parts (SLEEP_TAGS; default all); awake once none is left asleep."""
+        tags = list(SLEEP_TAGS) if tags is None else list(tags)
+        unknown = set(tags) - set(SLEEP_TAGS)
+        if unknown:
+            raise InvalidRequestError(f"unknown wake_up tags {sorted(unknown)}")
+        self._asleep -= set(tags)
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False,
+                           reset_connector: bool = False) -> bool:
+        """As EngineCore: refused (False) while requests hold blocks, unless told to
+        preempt them (the mock has no cache to drop, nor anything to preempt)."""
+        forced = self.config.force_reset_prefix_cache
+        if forced is not None:
+            return forced
+        return reset_running_requests or not self._running
+
+    def get_memory_usage(self) -> dict[str, int]:
+        return {"weights_bytes": 0, "kv_cache_bytes": 0}
+
+    def get_stats(self) -> SchedulerStats:
+        """Load snapshot; a running request holds ceil((prompt + output) / block_size) blocks."""
+        used = sum(math.ceil((r.prompt_len + r.num_output) / self.block_size)
+                   for r in self._running.values())
+        return SchedulerStats(num_running_reqs=len(self._running),
+                              num_waiting_reqs=len(self._waiting),
+                              kv_cache_usage=min(1.0, used / self.num_blocks),
+                              num_free_blocks=max(0, self.num_blocks - used))
+
+    def ready_response(self, engine_index: int) -> EngineCoreReadyResponse:
+        from engine import __version__
+        return EngineCoreReadyResponse(
+            engine_index=engine_index, max_model_len=self.max_model_len,
+            num_gpu_blocks=self.num_blocks, block_size=self.block_size, dtype=self.dtype_name,
+            version=__version__, supported_tasks=self.get_supported_tasks(),
+            max_num_seqs=self.max_num_seqs, model=self.model_name)
+
+
+# ---- `python -m engine.wire.mock` / `flotilla mock-engine` ------------------------------------
+MOCK_OPTIONS = dataclass_options(MockConfig)  # every documented field: timing and shape
+
+
+def add_mock_arguments(parser) -> None:
+    """The mock engine's command-line options (shared by both entry points)."""
+    parser.add_argument("--address", required=True,
+                        help="tcp://host:port or ipc://path; engine i gets port+i / path-i")
+    parser.add_argument("--engines", type=int, default=1, help="engines to start (processes)")
+    add_flags(parser, MOCK_OPTIONS)
+
+
+def config_from_args(args, engine_index: int) -> MockConfig:
+    return MockConfig(engine_index=engine_index, **given(args, MOCK_OPTIONS))
+
+
+def serve_one(config: MockConfig, address: str) -> None:
+    """Run one mock engine-core server until SIGTERM / SIGINT."""
+    import signal
+
+    from engine.wire.core_server import EngineCoreServer
+    server = EngineCoreServer(MockEngineCore(config), address, config.engine_index)
+    signal.signal(signal.SIGTERM, lambda *_: server.shutdown())
+    try:
+        server.run()
+    except KeyboardInterrupt:
+        pass
+
+
+def run_mock_engines(args) -> int:
+    """Start args.engines mock servers, one process each; wait for them."""
+    import multiprocessing
+
+    from engine.wire.core_server import engine_addresses
+    addresses = engine_addresses(args.address, args.engines)
+    if args.engines == 1:
+        serve_one(config_from_args(args, 0), addresses[0])
+        return 0
+    import signal
+
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=serve_one, args=(config_from_args(args, i), a), daemon=True)
+             for i, a in enumerate(addresses)]
+    for p in procs:
+        p.start()
+
+    def _stop(*_):  # SIGTERM to the parent takes the engines down with it
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGTERM, _stop)
+    try:
+        for p in procs:
+            p.join()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        for p in procs:
+            p.terminate()
+            p.join(5)
+    return 0
+
+
+def main(argv=None) -> int:
+    import argparse
+    import logging
+    parser = argparse.ArgumentParser(prog="python -m engine.wire.mock",
+                                     description="model-free engine-core server(s)")
+    add_mock_arguments(parser)
+    logging.basicConfig(level=logging.INFO)
+    return run_mock_engines(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,144 @@
+"""Wire types between the frontend (Processor/OutputProcessor) and the EngineCore.
+
+msgspec Structs, array_like on the hot ones, so they encode as compact msgpack
+arrays; the engine-core server and client exchange exactly these (msgpack only:
+nothing is ever pickled). In-process (offline LLM) the same objects are passed
+without encoding.
+
+Frames (ZMQ multipart, after the ROUTER's routing id on the engine side):
+  client -> engine: [type byte, msgpack payload]
+    ADD            EngineCoreRequest
+    ABORT          list[str]: request ids (one message may abort many)
+    START_DP_WAVE  StartDPWave
+    UTILITY        UtilityRequest
+    HELLO          Hello (first frame of every connection)
+  engine -> client: [type byte, msgpack payload]
+    READY          EngineCoreReadyResponse (answer to HELLO)
+    OUTPUTS        EngineCoreOutputs
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from engine.sampling_params import SamplingParams
+
+PROTOCOL_VERSION = 1
+
+# client -> engine request types (docs/architecture.md, "The wire contract")
+ADD = b"\x00"
+ABORT = b"\x01"
+START_DP_WAVE = b"\x02"
+UTILITY = b"\x03"
+HELLO = b"\x10"
+# engine -> client frame types
+READY = b"\x20"
+OUTPUTS = b"\x21"
+
+# Finish reasons carried by EngineCoreOutput.finish_reason.
+FINISH_STOP = "stop"
+FINISH_LENGTH = "length"
+FINISH_ABORT = "abort"
+FINISH_ERROR = "error"
+
+# One token's logprobs: (token ids, logprobs, ranks); the sampled token comes first,
+# then the requested top-k alternatives.
+TokenLogprobs = tuple[list[int], list[float], list[int]]
+
+
+class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
+    """ADD payload: one tokenized request (the frontend expands n > 1 into n of these)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float = 0.0
+    client_index: int = 0
+    priority: int = 0
+    data_parallel_rank: int | None = None
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    """New tokens of one request since its previous output (in generation order)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None  # stop | length | abort | error
+    stop_reason: int | str | None = None  # the stop token id that ended the request
+    new_logprobs: list[TokenLogprobs] | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None  # set with finish_reason "error": why the engine refused it
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
+    """A snapshot of one engine's load, sent with outputs and on request."""
+
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    num_free_blocks: int = 0
+
+
+class Hello(msgspec.Struct, omit_defaults=True):
+    """First message of a connection; the engine answers with READY."""
+
+    client_id: str
+    protocol_version: int = PROTOCOL_VERSION
+
+
+class EngineCoreReadyResponse(msgspec.Struct, omit_defaults=True):
+    """What a client can only learn from a started engine (the values it really uses)."""
+
+    engine_index: int
+    max_model_len: int
+    num_gpu_blocks: int
+    block_size: int
+    dtype: str
+    version: str
+    supported_tasks: list[str] = msgspec.field(default_factory=lambda: ["generate"])
+    max_num_seqs: int = 256
+    protocol_version: int = PROTOCOL_VERSION
+    model: str = ""
+    max_logprobs: int = 20  # EngineConfig.max_logprobs: the frontend refuses more up front
+
+
+class UtilityRequest(msgspec.Struct, array_like=True, omit_defaults=True):
+    """UTILITY payload: call `method(*args, **kwargs)` on the engine core."""
+
+    call_id: int
+    method: str
+    args: list[Any] = []
+    kwargs: dict[str, Any] = {}
+
+
+class UtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    """Answer to one UtilityRequest: a result or a failure message, never both."""
+
+    call_id: int
+    result: Any = None
+    failure_message: str | None = None
+
+
+class StartDPWave(msgspec.Struct, array_like=True):
+    """START_DP_WAVE payload: the data-parallel wave the engines should run."""
+
+    wave: int
+
+
+class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
+    """Everything one engine sends one client after a step (or for a utility call)."""
+
+    engine_index: int = 0
+    outputs: list[EngineCoreOutput] = []
+    utility_output: UtilityOutput | None = None
+    timestamp: float = 0.0
+    scheduler_stats: SchedulerStats | None = None
+    wave_complete: int | None = None  # set when the engine went idle ending this wave

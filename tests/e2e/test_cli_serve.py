@@ -1,0 +1,92 @@
+"""`flotilla serve` through its console script, as a user runs it: a local Ray of its
+own, the OpenAI API, and a clean stop on SIGTERM (Kubernetes, systemd) and SIGINT."""
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import openai
+import pytest
+
+from tests.e2e.ray_head import free_ports, pids_naming, wait_for
+
+FLOTILLA = str(Path(sys.executable).parent / "flotilla")
+START_TIMEOUT_S = 180
+STOP_TIMEOUT_S = 90
+
+
+def _env(temp_dir: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env["RAY_TMPDIR"] = temp_dir  # Ray's session dir under it: our processes name it
+    return env
+
+
+@pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGINT])
+def test_flotilla_serve_answers_then_stops_leaving_no_ray_process(stop_signal):
+    """--model mock --data-parallel-size 2 fits this 2-core machine (mock engines ask Ray
+    for almost no CPU), answers the openai client, and one signal to the CLI's own
+    process stops Serve and the Ray it started: exit 0, no process left naming its
+    temp dir."""
+    port, = free_ports(1)
+    temp_dir = tempfile.mkdtemp(prefix="rcli-", dir="/tmp")  # short: Ray's socket paths
+    log = Path(temp_dir) / "flotilla.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [FLOTILLA, "serve", "--model", "mock", "--data-parallel-size", "2",
+             "--port", str(port), "--served-model-name", "m", "--mock-itl-s", "0.001"],
+            env=_env(temp_dir), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_for(lambda: b"Flotilla is serving" in log.read_bytes(), START_TIMEOUT_S,
+                 "flotilla serve ready", proc)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
+                               max_retries=0, timeout=60)
+        assert [m.id for m in client.models.list()] == ["m"]
+        reply = client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=5)
+        assert reply.usage.completion_tokens == 5
+        text = "".join(c.choices[0].text for c in client.completions.create(
+            model="m", prompt="hello", max_tokens=4, stream=True) if c.choices)
+        assert text
+
+        proc.send_signal(stop_signal)
+        assert proc.wait(STOP_TIMEOUT_S) == 0, log.read_text()[-3000:]
+        output = log.read_text()
+        assert "Traceback" not in output, output[-3000:]
+        wait_for(lambda: not pids_naming(temp_dir), 30, "Ray processes gone")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        for pid in pids_naming(temp_dir):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def test_a_bad_flag_is_a_clear_error_with_exit_code_2():
+    """Through the console script: no traceback, exit 2, the flag named."""
+    out = subprocess.run([FLOTILLA, "serve", "--no-such-flag"], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert "unrecognized arguments: --no-such-flag" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--max-num-seqs", "0"], "engine: max_num_seqs must be >= 1"),
+    (["--max-num-seqs", "many"], "argument --max-num-seqs: invalid int value"),
+    (["--engine-autoscaling", "{"], "argument --engine-autoscaling: not valid JSON"),
+    (["--data-parallel-size", "0"], "data_parallel_size: Input should be greater than"),
+    (["--model", "mock", "--mock-itl-s", "-1"], "mock engine: latencies must be >= 0"),
+])
+def test_bad_values_are_refused_before_ray_starts(argv, message, capsys):
+    from deployments.cli import main
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", *argv])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err

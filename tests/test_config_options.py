@@ -1,0 +1,162 @@
+"""One config source: every option reaches the CLI, `serve run key=value` and the app."""
+import argparse
+import dataclasses
+import json
+
+import pytest
+from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
+from ray.serve.scripts import convert_args_to_dict
+
+from deployments.app import build_app
+from deployments.cli import add_serve_parser
+from deployments.config import AppArgs, flat_options, parse_app_args
+from engine.cli import build_parser
+from engine.config import EngineConfig
+from engine.wire.mock import MockConfig
+
+# A value for each option that differs from its default and passes its checks, as
+# `serve run` would pass it (text). Options of a plain kind get one by kind below.
+SAMPLES = {
+    "model": "mock", "dtype": "float32", "device": "cpu", "block_size": "32",
+    "gpu_memory_utilization": "0.5", "placement_strategy": "PACK",
+    "data_parallel_size": "2", "tensor_parallel_size": "2", "engine_num_cpus": "0.25",
+    "ingress_autoscaling": json.dumps({"min_replicas": 1, "max_replicas": 2}),
+    "engine_autoscaling": json.dumps({"min_replicas": 1, "max_replicas": 3}),
+    "max_body_bytes": "4096", "mock_output_chunk_size": "4",
+}
+BY_KIND = {int: "7", float: "0.125", str: "text"}
+
+
+def _sample(opt) -> str:
+    if opt.kind is bool:  # the other value
+        return "false" if opt.default else "true"
+    return SAMPLES.get(opt.name, BY_KIND.get(opt.kind))
+
+
+def _flat_value(args: AppArgs, name: str):
+    if name in {f.name for f in dataclasses.fields(EngineConfig)}:
+        return getattr(args.engine, name)
+    if name.startswith("mock_") and hasattr(args.mock, name[5:]):
+        return getattr(args.mock, name[5:])
+    value = getattr(args, name)
+    return value.model_dump(mode="json") if hasattr(value, "model_dump") else value
+
+
+def _expected(raw: str, kind: type):
+    if kind is bool:
+        return raw == "true"
+    if kind is dict:
+        return json.loads(raw)
+    return kind(raw)
+
+
+def _serve_parser() -> tuple[argparse.ArgumentParser, list]:
+    parser, sub = build_parser()
+    return parser, add_serve_parser(sub)
+
+
+def test_every_app_option_works_through_serve_run_key_value():
+    """`serve run deployments.app:build_app name=value` for every option at once: each
+    value lands where it belongs and the app builds."""
+    options = flat_options()
+    pairs = tuple(f"{o.name}={_sample(o)}" for o in options)
+    raw = convert_args_to_dict(pairs)
+    app = call_user_app_builder_with_args_if_necessary(build_app, raw)
+    assert app is not None
+    args = parse_app_args(raw)
+    for o in options:
+        got = _flat_value(args, o.name)
+        want = _expected(_sample(o), o.kind)
+        if o.kind is dict:
+            assert {k: got[k] for k in want} == want, o.name
+        else:
+            assert got == want and got != o.default, o.name
+
+
+def test_every_app_option_has_a_serve_flag_with_the_same_effect():
+    parser, options = _serve_parser()
+    argv = ["serve"]
+    for o in options:
+        if o.kind is bool:
+            argv.append(o.flag if _sample(o) == "true" else "--no-" + o.flag[2:])
+        else:
+            argv += [o.flag, _sample(o)]
+    from engine.options import given
+    from_cli = parse_app_args(given(parser.parse_args(argv), options))
+    from_serve_run = parse_app_args(convert_args_to_dict(
+        tuple(f"{o.name}={_sample(o)}" for o in options)))
+    assert from_cli == from_serve_run
+
+
+def test_serve_flags_use_vllm_names_and_say_what_they_do():
+    parser, options = _serve_parser()
+    text = parser._subparsers._group_actions[0].choices["serve"].format_help()
+    for flag in ("--max-num-seqs", "--max-num-batched-tokens", "--block-size",
+                 "--enable-prefix-caching", "--no-enable-prefix-caching",
+                 "--gpu-memory-utilization", "--kv-cache-memory-bytes", "--max-model-len",
+                 "--tensor-parallel-size", "--data-parallel-size", "--engine-num-gpus",
+                 "--num-threads", "--mock-itl-s", "--mock-ttft-s", "--served-model-name"):
+        assert flag in text, flag
+    assert all(o.help for o in options), [o.name for o in options if not o.help]
+
+
+def test_unset_flags_keep_the_declared_defaults():
+    parser, options = _serve_parser()
+    from engine.options import given
+    assert given(parser.parse_args(["serve"]), options) == {}
+    assert parse_app_args({}) == AppArgs()
+
+
+@pytest.mark.parametrize("command", ["generate", "serve-engine"])
+def test_engine_subcommands_carry_every_engine_option(command):
+    parser, _ = _serve_parser()
+    text = parser._subparsers._group_actions[0].choices[command].format_help()
+    for f in dataclasses.fields(EngineConfig):
+        assert "--" + f.name.replace("_", "-") in text, (command, f.name)
+
+
+def test_mock_engine_subcommand_carries_every_mock_option():
+    parser, _ = _serve_parser()
+    text = parser._subparsers._group_actions[0].choices["mock-engine"].format_help()
+    for f in dataclasses.fields(MockConfig):
+        if "help" in f.metadata:
+            assert "--" + f.name.replace("_", "-") in text, f.name
+    args = parser.parse_args(["mock-engine", "--address", "tcp://127.0.0.1:1", "--itl-s",
+                              "0.5", "--vocab-size", "100"])
+    from engine.wire.mock import config_from_args
+    config = config_from_args(args, 3)
+    assert (config.itl_s, config.vocab_size, config.engine_index) == (0.5, 100, 3)
+
+
+def test_bad_values_name_their_option():
+    with pytest.raises(ValueError, match="engine: max_num_seqs must be >= 1"):
+        parse_app_args({"max_num_seqs": "0"})
+    with pytest.raises(ValueError, match="mock: mock engine: latencies must be >= 0"):
+        parse_app_args({"model": "mock", "mock_itl_s": "-1"})
+    with pytest.raises(ValueError, match="no_such_option: Extra inputs"):
+        parse_app_args({"no_such_option": 1})
+    with pytest.raises(ValueError, match="engine_autoscaling: not valid JSON"):
+        parse_app_args({"model": "mock", "engine_autoscaling": "{"})
+
+
+def test_app_args_round_trip_through_the_serve_config():
+    """Replicas rebuild AppArgs from the dumped dict Serve stores: nothing changes."""
+    args = parse_app_args({"model": "mock", "max_num_seqs": 8, "mock_itl_s": 0.01,
+                           "data_parallel_size": 2})
+    assert AppArgs.model_validate(args.model_dump(mode="json")) == args
+    assert args.engine_config(1).seed == args.engine.seed + 1
+    mock = args.mock_config(1, vocab_size=100)
+    assert (mock.itl_s, mock.max_num_seqs, mock.engine_index) == (0.01, 8, 1)
+
+
+def test_a_mock_engine_asks_for_almost_no_cpu():
+    """`flotilla serve --model mock --data-parallel-size 2` fits a 2-core machine; real
+    engines keep asking for a whole CPU."""
+    mock = parse_app_args({"model": "mock", "data_parallel_size": 2})
+    mock.check_fits({"CPU": 2})
+    assert mock.engine_cpus < 0.1
+    real = parse_app_args({"model": "default", "data_parallel_size": 2})
+    assert real.engine_cpus == 1.0
+    with pytest.raises(ValueError, match="need 2.5 CPUs"):
+        real.check_fits({"CPU": 2})
+    assert parse_app_args({"model": "mock", "engine_num_cpus": 1}).engine_cpus == 1.0
