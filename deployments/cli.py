@@ -108,6 +108,11 @@ def _serve(args: argparse.Namespace, options: list[Option],
     from ray import serve
     address = os.environ.get("RAY_ADDRESS")
     proxy_dir = None
+    if not address:
+        # Ray starts its workers at niceness 15, so on a machine shared with clients the
+        # engine lost its cores to every other process; a local server's replicas are
+        # the workload: normal priority (a variable the user set wins).
+        os.environ.setdefault("RAY_worker_niceness", "0")
     if not address and args.http_proxy == "haproxy":  # read by the Serve controller
         proxy_dir = tempfile.mkdtemp(prefix="fh-", dir="/tmp")  # see haproxy_env
         os.environ.update(haproxy_env(proxy_dir))
