@@ -82,7 +82,8 @@ def test_greedy_through_client_equals_offline_llm(served, tiny_llama):
 
     results = run(main())
     assert [r[0] for r in results] == expected
-    assert all(chunks == 12 for _, chunks, _ in results)  # one streamed chunk per token
+    # a chunk per step while the consumer keeps up; what it falls behind on is merged
+    assert all(1 <= chunks <= 12 for _, chunks, _ in results)
     assert all(out.outputs[0].finish_reason == "length" for *_, out in results)
     assert core.kv.num_free_blocks == core.kv.num_blocks
 

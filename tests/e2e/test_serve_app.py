@@ -50,8 +50,10 @@ def test_openai_client_chat_and_completions(base_url):
         model="mock", messages=[{"role": "user", "content": "hi"}], max_tokens=5, stream=True,
         stream_options={"include_usage": True}))
     assert chunks[-1].usage.completion_tokens == 5
-    # one chunk per token (a token that ends mid-character streams as empty content)
-    assert sum(1 for c in chunks if c.choices) == 5
+    # a chunk per engine output; outputs the stream fell behind on arrive merged (a
+    # token that ends mid-character streams as empty content)
+    assert 1 <= sum(1 for c in chunks if c.choices) <= 5
+    assert chunks[-2].choices[0].finish_reason == "length"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     models = client.models.list()
     assert [m.id for m in models.data] == ["mock"]
