@@ -21,7 +21,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -46,12 +45,6 @@ class Server:
     env: dict[str, str] = field(default_factory=dict)
     ready_text: str | None = None  # a line the server prints when it serves
     cwd: Path = REPO
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _ready(port: int) -> bool:
@@ -149,7 +142,7 @@ import os, signal, sys, tempfile, threading
 import ray
 from ray import serve
 from bare_sse import serve_app
-from deployments.cli import haproxy_env, _stop_haproxy
+from deployments.cli import haproxy_env, stop_haproxy
 state = None
 if sys.argv[2] == "haproxy":
     state = tempfile.mkdtemp(prefix="bh-", dir="/tmp")
@@ -164,7 +157,7 @@ stop.wait()
 serve.shutdown()
 ray.shutdown()
 if state:
-    _stop_haproxy(state)
+    stop_haproxy(state)
 """
 
 
@@ -194,10 +187,11 @@ def main() -> int:
                         help="extra `flotilla serve` flags (last on the line)")
     args = parser.parse_args()
     from engine.model.loader import resolve_model
+    from engine.wire.core_server import free_port
     args.tokenizer = resolve_model("default")  # the converted checkpoint: vLLM loads it too
     concurrencies = args.concurrency or ([32, 1] if args.workload == "model" else [32])
     work = Path(tempfile.mkdtemp(prefix="bench-serve-"))
-    port = _free_port()
+    port = free_port("127.0.0.1")
     rows = []
     for server in _servers(args, port):
         if args.only and not any(o in server.name for o in args.only):

@@ -9,10 +9,13 @@ Ray it started down and exit 0.
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import signal
 import sys
 import tempfile
 import threading
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 from engine.cli import build_parser, run_command
@@ -91,13 +94,11 @@ class _Stop(Exception):
 
 def _serve(args: argparse.Namespace, options: list[Option],
            parser: argparse.ArgumentParser) -> int:
-    import os
-
     from deployments.app import build_app
     from deployments.config import parse_app_args
+    explicit = given(args, options)
     try:
-        parsed = parse_app_args(given(args, options))
-        app = build_app(parsed)
+        parsed = parse_app_args(explicit)  # every check, before Ray starts
     except ValueError as exc:
         parser.error(str(exc))  # exits 2 with the usage line
 
@@ -123,11 +124,11 @@ def _serve(args: argparse.Namespace, options: list[Option],
     try:
         if not address:  # a local Ray has no autoscaler: what does not fit would wait forever
             cluster = ray.cluster_resources()
-            parsed, choice = fit_to_machine(parsed, given(args, options), cluster)
+            parsed, choice = fit_to_machine(parsed, explicit, cluster)
             if choice:
                 print(f"Flotilla: {choice}", flush=True)
-            app = build_app(parsed)
             parsed.check_fits(cluster)
+        app = build_app(parsed)
         serve.start(http_options={"host": args.host, "port": args.port})
         serve.run(app, name="flotilla", route_prefix="/")
         print(f"Flotilla is serving {parsed.model_name} at http://{args.host}:{args.port}/v1 "
@@ -143,7 +144,7 @@ def _serve(args: argparse.Namespace, options: list[Option],
             signal.signal(signum, signal.SIG_IGN)
         clean = _shut_down(serve, ray)
         if proxy_dir is not None:
-            _stop_haproxy(proxy_dir)
+            stop_haproxy(proxy_dir)
         if not clean:  # serve.shutdown is still waiting on a Ray that is gone: do not
             sys.stdout.flush()  # let it fail at interpreter exit
             sys.stderr.flush()
@@ -169,12 +170,9 @@ def haproxy_env(state_dir: str) -> dict[str, str]:
             "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1"}
 
 
-def _stop_haproxy(state_dir: str) -> None:
+def stop_haproxy(state_dir: str) -> None:
     """HAProxy runs in its own process group and can outlive Serve's proxy actor: stop
     any haproxy still reading our config, then remove its files."""
-    import os
-    import shutil
-    from pathlib import Path
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
