@@ -1,9 +1,13 @@
 """Sampler: logits of a batch -> next tokens (+ logprobs), each row with its own params.
 
 Work that no request in the batch asked for is skipped (penalties, top-k/top-p
-sorting, logprobs). Random draws use the exponential-race trick
-(argmax(p / E), E ~ Exp(1)), which samples exactly from p; a seeded request
-draws its E from its own generator, so its tokens do not depend on what else
+sorting, logprobs). Random draws invert each row's CDF: one uniform per row,
+the first token whose cumulative probability reaches it. That samples exactly
+from p with one random number per row; the exponential race (argmax(p / E),
+E ~ Exp(1) per token) needs one per vocabulary entry, and torch draws those on
+one thread: 75 ms for a 32 x 49152 batch against 1.7 ms for cumsum + search
+(Zen 3, 2 threads), a fifth of a served decode step. A seeded request draws
+its uniform from its own generator, so its tokens do not depend on what else
 is in the batch.
 """
 from __future__ import annotations
@@ -111,17 +115,29 @@ class Sampler:
         if any(m > 0.0 for m in min_p):
             m = torch.tensor(min_p, dtype=probs.dtype, device=probs.device).unsqueeze(1)
             probs = probs.masked_fill(probs < m * probs.max(dim=-1, keepdim=True).values, 0.0)
-        noise = torch.empty_like(probs).exponential_(generator=self.generator)
-        for i, r in enumerate(requests):
-            if r.generator is not None and not greedy[i]:
-                # seeded rows draw on the CPU from their own generator: device-independent
-                row = torch.empty(probs.shape[1], dtype=probs.dtype)
-                noise[i] = row.exponential_(generator=r.generator).to(probs.device)
-        sampled = self._argmax(probs / noise)
+        sampled = self._inverse_cdf(probs, requests, greedy)
         if any(greedy):
             mask = torch.tensor(greedy, device=logits.device)
             sampled = torch.where(mask, self._argmax(logits), sampled)
         return sampled
+
+    def _inverse_cdf(self, probs: torch.Tensor, requests: list[Request],
+                     greedy: list[bool]) -> torch.Tensor:
+        """One draw per row from `probs` (rows need not sum to 1).
+
+        The CDF is summed in float64 so that every token's share of [0, total) is its
+        probability to ~1e-16, also for tiny ones; u is taken in (0, 1], so the search
+        never stops on a zero-probability token (its CDF value equals its predecessor's,
+        and the search returns the first index reaching u)."""
+        cdf = probs.cumsum(dim=-1, dtype=torch.float64)
+        u = torch.rand((probs.shape[0], 1), generator=self.generator, dtype=torch.float64,
+                       device=probs.device)
+        for i, r in enumerate(requests):
+            if r.generator is not None and not greedy[i]:
+                # seeded rows draw on the CPU from their own generator: device-independent
+                u[i, 0] = torch.rand(1, generator=r.generator, dtype=torch.float64).item()
+        target = (1.0 - u) * cdf[:, -1:]
+        return torch.searchsorted(cdf, target).squeeze(1).clamp_(max=probs.shape[1] - 1)
 
     # ---- logprobs ---------------------------------------------------------------------
     @staticmethod
