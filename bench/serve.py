@@ -136,18 +136,19 @@ def _servers(args, port: int) -> list[Server]:
     ]
 
 
-# Runs the bare app behind Serve's default proxy until SIGTERM.
+# Runs the bare app behind Serve (set up as flotilla serve sets up its Ray) until SIGTERM.
 _SERVE_BARE = """
 import os, signal, sys, tempfile, threading
 import ray
 from ray import serve
 from bare_sse import serve_app
-from deployments.cli import haproxy_env, stop_haproxy
+from deployments.cli import LOCAL_RAY_ENV, haproxy_env, stop_haproxy
+os.environ.update(LOCAL_RAY_ENV)  # the Ray that flotilla serve starts, minus the app
 state = None
 if sys.argv[2] == "haproxy":
     state = tempfile.mkdtemp(prefix="bh-", dir="/tmp")
     os.environ.update(haproxy_env(state))
-ray.init()
+ray.init(include_dashboard=False)
 serve.start(http_options={"host": "127.0.0.1", "port": int(sys.argv[1])})
 serve.run(serve_app(), name="bare", route_prefix="/")
 print("bare app serving", flush=True)

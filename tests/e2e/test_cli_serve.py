@@ -11,6 +11,7 @@ from pathlib import Path
 import openai
 import pytest
 
+from deployments.cli import LOCAL_RAY_ENV
 from tests.e2e.ray_head import free_ports, pids_naming, wait_for
 
 FLOTILLA = str(Path(sys.executable).parent / "flotilla")
@@ -55,6 +56,13 @@ def test_flotilla_serve_answers_then_stops_leaving_no_ray_process(stop_signal):
         text = "".join(c.choices[0].text for c in client.completions.create(
             model="m", prompt="hello", max_tokens=4, stream=True) if c.choices)
         assert text
+        # the Ray it started carries the serving settings (deployments.cli.LOCAL_RAY_ENV)
+        assert b"local Ray tuned for serving" in log.read_bytes()
+        raylet = [pid for pid in pids_naming(temp_dir)
+                  if b"raylet/raylet" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        environ = Path(f"/proc/{raylet[0]}/environ").read_bytes().split(b"\0")
+        for key, value in LOCAL_RAY_ENV.items():
+            assert f"{key}={value}".encode() in environ
 
         proc.send_signal(stop_signal)
         assert proc.wait(STOP_TIMEOUT_S) == 0, log.read_text()[-3000:]
