@@ -106,7 +106,6 @@ LOCAL_RAY_ENV = {
     # every replica and handle flushes its cached Serve metrics every 100 ms
     "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000",
 }
-LOCAL_RAY_SUMMARY = "workers at niceness 0, Serve control loop 1 s, Serve metrics every 1 s"
 
 
 class _Stop(Exception):
@@ -135,7 +134,8 @@ def _serve(args: argparse.Namespace, options: list[Option],
         for key, value in LOCAL_RAY_ENV.items():  # a variable the user set wins
             os.environ.setdefault(key, value)
         init_options["include_dashboard"] = args.ray_dashboard
-        print(f"Flotilla: local Ray tuned for serving: {LOCAL_RAY_SUMMARY}"
+        chosen = ", ".join(f"{key}={os.environ[key]}" for key in LOCAL_RAY_ENV)
+        print(f"Flotilla: local Ray tuned for serving: {chosen}"
               f"{'' if args.ray_dashboard else '; no dashboard (--ray-dashboard)'}",
               flush=True)
     if not address and args.http_proxy == "haproxy":  # read by the Serve controller
