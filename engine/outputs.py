@@ -60,26 +60,3 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     prompt_logprobs: None = None
     extra: dict = field(default_factory=dict)
-
-    def add_delta(self, later: RequestOutput) -> None:
-        """Fold the next DELTA output of the same request into this one: a consumer
-        that fell behind the engine takes one output (one SSE event) carrying what
-        several steps produced, instead of paying per step. Tokens, text and logprobs
-        are appended in order; finish state and counters come from `later`."""
-        mine = {c.index: c for c in self.outputs}
-        for new in later.outputs:
-            old = mine.get(new.index)
-            if old is None:
-                self.outputs.append(new)
-                mine[new.index] = new
-                continue
-            old.text += new.text
-            old.token_ids = old.token_ids + new.token_ids
-            if new.logprobs is not None:
-                old.logprobs = (old.logprobs or []) + new.logprobs
-            old.cumulative_logprob = new.cumulative_logprob
-            old.finish_reason = new.finish_reason
-            old.stop_reason = new.stop_reason
-        self.finished = later.finished
-        self.num_cached_tokens = later.num_cached_tokens
-        self.metrics = later.metrics or self.metrics

@@ -1,4 +1,6 @@
 """Detokenization and stop strings, on the default model's real tokenizer."""
+import random
+
 import pytest
 
 from engine import LLM, SamplingParams
@@ -25,6 +27,52 @@ def test_incremental_detokenization_round_trips_non_ascii(tokenizer, text):
     assert "".join(pieces) == text
     assert detok.output_text == text
     assert all("\ufffd" not in p for p in pieces)  # no half characters ever emitted
+
+
+class _WithoutRustBackend:
+    """A tokenizer as the detokenizer sees a slow one: decode() only."""
+
+    def __init__(self, tokenizer):
+        self.decode = tokenizer.decode
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_streamed_detokenization_matches_the_windowed_decode(tokenizer, skip_special_tokens):
+    """The Rust DecodeStream path emits what the windowed decode emits, for random ids
+    (byte tokens that split characters, specials) after random prompts fed in random
+    groups; where the prompt ends inside a character, the stream emits that
+    character whole before the same text, and never a half character."""
+    rng = random.Random(0)
+    vocab = len(tokenizer)
+    text_ids = tokenizer.encode("".join(TEXTS), add_special_tokens=False)
+    straddling = 0
+    for trial in range(300):
+        if trial % 2:
+            cut = rng.randrange(0, len(text_ids))  # may cut a character in two
+            prompt, out = text_ids[:cut], text_ids[cut:cut + rng.randrange(1, 30)]
+        else:
+            prompt = [rng.randrange(vocab) for _ in range(rng.randrange(0, 20))]
+            out = [rng.randrange(vocab) for _ in range(40)]
+        fast = IncrementalDetokenizer(tokenizer, prompt, skip_special_tokens)
+        slow = IncrementalDetokenizer(_WithoutRustBackend(tokenizer), prompt,
+                                      skip_special_tokens)
+        assert fast._backend is not None and slow._backend is None
+        i = 0
+        while i < len(out):
+            k = rng.randrange(1, 5)
+            fast.update(out[i:i + k])
+            slow.update(out[i:i + k])
+            i += k
+        if tokenizer.decode(prompt, skip_special_tokens=skip_special_tokens).endswith(
+                "\ufffd"):
+            straddling += 1
+            assert fast.output_text.endswith(slow.output_text)
+            if trial % 2:  # real text: the character is completed, never half
+                whole = tokenizer.decode(text_ids)
+                assert "\ufffd" not in fast.output_text and fast.output_text in whole
+        else:
+            assert fast.output_text == slow.output_text, (prompt, out)
+    assert straddling > 5  # the case was exercised
 
 
 def test_find_stop_string_spanning_tokens():

@@ -55,12 +55,21 @@ class _Parent:
 
     @property
     def finished(self) -> bool:
-        return all(c.finish_reason is not None for c in self.children)
+        for c in self.children:
+            if c.finish_reason is None:
+                return False
+        return True
 
 
 @dataclass
 class ProcessedOutputs:
     request_outputs: list[RequestOutput]
+    reqs_to_abort: list[str]  # engine request ids stopped here by a stop string
+
+
+@dataclass
+class UpdatedRequests:
+    request_ids: list[str]  # user requests with an output to take (take_output)
     reqs_to_abort: list[str]  # engine request ids stopped here by a stop string
 
 
@@ -121,9 +130,22 @@ class OutputProcessor:
 
     def process_outputs(self, outputs: list[EngineCoreOutput],
                         engine_timestamp: float | None = None) -> ProcessedOutputs:
-        """engine_timestamp: when the engine sent these outputs (served path)."""
+        """update() then take_output() for each updated request: one RequestOutput per
+        request that has something to report (the offline engine's step)."""
+        updated = self.update(outputs, engine_timestamp)
+        results = [out for out in map(self.take_output, updated.request_ids)
+                   if out is not None]
+        return ProcessedOutputs(results, updated.reqs_to_abort)
+
+    def update(self, outputs: list[EngineCoreOutput],
+               engine_timestamp: float | None = None) -> UpdatedRequests:
+        """Fold engine outputs into their requests (tokens, text, stop strings) without
+        building RequestOutputs: the served path builds one when its consumer asks
+        (take_output), so a consumer that fell behind takes many steps in one output
+        instead of paying for an output per step. engine_timestamp: when the engine
+        sent these outputs (served path)."""
         now = time.time()
-        touched: dict[str, _Parent] = {}
+        touched: dict[str, None] = {}
         to_abort: list[str] = []
         for out in outputs:
             entry = self._by_engine_id.get(out.request_id)
@@ -136,22 +158,30 @@ class OutputProcessor:
                     and parent.metrics.engine_first_token_time is None):
                 parent.metrics.engine_first_token_time = engine_timestamp
             self._add_tokens(parent, child, out, now)
-            if child.finish_reason is not None and out.finish_reason is None:
-                to_abort.append(child.engine_id)
             if child.finish_reason is not None:
+                if out.finish_reason is None:
+                    to_abort.append(child.engine_id)
                 self._by_engine_id.pop(child.engine_id, None)
-            touched[parent.request_id] = parent
+                if parent.finished:
+                    parent.metrics.finished_time = now
+            elif parent.kind is OutputKind.FINAL_ONLY:
+                continue  # nothing to report before the end
+            touched[parent.request_id] = None
+        return UpdatedRequests(list(touched), to_abort)
 
-        results = []
-        for parent in touched.values():
-            done = parent.finished
-            if done:
-                parent.metrics.finished_time = now
-                del self._parents[parent.request_id]
-            if parent.kind is OutputKind.FINAL_ONLY and not done:
-                continue
-            results.append(self._make_output(parent, done))
-        return ProcessedOutputs(results, to_abort)
+    def take_output(self, request_id: str) -> RequestOutput | None:
+        """The request's output now: a DELTA request's text and tokens since the last
+        take, a FINAL_ONLY request's whole output once it finished (else None). A
+        finished request is forgotten after its last take."""
+        parent = self._parents.get(request_id)
+        if parent is None:
+            return None
+        done = parent.finished
+        if parent.kind is OutputKind.FINAL_ONLY and not done:
+            return None
+        if done:
+            del self._parents[request_id]
+        return self._make_output(parent, done)
 
     def _add_tokens(self, parent: _Parent, child: _Child, out: EngineCoreOutput,
                     now: float) -> None:

@@ -1,9 +1,11 @@
 """EngineClient: the frontend's asyncio client for N engine-core servers.
 
 One DEALER socket per engine. Background tasks, each with one job:
-- output reader (one per engine): decodes EngineCoreOutputs, runs the
-  OutputProcessor (detokenization, stop strings) and feeds per-request queues;
-  resolves utility calls; records the engine's stats and last-heard time.
+- output reader (one per engine): decodes EngineCoreOutputs (every message
+  queued on the socket per wake-up), runs the OutputProcessor (detokenization,
+  stop strings) and wakes the requests' consumers, which build their output when
+  they run (one output for all the steps since their last); resolves utility
+  calls; records the engine's stats and last-heard time.
 - abort loop: drains the queue of ids to abort (dropped streams, stop-string
   matches), up to 1024 at a time, and sends one ABORT per engine.
 - health monitor: an engine silent past the heartbeat timeout (or whose process
@@ -62,6 +64,7 @@ from engine.wire.utility_results import all_true, consensus
 logger = logging.getLogger(__name__)
 
 ABORT_BATCH = 1024
+READ_BATCH = 64  # messages read without yielding to the event loop (fairness cap)
 DISCONNECT_GRACE_S = 3.0  # after a TCP disconnect: time to hear from the engine again
 
 
@@ -92,6 +95,29 @@ class _Engine:
     is_alive: Callable[[], bool] | None = None
 
 
+class _Stream:
+    """One user request's link from the output reader to its consumer: a flag saying
+    the OutputProcessor holds something new for it, or the error that ended it.
+    Nothing is queued per step, so a consumer behind the engine pays once for
+    everything that arrived meanwhile."""
+
+    __slots__ = ("wake", "pending", "error")
+
+    def __init__(self) -> None:
+        self.wake = asyncio.Event()
+        self.pending = False
+        self.error: BaseException | None = None
+
+    def touch(self) -> None:
+        self.pending = True
+        self.wake.set()
+
+    def fail(self, error: BaseException) -> None:
+        if self.error is None:  # the first error is the cause
+            self.error = error
+        self.wake.set()
+
+
 class EngineClient:
     """Connect with `await EngineClient.connect(addresses, tokenizer)`."""
 
@@ -101,7 +127,7 @@ class EngineClient:
         self._ctx: zmq.asyncio.Context | None = None
         self.processor: Processor | None = None
         self.output_processor: OutputProcessor | None = None
-        self._queues: dict[str, asyncio.Queue] = {}  # user request id -> its outputs
+        self._streams: dict[str, _Stream] = {}  # user request id -> its consumer's link
         self._parent_of: dict[str, str] = {}  # engine request id -> user request id
         self._engine_of: dict[str, int] = {}  # engine request id -> engine index
         self._utility_waiters: dict[int, asyncio.Future] = {}
@@ -188,7 +214,7 @@ class EngineClient:
     @property
     def num_in_flight(self) -> int:
         """User requests still streaming through this client."""
-        return len(self._queues)
+        return len(self._streams)
 
     @property
     def healthy(self) -> bool:
@@ -201,7 +227,7 @@ class EngineClient:
         """Stream a request's outputs; stopping the iteration early aborts it."""
         if self.dead_error is not None:
             raise self.dead_error
-        if request_id in self._queues:
+        if request_id in self._streams:
             raise EngineRequestError(f"request id {request_id!r} is already running")
         text, ids = self.processor.tokenize(prompt)
         requests = self.processor.make_requests(request_id, ids, params,
@@ -209,55 +235,52 @@ class EngineClient:
         finished = yielded = False
         while True:  # more than once only when a draining engine refuses the request
             engine = self._pick(data_parallel_rank)
-            q = self._submit(request_id, text, requests, kind, engine)
+            stream = self._submit(request_id, text, requests, kind, engine)
             try:
                 for r in requests:
                     await engine.socket.send_multipart([ADD, self._encoder.encode(r)])
                 metrics = self.output_processor.metrics_of(request_id)
                 if metrics is not None:
                     metrics.engine_submit_time = time.time()
-                pending = None
                 while True:
-                    item = pending if pending is not None else await q.get()
-                    pending = None
-                    if kind is OutputKind.DELTA and isinstance(item, RequestOutput):
-                        # behind the engine: one output for everything queued
-                        while not item.finished and not q.empty():
-                            later = q.get_nowait()
-                            if isinstance(later, BaseException):
-                                pending = later
-                                break
-                            item.add_delta(later)
-                    if isinstance(item, EngineDrainingError) and not yielded and \
+                    await stream.wake.wait()
+                    stream.wake.clear()
+                    if stream.pending:  # what arrived first is delivered before an error
+                        stream.pending = False
+                        item = self.output_processor.take_output(request_id)
+                        if item is not None:
+                            finished = item.finished
+                            yielded = True
+                            yield item
+                            if finished:
+                                return
+                    error = stream.error
+                    if error is None:
+                        continue
+                    if isinstance(error, EngineDrainingError) and not yielded and \
                             data_parallel_rank is None and self._others_than(engine):
                         engine.draining = True  # shutting down: go to another engine
                         break
-                    if isinstance(item, BaseException):
-                        finished = True
-                        raise item
-                    if item.finished:
-                        finished = True
-                    yielded = True
-                    yield item
-                    if finished:
-                        return
+                    finished = True
+                    raise error
             finally:
+                unfinished = self.output_processor.abort_requests([request_id])
                 if not finished and (yielded or not engine.draining):
-                    for engine_id in self.output_processor.abort_requests([request_id]):
+                    for engine_id in unfinished:
                         self._queue_abort(engine_id, "client_disconnect")
                 self._forget(request_id, requests)
 
     def _submit(self, request_id: str, text, requests, kind: OutputKind,
-                engine: _Engine) -> asyncio.Queue:
-        """Register a request's outputs queue and engine before its ADDs go out."""
-        q: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = q
+                engine: _Engine) -> _Stream:
+        """Register a request's stream and engine before its ADDs go out."""
+        stream = _Stream()
+        self._streams[request_id] = stream
         self.output_processor.add_request(request_id, text, requests, kind)
         for r in requests:
             self._parent_of[r.request_id] = request_id
             self._engine_of[r.request_id] = engine.index
             engine.in_flight += 1
-        return q
+        return stream
 
     def _others_than(self, engine: _Engine) -> bool:
         return any(e is not engine and not e.dead and not e.draining for e in self.engines)
@@ -282,7 +305,7 @@ class EngineClient:
         return min(alive, key=score)
 
     def _forget(self, request_id: str, requests) -> None:
-        self._queues.pop(request_id, None)
+        self._streams.pop(request_id, None)
         for r in requests:
             self._parent_of.pop(r.request_id, None)
             index = self._engine_of.pop(r.request_id, None)
@@ -293,9 +316,9 @@ class EngineClient:
         """Abort user requests now: one ABORT message per engine."""
         engine_ids = self.output_processor.abort_requests(request_ids)
         for request_id in request_ids:
-            q = self._queues.get(request_id)
-            if q is not None:
-                q.put_nowait(EngineRequestError(f"request {request_id} was aborted"))
+            stream = self._streams.get(request_id)
+            if stream is not None:
+                stream.fail(EngineRequestError(f"request {request_id} was aborted"))
         await self._send_aborts([(i, self._engine_of.get(i), "explicit") for i in engine_ids])
 
     # ---- utilities --------------------------------------------------------------------------
@@ -341,25 +364,38 @@ class EngineClient:
 
     # ---- background loops -------------------------------------------------------------------
     async def _read_outputs(self, engine: _Engine) -> None:
+        """After each awaited message, read what else is queued on the socket without
+        awaiting: pyzmq's asyncio wrapper costs a future and a poller registration per
+        await, as much as decoding the message itself."""
+        direct = zmq.Socket(shadow=engine.socket.underlying)  # same socket, no asyncio
         try:
             while True:
-                kind, payload = await engine.socket.recv_multipart()
-                engine.last_heard = time.monotonic()
-                if kind != OUTPUTS:
-                    continue
-                try:
-                    msg = self._decoder.decode(payload)
-                except msgspec.DecodeError:
-                    logger.warning("engine %d sent an undecodable frame", engine.index)
-                    continue
-                if msg.scheduler_stats is not None:
-                    engine.stats = msg.scheduler_stats
-                if msg.utility_output is not None:
-                    self._resolve_utility(msg.utility_output)
-                if msg.outputs:
-                    self._dispatch(msg.outputs, msg.timestamp, engine.index)
+                self._on_message(engine, await engine.socket.recv_multipart())
+                for _ in range(READ_BATCH):
+                    try:
+                        frames = direct.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self._on_message(engine, frames)
         except (asyncio.CancelledError, zmq.ContextTerminated):
             return
+
+    def _on_message(self, engine: _Engine, frames: list[bytes]) -> None:
+        kind, payload = frames
+        engine.last_heard = time.monotonic()
+        if kind != OUTPUTS:
+            return
+        try:
+            msg = self._decoder.decode(payload)
+        except msgspec.DecodeError:
+            logger.warning("engine %d sent an undecodable frame", engine.index)
+            return
+        if msg.scheduler_stats is not None:
+            engine.stats = msg.scheduler_stats
+        if msg.utility_output is not None:
+            self._resolve_utility(msg.utility_output)
+        if msg.outputs:
+            self._dispatch(msg.outputs, msg.timestamp, engine.index)
 
     def _resolve_utility(self, out) -> None:
         fut = self._utility_waiters.get(out.call_id)
@@ -389,18 +425,18 @@ class EngineClient:
                     if not self.engines[index].dead:  # the engine says it cannot go on
                         self._mark_dead(self.engines[index], str(error))
                     continue
-                q = self._queues.get(parent)
-                if q is not None:
-                    q.put_nowait(error)
+                stream = self._streams.get(parent)
+                if stream is not None:
+                    stream.fail(error)
             else:
                 normal.append(out)
-        processed = self.output_processor.process_outputs(normal, engine_timestamp)
-        for engine_id in processed.reqs_to_abort:
+        updated = self.output_processor.update(normal, engine_timestamp)
+        for engine_id in updated.reqs_to_abort:
             self._queue_abort(engine_id, "stop_string")
-        for ro in processed.request_outputs:
-            q = self._queues.get(ro.request_id)
-            if q is not None:
-                q.put_nowait(ro)
+        for request_id in updated.request_ids:
+            stream = self._streams.get(request_id)
+            if stream is not None:
+                stream.touch()
 
     def _queue_abort(self, engine_id: str, cause: str) -> None:
         """Hand an id to the abort loop (which coalesces bursts into one ABORT per engine)."""
@@ -481,9 +517,9 @@ class EngineClient:
         for engine_id, index in list(self._engine_of.items()):
             if index == engine.index:
                 parent = self._parent_of.get(engine_id)
-                q = self._queues.get(parent) if parent else None
-                if q is not None:
-                    q.put_nowait(error)
+                stream = self._streams.get(parent) if parent else None
+                if stream is not None:
+                    stream.fail(error)
         for call_id, fut in list(self._utility_waiters.items()):
             if not fut.done():
                 fut.set_exception(error)
@@ -497,8 +533,8 @@ class EngineClient:
         for task in reversed(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        for q in self._queues.values():
-            q.put_nowait(EngineDeadError("the client was shut down"))
+        for stream in self._streams.values():
+            stream.fail(EngineDeadError("the client was shut down"))
         await self._close_sockets()
 
     async def _close_sockets(self) -> None:
