@@ -5,9 +5,11 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.frontend.detokenizer import IncrementalDetokenizer
+from engine.frontend.output_processor import OutputProcessor
 from engine.frontend.stop_strings import find_stop_string
 from engine.model.loader import load_tokenizer
 from engine.outputs import OutputKind
+from engine.wire.protocol import EngineCoreOutput, EngineCoreRequest
 
 TEXTS = ["naïve café — 東京 🚀 emoji, ℝ² and ΔΩ", "  leading spaces\tand\nnewlines ",
          "Hello world! Привет, мир. こんにちは"]
@@ -136,3 +138,33 @@ def test_chat_uses_template(default_model_dir):
                    SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)[0]
     assert "<|im_start|>assistant" in out.prompt
     assert "Paris" in out.outputs[0].text
+
+
+def test_output_processor_reports_when_asked_one_output_for_many_steps(tokenizer):
+    """update() folds steps in; take_output() returns everything since the last take
+    (DELTA) or nothing until the end (FINAL_ONLY); a finished request is forgotten."""
+    ids = tokenizer.encode(" one two three four", add_special_tokens=False)
+    params = SamplingParams(max_tokens=len(ids))
+    proc = OutputProcessor(tokenizer)
+    for rid, kind in (("d", OutputKind.DELTA), ("f", OutputKind.FINAL_ONLY)):
+        proc.add_request(rid, None, [EngineCoreRequest(rid, [1, 2], params)], kind)
+
+    def step(i, last=False):
+        return proc.update([EngineCoreOutput(r, [ids[i]], "length" if last else None)
+                            for r in ("d", "f")])
+
+    assert step(0).request_ids == ["d"]  # FINAL_ONLY: nothing to report yet
+    step(1)
+    first = proc.take_output("d")
+    assert first.outputs[0].token_ids == ids[:2] and not first.finished
+    assert proc.take_output("f") is None
+    for i in range(2, len(ids) - 1):
+        step(i)
+    assert step(len(ids) - 1, last=True).request_ids == ["d", "f"]
+    rest = proc.take_output("d")
+    assert rest.finished and rest.outputs[0].token_ids == ids[2:]
+    assert first.outputs[0].text + rest.outputs[0].text == " one two three four"
+    final = proc.take_output("f")
+    assert final.finished and final.outputs[0].text == " one two three four"
+    assert not proc.has_unfinished_requests()
+    assert proc.take_output("d") is None
