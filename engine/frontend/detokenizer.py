@@ -60,9 +60,7 @@ class IncrementalDetokenizer:
         if self._backend is not None:
             # one id per step: a list step withholds every piece of it while its last
             # character is incomplete, which at the end of a stream would lose them
-            step, backend = self._stream.step, self._backend
-            pieces = [p for p in (step(backend, t) for t in new_token_ids) if p]
-            text = pieces[0] if len(pieces) == 1 else "".join(pieces)
+            text = "".join(self._stream.step(self._backend, t) or "" for t in new_token_ids)
         else:
             text = self._update_window(new_token_ids)
         self.output_text += text

@@ -55,10 +55,7 @@ class _Parent:
 
     @property
     def finished(self) -> bool:
-        for c in self.children:
-            if c.finish_reason is None:
-                return False
-        return True
+        return all(c.finish_reason is not None for c in self.children)
 
 
 @dataclass
@@ -164,9 +161,8 @@ class OutputProcessor:
                 self._by_engine_id.pop(child.engine_id, None)
                 if parent.finished:
                     parent.metrics.finished_time = now
-            elif parent.kind is OutputKind.FINAL_ONLY:
-                continue  # nothing to report before the end
-            touched[parent.request_id] = None
+            if parent.kind is OutputKind.DELTA or parent.finished:  # FINAL_ONLY: at the end
+                touched[parent.request_id] = None
         return UpdatedRequests(list(touched), to_abort)
 
     def take_output(self, request_id: str) -> RequestOutput | None:
