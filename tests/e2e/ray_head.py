@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import secrets
 import shutil
 import signal
@@ -24,14 +25,25 @@ START_TIMEOUT_S = 120
 
 
 def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    """n distinct ports below the kernel's ephemeral range that bind now. A port the OS
+    hands out for a bind to 0 is ephemeral, so once released it can be handed out again
+    to any of Ray's sockets that bind to 0 before our server binds it: CI saw Serve's
+    proxy fail to bind its chosen HTTP port that way. Below the range, only an
+    explicit bind can take it."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    rng = random.SystemRandom()
+    ports: list[int] = []
+    while len(ports) < n:
+        port = rng.randrange(10000, low)
+        if port in ports:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        ports.append(port)
+    return ports
 
 
 def pids_naming(marker: str) -> list[int]:
