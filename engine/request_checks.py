@@ -22,7 +22,16 @@ def check_prompt(token_ids: list[int], max_model_len: int, vocab_size: int) -> N
         raise InvalidRequestError(f"prompt token ids must be in [0, {vocab_size})")
 
 
-def check_params(params: SamplingParams, max_logprobs: int) -> None:
-    """What SamplingParams cannot check by itself: limits of this engine."""
+def check_params(params: SamplingParams, max_logprobs: int, vocab_size: int) -> None:
+    """What SamplingParams cannot check by itself: limits of this engine and its model."""
     if params.logprobs is not None and params.logprobs > max_logprobs:
         raise InvalidRequestError(f"logprobs must be <= {max_logprobs}")
+    ids = params.token_ids_in_params()
+    if ids and max(ids) >= vocab_size:
+        raise InvalidRequestError(
+            f"token id {max(ids)} is outside this model's vocabulary [0, {vocab_size}) "
+            "(stop_token_ids, logit_bias, allowed_token_ids)")
+    if params.bad_words and not params.bad_words_token_ids:
+        raise InvalidRequestError("bad_words reach the engine tokenized: send them through "
+                                  "a frontend (LLM, the OpenAI server), which fills "
+                                  "bad_words_token_ids")

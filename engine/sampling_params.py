@@ -9,6 +9,7 @@ from __future__ import annotations
 import msgspec
 
 from engine.errors import InvalidRequestError
+from engine.structured.params import StructuredOutputsParams
 
 MAX_LOGPROBS = 20
 
@@ -33,6 +34,13 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, [-100, 100]
+    allowed_token_ids: list[int] | None = None  # sample only among these
+    bad_words: list[str] = []  # never generate these words (as a whole token sequence)
+    # bad_words as token id sequences, filled by the frontend's Processor (the engine
+    # has no tokenizer): each word with and without a leading space
+    bad_words_token_ids: list[list[int]] = []
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -60,6 +68,28 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
                "stop_token_ids must be non-negative ints")
+        if self.logit_bias is not None:
+            _check(all(isinstance(t, int) and t >= 0 for t in self.logit_bias),
+                   "logit_bias keys must be non-negative token ids")
+            _check(all(-100.0 <= b <= 100.0 for b in self.logit_bias.values()),
+                   "logit_bias values must be in [-100, 100]")
+        if self.allowed_token_ids is not None:
+            _check(bool(self.allowed_token_ids)
+                   and all(isinstance(t, int) and t >= 0 for t in self.allowed_token_ids),
+                   "allowed_token_ids must be a non-empty list of non-negative token ids")
+        _check(all(isinstance(w, str) and w for w in self.bad_words),
+               "bad_words must be non-empty strings")
+        _check(all(seq and all(isinstance(t, int) and t >= 0 for t in seq)
+                   for seq in self.bad_words_token_ids),
+               "bad_words_token_ids must be non-empty lists of non-negative token ids")
+
+    def token_ids_in_params(self) -> list[int]:
+        """Every token id these params name (checked against the vocabulary)."""
+        ids = list(self.stop_token_ids) + list(self.logit_bias or ()) + list(
+            self.allowed_token_ids or ())
+        for seq in self.bad_words_token_ids:
+            ids.extend(seq)
+        return ids
 
     @property
     def greedy(self) -> bool:

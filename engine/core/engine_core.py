@@ -27,8 +27,10 @@ from engine.model.kernels import cpu_kernels
 from engine.model.llama import ModelShape
 from engine.model.loader import load_hf_config, resolve_model
 from engine.request_checks import check_params, check_prompt
+from engine.structured.manager import StructuredOutputManager
 from engine.wire.protocol import (
     FINISH_ABORT,
+    FINISH_ERROR,
     EngineCoreOutput,
     EngineCoreReadyResponse,
     EngineCoreRequest,
@@ -69,6 +71,8 @@ class EngineCore:
         self.sampler = Sampler(self.shape.vocab_size,
                                kernels.argmax_rows if kernels is not None else None,
                                seed=config.seed, device=self.device)
+        self.structured = StructuredOutputManager(self.checkpoint, self.shape.vocab_size,
+                                                  self.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._aborted: list[EngineCoreOutput] = []
         self._sleep_level = 0  # 0 awake; 1 KV cache freed (weights off GPU); 2 weights freed
@@ -102,10 +106,11 @@ class EngineCore:
         if req.request_id in self.requests:
             raise DuplicateRequestError(f"request id {req.request_id!r} is already running")
         check_prompt(req.prompt_token_ids, self.max_model_len, self.shape.vocab_size)
-        check_params(req.sampling_params, self.config.max_logprobs)
+        check_params(req.sampling_params, self.config.max_logprobs, self.shape.vocab_size)
         request = Request(req.request_id, req.prompt_token_ids, req.sampling_params,
                           self.eos_token_ids, req.arrival_time or None, req.priority)
         self.requests[req.request_id] = request
+        self.structured.add(request)
         self.scheduler.add(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -125,8 +130,12 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         """Run one scheduling step; return the outputs it produced (possibly none)."""
         outputs, self._aborted = self._aborted, []
+        for request, why in self.structured.poll():
+            outputs.append(self._fail(request, why))
         sched = self.scheduler.schedule()
         if not sched:
+            if self.structured.has_pending():
+                self.structured.wait()  # only compiles are left: do not spin
             return outputs
         logits, rows = self.runner.execute(sched)
         for request, n in zip(sched.requests, sched.num_new_tokens):
@@ -134,9 +143,13 @@ class EngineCore:
         if not rows:
             return outputs
         sampled_requests = [sched.requests[i] for i in rows]
-        result = self.sampler(logits, sampled_requests)
+        result = self.sampler(logits, sampled_requests, self.structured.bitmask(sampled_requests))
         for request, token, lp in zip(sampled_requests, result.token_ids, result.logprobs):
             request.append_token(token)
+            if request.grammar is not None and not self.structured.accept(request, token):
+                outputs.append(self._fail(request, f"token {token} broke the request's "
+                                          "structured-outputs grammar"))
+                continue
             status = self._check_stop(request, token)
             out = EngineCoreOutput(request.request_id, [token],
                                    new_logprobs=None if lp is None else [lp],
@@ -149,11 +162,19 @@ class EngineCore:
             outputs.append(out)
         return outputs
 
+    def _fail(self, request: Request, why: str) -> EngineCoreOutput:
+        """End one request with an error output; the engine goes on with the others."""
+        self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+        self.requests.pop(request.request_id, None)
+        return EngineCoreOutput(request.request_id, [], FINISH_ERROR, error=why)
+
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         p = request.params
         past_min = request.num_output_tokens >= p.min_tokens
         if past_min and not p.ignore_eos and token in request.eos_token_ids:
             return RequestStatus.FINISHED_STOPPED
+        if request.grammar is not None and self.structured.terminated(request):
+            return RequestStatus.FINISHED_STOPPED  # the constraint is complete
         if past_min and token in p.stop_token_ids:
             request.stop_reason = token
             return RequestStatus.FINISHED_STOPPED
@@ -219,6 +240,7 @@ class EngineCore:
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any."""
+        self.structured.shutdown()
         stop = getattr(self.runner, "shutdown", None)
         if stop is not None:
             stop()

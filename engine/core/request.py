@@ -48,6 +48,7 @@ class Request:
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
         self.generator: torch.Generator | None = None
+        self.grammar = None  # GrammarState of a structured-outputs request (engine.structured)
         if params.seed is not None:
             self.generator = torch.Generator()
             self.generator.manual_seed(params.seed)
@@ -63,6 +64,11 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def waiting_for_grammar(self) -> bool:
+        """Its constraint is still compiling: the scheduler leaves it waiting."""
+        return self.grammar is not None and self.grammar.matcher is None
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -7,7 +7,8 @@ progress). When the pool cannot hold a running request's next tokens, the
 request at the tail of the running queue is preempted: its blocks are freed
 and it goes back to the front of the waiting queue, to be recomputed later
 (its full blocks often survive in the prefix cache). Waiting requests are
-admitted with what budget and max_num_seqs leave.
+admitted with what budget and max_num_seqs leave; one whose structured-outputs
+grammar is still compiling is passed over until it is ready.
 """
 from __future__ import annotations
 
@@ -69,8 +70,12 @@ class Scheduler:
             break  # the request preempted itself: nothing after it can run either
 
         if not out.preempted:
+            compiling: list[Request] = []  # skipped, not blocking those behind them
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 request = self.waiting[0]
+                if request.waiting_for_grammar:
+                    compiling.append(self.waiting.popleft())
+                    continue
                 hits = self.kv.find_cached_prefix(request)
                 computed = len(hits) * self.kv.block_size
                 n = min(request.num_tokens - computed, budget)
@@ -85,6 +90,7 @@ class Scheduler:
                 scheduled.append(request)
                 out.num_new_tokens.append(n)
                 budget -= n
+            self.waiting.extendleft(reversed(compiling))
         out.requests = scheduled
         return out
 

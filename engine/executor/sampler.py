@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 
 from engine.core.request import Request
+from engine.executor.logit_controls import GrammarMask, apply_logit_controls
 
 
 @dataclass
@@ -47,14 +48,18 @@ class Sampler:
             return native(logits)
         return logits.argmax(dim=-1)
 
-    @torch.no_grad()
-    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
-        """logits: [B, V] float32, one row per request (in order)."""
+    @torch.inference_mode()  # the logits are inference tensors: restrictions edit them in place
+    def __call__(self, logits: torch.Tensor, requests: list[Request],
+                 grammar_mask: GrammarMask | None = None) -> SamplerOutput:
+        """logits: [B, V] float32, one row per request (in order); grammar_mask: the
+        structured-outputs bitmask of the constrained rows. Logprobs are the model's,
+        before any restriction or penalty (as vLLM returns them by default)."""
         logits = logits[:, :self.vocab_size]
         params = [r.params for r in requests]
         want_logprobs = [p.logprobs is not None for p in params]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
 
+        logits = apply_logit_controls(logits, requests, grammar_mask)
         logits = self._apply_penalties(logits, requests)
         greedy = [p.greedy for p in params]
         if all(greedy):
@@ -78,8 +83,9 @@ class Sampler:
         for i in rows:
             r, p = requests[i], requests[i].params
             row = logits[i]
-            if r.num_output_tokens < p.min_tokens:
-                # EOS and stop tokens may not end the request before min_tokens
+            if r.num_output_tokens < p.min_tokens and r.grammar is None:
+                # EOS and stop tokens may not end the request before min_tokens (a
+                # grammar that is complete allows nothing else, so it wins)
                 blocked = list(p.stop_token_ids)
                 if not p.ignore_eos:
                     blocked.extend(r.eos_token_ids)

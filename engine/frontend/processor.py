@@ -15,6 +15,7 @@ from engine.errors import InvalidRequestError
 from engine.frontend.output_processor import child_request_id
 from engine.request_checks import check_params, check_prompt
 from engine.sampling_params import SamplingParams
+from engine.structured.grammar import check_structured_outputs
 from engine.wire.protocol import EngineCoreRequest
 
 Prompt = str | list[int] | dict[str, Any]
@@ -52,13 +53,28 @@ class Processor:
             messages, tokenize=False, add_generation_prompt=add_generation_prompt,
             chat_template=chat_template, **kwargs)
 
+    def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each word's token ids as it would appear first in a text and after a space
+        (BPE tokenizers spell the two differently); duplicates dropped."""
+        seqs: list[list[int]] = []
+        for word in words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in seqs:
+                    seqs.append(ids)
+        return seqs
+
     def make_requests(self, request_id: str, prompt_token_ids: list[int],
                       params: SamplingParams, arrival_time: float | None = None,
                       priority: int = 0, data_parallel_rank: int | None = None
                       ) -> list[EngineCoreRequest]:
         """Validate and build one EngineCoreRequest per sequence (n of them)."""
         check_prompt(prompt_token_ids, self.max_model_len, self.vocab_size)
-        check_params(params, self.max_logprobs)
+        if params.bad_words and not params.bad_words_token_ids:
+            params = params.clone(bad_words_token_ids=self.bad_words_token_ids(params.bad_words))
+        check_params(params, self.max_logprobs, self.vocab_size)
+        if params.structured_outputs is not None:
+            check_structured_outputs(params.structured_outputs)
         arrival = arrival_time or time.time()
         requests = []
         for i in range(params.n):

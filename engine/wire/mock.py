@@ -105,6 +105,19 @@ class MockConfig(MockTiming):
         ])
 
 
+def _refuse_model_controls(params: SamplingParams) -> None:
+    """The mock draws tokens without logits, so it cannot honour a request that
+    restricts them: it says so rather than answer something else."""
+    asked = [name for name, on in (
+        ("structured outputs", params.structured_outputs is not None),
+        ("logit_bias", bool(params.logit_bias)),
+        ("allowed_token_ids", params.allowed_token_ids is not None),
+        ("bad_words", bool(params.bad_words_token_ids))) if on]
+    if asked:
+        raise InvalidRequestError(f"the mock engine does not support {', '.join(asked)} "
+                                  "(it has no model); use a real model")
+
+
 def _check(checks: list[tuple[bool, str]]) -> None:
     for ok, message in checks:
         if not ok:
@@ -156,6 +169,7 @@ class MockEngineCore:
         if rid in self._running or rid in self._waiting:
             raise DuplicateRequestError(f"request id {rid!r} is already running")
         check_prompt(ids, self.max_model_len, self.config.vocab_size)
+        _refuse_model_controls(req.sampling_params)
         room = self.max_model_len - len(ids)
         max_tokens = req.sampling_params.max_tokens
         limit = room if max_tokens is None else min(max_tokens, room)

@@ -1,0 +1,118 @@
+"""From StructuredOutputsParams to xgrammar grammars: checked in the frontend, compiled
+in the engine.
+
+JSON schemas compile without free whitespace (xgrammar's any_whitespace=False: one
+space after ':' and ','), so a model cannot wander into an endless run of newlines
+inside an object, which small models do. xgrammar is imported on first use: its import
+costs ~3.7 s (it loads triton), which no unconstrained server should pay.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import re
+import threading
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from engine.errors import InvalidRequestError
+from engine.structured.params import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    import xgrammar
+
+# xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:123: " and may carry a
+# "Check failed: (...) is false: " clause; users get the sentence after them.
+_CPP_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*(Check failed: .*? is false:\s*)?")
+COMPILED_CACHE_SIZE = 256
+
+
+def _clean(exc: Exception) -> str:
+    return _CPP_PREFIX.sub("", str(exc)).strip()
+
+
+def choice_ebnf(choices: list[str]) -> str:
+    """One alternative per choice, each an exact string literal."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def build_grammar(spec: StructuredOutputsParams) -> "xgrammar.Grammar":
+    """The spec as an xgrammar Grammar (tokenizer-independent); InvalidRequestError if
+    it does not compile, with xgrammar's reason."""
+    import xgrammar as xgr
+    try:
+        if spec.json is not None:
+            try:
+                json.loads(spec.json)
+            except ValueError as exc:
+                raise InvalidRequestError(f"the JSON schema is not valid JSON: {exc}") from None
+            return xgr.Grammar.from_json_schema(spec.json, any_whitespace=False)
+        if spec.json_object:
+            return xgr.Grammar.builtin_json_grammar()
+        if spec.regex is not None:
+            return xgr.Grammar.from_regex(spec.regex)
+        if spec.choice is not None:
+            return xgr.Grammar.from_ebnf(choice_ebnf(spec.choice))
+        return xgr.Grammar.from_ebnf(spec.grammar)
+    except (RuntimeError, ValueError, TypeError) as exc:
+        if isinstance(exc, InvalidRequestError):
+            raise
+        raise InvalidRequestError(
+            f"structured outputs {spec.kind} does not compile: {_clean(exc)}") from None
+
+
+@functools.lru_cache(maxsize=1024)
+def _check_key(key: bytes) -> None:
+    import msgspec
+    build_grammar(msgspec.msgpack.decode(key, type=StructuredOutputsParams))
+
+
+def check_structured_outputs(spec: StructuredOutputsParams) -> None:
+    """Raise InvalidRequestError unless spec compiles (the frontend's check, so a bad
+    schema is answered before it reaches a scheduler); a spec seen before is not
+    rebuilt. Failures are not cached (lru_cache keeps only returns)."""
+    _check_key(spec.cache_key())
+
+
+def _no_control_mask(vocab: list[bytes], vocab_size: int) -> torch.Tensor:
+    """Token bitmask (xgrammar's layout: token t is bit t % 32 of int32 word t // 32) of
+    the tokens with no byte below 0x20. JSON never needs one once free whitespace is
+    off, and xgrammar 0.2.8 lets them into strings that have a maxLength (its bounded
+    string rule drops the control-character exclusion), which makes the output
+    unparseable; JSON constraints AND their mask with this one."""
+    words = (vocab_size + 31) // 32
+    ok = torch.zeros(words * 32, dtype=torch.bool)
+    ok[:len(vocab)] = torch.tensor([not any(b < 0x20 for b in tok) for tok in vocab])
+    bits = ok.view(words, 32).to(torch.int64) << torch.arange(32, dtype=torch.int64)
+    packed = bits.sum(dim=1)
+    return torch.where(packed >= 1 << 31, packed - (1 << 32), packed).to(torch.int32)
+
+
+class GrammarCompiler:
+    """Compiles specs against one tokenizer; keeps the last COMPILED_CACHE_SIZE results,
+    so a schema that many requests share compiles once. Thread-safe: the engine compiles
+    on a worker thread while its loop steps."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
+        import xgrammar as xgr
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                  stop_token_ids=list(stop_token_ids) or None)
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        self.no_control_mask = _no_control_mask(info.decoded_vocab, vocab_size)
+        self._cache: OrderedDict[bytes, Any] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def compile(self, spec: StructuredOutputsParams) -> "xgrammar.CompiledGrammar":
+        key = spec.cache_key()
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return self._cache[key]
+        compiled = self._compiler.compile_grammar(build_grammar(spec))
+        with self._lock:
+            self._cache[key] = compiled
+            while len(self._cache) > COMPILED_CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return compiled

@@ -1,0 +1,132 @@
+"""StructuredOutputManager: the engine core's side of structured outputs.
+
+A constrained request's grammar compiles on one worker thread while the engine keeps
+stepping; the scheduler leaves the request waiting until its matcher exists (poll()).
+Each step the sampling rows with a matcher get their allowed-token bitmask, and every
+sampled token advances its matcher. A matcher only ever sees output tokens, which
+survive preemption (recompute rebuilds KV, not tokens), so it needs no reset.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from engine.core.request import Request
+
+if TYPE_CHECKING:
+    from engine.structured.grammar import GrammarCompiler
+
+logger = logging.getLogger(__name__)
+
+POLL_WAIT_S = 0.02  # an idle engine waiting only on a compile sleeps this long per step
+
+
+class GrammarState:
+    """One request's compile future, then its matcher."""
+
+    __slots__ = ("future", "matcher", "is_json")
+
+    def __init__(self, future: concurrent.futures.Future, is_json: bool) -> None:
+        self.future = future
+        self.matcher: Any = None
+        self.is_json = is_json  # its mask also bans control characters (grammar.py)
+
+
+class StructuredOutputManager:
+    def __init__(self, checkpoint: Path, vocab_size: int, stop_token_ids: tuple[int, ...]
+                 ) -> None:
+        self.checkpoint = checkpoint
+        self.vocab_size = vocab_size
+        self.stop_token_ids = stop_token_ids
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        self._compiler: GrammarCompiler | None = None
+        self._compiler_lock = threading.Lock()
+        self._pending: list[Request] = []
+        self._bitmask: torch.Tensor | None = None
+
+    # ---- compiling ----------------------------------------------------------------------
+    def _get_compiler(self) -> "GrammarCompiler":
+        """Built on first use (the tokenizer's vocabulary scan costs ~0.25 s)."""
+        with self._compiler_lock:
+            if self._compiler is None:
+                from engine.model.loader import load_tokenizer
+                from engine.structured.grammar import GrammarCompiler
+                self._compiler = GrammarCompiler(load_tokenizer(self.checkpoint),
+                                                 self.vocab_size, list(self.stop_token_ids))
+            return self._compiler
+
+    def add(self, request: Request) -> None:
+        """Start compiling the request's constraint (if it has one)."""
+        spec = request.params.structured_outputs
+        if spec is None:
+            return
+        request.grammar = GrammarState(
+            self._executor.submit(lambda: self._get_compiler().compile(spec)),
+            spec.kind in ("json", "json_object"))
+        self._pending.append(request)
+
+    def poll(self) -> list[tuple[Request, str]]:
+        """Give finished compiles their matcher; return the requests whose compile failed,
+        with why (the engine finishes them with an error)."""
+        if not self._pending:
+            return []
+        failed, still = [], []
+        for request in self._pending:
+            future = request.grammar.future
+            if request.status.finished:
+                future.cancel()
+            elif not future.done():
+                still.append(request)
+            elif future.exception() is not None:
+                failed.append((request, str(future.exception())))
+            else:
+                import xgrammar as xgr
+                request.grammar.matcher = xgr.GrammarMatcher(future.result())
+        self._pending = still
+        return failed
+
+    def has_pending(self) -> bool:
+        return bool(self._pending)
+
+    def wait(self, timeout: float = POLL_WAIT_S) -> None:
+        """Block until a pending compile finishes or timeout (the engine has nothing
+        else to do)."""
+        concurrent.futures.wait([r.grammar.future for r in self._pending], timeout,
+                                return_when=concurrent.futures.FIRST_COMPLETED)
+
+    # ---- each step ----------------------------------------------------------------------
+    def bitmask(self, requests: list[Request]) -> tuple[torch.Tensor, list[int]] | None:
+        """The allowed-token bitmask of the constrained rows among `requests` (the step's
+        sampling rows, in order) and those rows' indices; None when no row is constrained."""
+        rows = [i for i, r in enumerate(requests) if r.grammar is not None]
+        if not rows:
+            return None
+        import xgrammar as xgr
+        if self._bitmask is None or self._bitmask.shape[0] < len(requests):
+            self._bitmask = xgr.allocate_token_bitmask(max(len(requests), 64), self.vocab_size)
+        bitmask = self._bitmask[:len(requests)]
+        for i in rows:
+            state = requests[i].grammar
+            state.matcher.fill_next_token_bitmask(bitmask, i)
+            if state.is_json:
+                bitmask[i] &= self._compiler.no_control_mask
+        return bitmask, rows
+
+    @staticmethod
+    def accept(request: Request, token: int) -> bool:
+        """Advance the request's matcher; False if the grammar does not allow the token
+        (cannot happen for a token sampled under its mask)."""
+        return request.grammar.matcher.accept_token(token)
+
+    @staticmethod
+    def terminated(request: Request) -> bool:
+        """The constraint is complete: nothing more may be generated."""
+        return request.grammar.matcher.is_terminated()
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
