@@ -13,6 +13,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from deployments.autoscaling import EngineAutoscaling
+from deployments.tool_calls import TOOL_PARSERS
 from engine.config import EngineConfig
 from engine.options import Option, dataclass_options, option_kind
 from engine.wire.mock import MockConfig, MockTiming
@@ -87,6 +88,13 @@ class AppArgs(BaseModel):
                            "admin key (development only)")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="largest request body "
                                 "accepted (bytes)")
+    chat_template: str | None = Field(
+        None, description="chat template of /v1/chat/completions: a Jinja file's path or "
+        "the template text; none: the tokenizer's (one without a tools section gets "
+        "Flotilla's default tool prompt, docs/api.md)")
+    tool_call_parser: str = Field(
+        "hermes", description="how tool calls are read from the model's text when "
+        "tool_choice is auto", json_schema_extra={"enum": list(TOOL_PARSERS)})
     mock_force_is_sleeping_rank: int | None = Field(
         None, description="test knob: the mock engine of this rank reports it is asleep")
     mock_force_reset_false_rank: int | None = Field(
@@ -119,6 +127,9 @@ class AppArgs(BaseModel):
 
     @model_validator(mode="after")
     def _checks(self) -> "AppArgs":
+        if self.tool_call_parser not in TOOL_PARSERS:
+            raise ValueError("tool_call_parser must be " + ", ".join(TOOL_PARSERS))
+        self.chat_template_text()  # a missing template file fails at build time
         if self.placement_strategy not in PLACEMENT_STRATEGIES:
             raise ValueError("placement_strategy must be " + ", ".join(PLACEMENT_STRATEGIES))
         scaling = self.engine_autoscaling
@@ -149,6 +160,18 @@ class AppArgs(BaseModel):
             check_divisible(shape, self.tensor_parallel_size)
         except FlotillaError as exc:
             raise ValueError(str(exc)) from None
+
+    def chat_template_text(self) -> str | None:
+        """chat_template as Jinja text: a file's content when it names one."""
+        value = self.chat_template
+        if value is None or "{{" in value or "{%" in value:
+            return value
+        try:
+            with open(os.path.expanduser(value), encoding="utf-8") as f:
+                return f.read()
+        except OSError as exc:
+            raise ValueError(f"chat_template: cannot read {value!r} ({exc.strerror}); give "
+                             "a Jinja file's path or the template text") from None
 
     @property
     def tensor_parallel_size(self) -> int:

@@ -114,7 +114,9 @@ class OpenAIIngress:
         a = self.args
         api_key, admin_key = a.keys()  # read here, in the replica, not at build time
         options = IngressOptions(a.model_name, api_key=api_key, admin_key=admin_key,
-                                 dev_mode=a.dev_mode, max_body_bytes=a.max_body_bytes)
+                                 dev_mode=a.dev_mode, max_body_bytes=a.max_body_bytes,
+                                 chat_template=a.chat_template_text(),
+                                 tool_call_parser=a.tool_call_parser)
         return build_openai_app(self.get_client, options, CoordinatorControl(self.coordinator))
 
     async def check_health(self) -> None:

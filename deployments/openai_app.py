@@ -20,11 +20,18 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from deployments.chat_tools import (
+    ToolDeltaStream,
+    plan_tools,
+    render_chat_prompt,
+    tool_message,
+)
 from deployments.metrics import IngressMetrics
 from deployments.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    ParamError,
     TokenizeRequest,
 )
 from engine.errors import (
@@ -49,6 +56,8 @@ class IngressOptions:
     admin_key: str | None = None  # Bearer key for the control endpoints
     dev_mode: bool = False  # control endpoints without a key (never in production)
     max_body_bytes: int = 1 << 20
+    chat_template: str | None = None  # Jinja text; None: the tokenizer's
+    tool_call_parser: str = "hermes"  # how tool_choice "auto" reads calls (tool_calls.py)
 
 
 class HTTPError(Exception):
@@ -82,6 +91,8 @@ def _map_error(exc: BaseException) -> HTTPError:
     exc = _cause(exc)
     if isinstance(exc, HTTPError):
         return exc
+    if isinstance(exc, ParamError):
+        return HTTPError(400, str(exc), "BadRequestError", exc.param)
     if isinstance(exc, (InvalidRequestError, ValueError)):
         return HTTPError(400, str(exc), "BadRequestError")
     if isinstance(exc, (EngineSleepingError, EngineDrainingError)):
@@ -145,8 +156,14 @@ def build_openai_app(get_client: Callable[[], Awaitable[EngineClient]],
         except ValidationError as exc:
             first = exc.errors()[0]
             param = ".".join(str(p) for p in first.get("loc", ()))
-            raise HTTPError(400, f"{param}: {first.get('msg')}" if param else first.get("msg"),
+            message = first.get("msg", "invalid request").removeprefix("Value error, ")
+            if first.get("type") == "extra_forbidden":
+                message = "unknown field (not part of this API; docs/api.md lists the fields)"
+            raise HTTPError(400, f"{param}: {message}" if param else message,
                             "BadRequestError", param or None) from None
+        unsupported = getattr(body, "unsupported_param", None)
+        if unsupported is not None and (err := unsupported()) is not None:
+            raise err
         if getattr(body, "model", None) not in (None, model):
             raise HTTPError(404, f"The model `{body.model}` does not exist.", "NotFoundError",
                             "model")
@@ -186,21 +203,27 @@ def build_openai_app(get_client: Callable[[], Awaitable[EngineClient]],
     # ---- generation ---------------------------------------------------------------------------
     async def completions(request: Request, rid: str) -> Response:
         body = await _body(request, CompletionRequest)
-        params = body.sampling_params(body.max_tokens, body.logprobs)
+        params = body.sampling_params(body.max_tokens, body.logprobs,
+                                      body.structured_outputs_params())
         return await _generate(f"cmpl-{rid}-{uuid.uuid4().hex[:8]}", body.single_prompt(),
                                params, body, chat=False)
 
     async def chat_completions(request: Request, rid: str) -> Response:
         body = await _body(request, ChatCompletionRequest)
-        params = body.sampling_params(body.token_limit(), body.logprob_count())
+        plan = plan_tools(body, options.tool_call_parser)
+        structured = body.structured_outputs_params(plan.forced, "tool_choice")
+        params = body.sampling_params(body.token_limit(), body.logprob_count(), structured)
         client = await get_client()
-        text = client.processor.apply_chat_template(
-            body.conversation(), body.add_generation_prompt, **(body.chat_template_kwargs or {}))
+        text = render_chat_prompt(client.processor, body.conversation(), plan,
+                                  options.chat_template, body.add_generation_prompt,
+                                  body.chat_template_kwargs or {})
         ids = client.processor.tokenizer.encode(text, add_special_tokens=False)
         return await _generate(f"chatcmpl-{rid}-{uuid.uuid4().hex[:8]}",
-                               {"prompt": text, "prompt_token_ids": ids}, params, body, chat=True)
+                               {"prompt": text, "prompt_token_ids": ids}, params, body, chat=True,
+                               tools=plan.parser)
 
-    async def _generate(request_id: str, prompt, params, body, chat: bool) -> Response:
+    async def _generate(request_id: str, prompt, params, body, chat: bool,
+                        tools=None) -> Response:
         client = await get_client()
         stream = client.generate(request_id, prompt, params)
         created = int(time.time())
@@ -209,9 +232,10 @@ def build_openai_app(get_client: Callable[[], Awaitable[EngineClient]],
             first = await _first(stream)  # errors before the first token stay HTTP errors
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(
-                _sse(stream, first, request_id, created, chat, include_usage, top_k),
+                _sse(stream, first, request_id, created, chat, include_usage, top_k, tools),
                 media_type="text/event-stream")
-        return JSONResponse(await _full(stream, request_id, created, chat, params.n, top_k))
+        return JSONResponse(await _full(stream, request_id, created, chat, params.n, top_k,
+                                        tools))
 
     async def _first(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
         try:
@@ -225,7 +249,7 @@ def build_openai_app(get_client: Callable[[], Awaitable[EngineClient]],
             metrics.record(out.metrics, len(out.prompt_token_ids),
                            [c.finish_reason for c in out.outputs])
 
-    async def _full(stream, request_id, created, chat, n, top_k) -> dict:
+    async def _full(stream, request_id, created, chat, n, top_k, tools) -> dict:
         texts = [""] * n
         tokens = [0] * n
         logprobs: list[list] = [[] for _ in range(n)]
@@ -249,8 +273,14 @@ def build_openai_app(get_client: Callable[[], Awaitable[EngineClient]],
         for i in range(n):
             lp = _format_logprobs(logprobs[i], chat) if logprobs[i] else None
             if chat:
-                choices.append({"index": i, "message": {"role": "assistant", "content": texts[i]},
-                                "logprobs": lp, "finish_reason": finish[i]})
+                message: dict[str, Any] = {"role": "assistant", "content": texts[i]}
+                if tools is not None:
+                    message["content"], calls = tool_message(texts[i], tools)
+                    if calls:
+                        message["tool_calls"] = calls
+                        finish[i] = "tool_calls" if finish[i] == "stop" else finish[i]
+                choices.append({"index": i, "message": message, "logprobs": lp,
+                                "finish_reason": finish[i]})
             else:
                 choices.append({"index": i, "text": texts[i], "logprobs": lp,
                                 "finish_reason": finish[i]})
@@ -260,9 +290,10 @@ def build_openai_app(get_client: Callable[[], Awaitable[EngineClient]],
                 "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
                           "total_tokens": prompt_tokens + completion}}
 
-    async def _sse(stream, first, request_id, created, chat, include_usage, top_k):
+    async def _sse(stream, first, request_id, created, chat, include_usage, top_k, tools):
         obj = "chat.completion.chunk" if chat else "text_completion"
         started: set[int] = set()
+        tool_streams: dict[int, ToolDeltaStream] = {}
         completion = 0
         prompt_tokens = len(first.prompt_token_ids)
 
@@ -280,6 +311,27 @@ def build_openai_app(get_client: Callable[[], Awaitable[EngineClient]],
                         continue
                     lp = (_format_logprobs(_logprob_entries(c, top_k), chat)
                           if c.logprobs else None)
+                    if chat and tools is not None:
+                        ts = tool_streams.setdefault(c.index, ToolDeltaStream(tools))
+                        deltas = [ts.feed(c.text)]
+                        if c.finish_reason is not None:
+                            deltas.append(ts.finish())
+                        deltas = [d for d in deltas if d is not None] or [{}]
+                        finish_reason = c.finish_reason
+                        if ts.made_calls and finish_reason == "stop":
+                            finish_reason = "tool_calls"
+                        for k, delta in enumerate(deltas):
+                            if c.index not in started:
+                                delta["role"] = "assistant"
+                                started.add(c.index)
+                            last_one = k == len(deltas) - 1
+                            yield event({"id": request_id, "object": obj, "created": created,
+                                         "model": model, "choices": [{
+                                             "index": c.index, "delta": delta,
+                                             "logprobs": lp if last_one else None,
+                                             "finish_reason": finish_reason if last_one
+                                             else None}]})
+                        continue
                     if chat:
                         delta: dict[str, Any] = {"content": c.text}
                         if c.index not in started:
@@ -329,7 +381,8 @@ def build_openai_app(get_client: Callable[[], Awaitable[EngineClient]],
         client = await get_client()
         processor = client.processor
         if body.messages is not None:
-            text = processor.apply_chat_template([m.model_dump() for m in body.messages])
+            conversation = ChatCompletionRequest(messages=body.messages).conversation()
+            text = processor.apply_chat_template(conversation, body.add_generation_prompt)
             ids = processor.tokenizer.encode(text, add_special_tokens=False)
         elif body.prompt is not None:
             ids = processor.tokenizer.encode(body.prompt,

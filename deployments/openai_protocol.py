@@ -1,33 +1,97 @@
 """OpenAI API request bodies (pydantic) and their translation to SamplingParams.
 
 Field names and defaults follow the OpenAI API and vLLM's extensions (top_k, min_p,
-repetition_penalty, ignore_eos, min_tokens, include_stop_str_in_output), so the
-official `openai` client and vLLM users' payloads work unchanged.
+repetition_penalty, ignore_eos, min_tokens, include_stop_str_in_output, bad_words,
+allowed_token_ids, structured_outputs and the older guided_* names), so the official
+`openai` client and vLLM users' payloads work unchanged.
+
+Every model forbids fields it does not declare: an unknown field is a 400 naming it,
+never a value silently dropped. Fields OpenAI defines that Flotilla does not implement
+are declared too, so that setting one gets a 400 saying it is not supported
+(unsupported_param); docs/api.md lists both kinds.
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
+from engine.structured.params import StructuredOutputsParams
 
 
-class StreamOptions(BaseModel):
+class ParamError(InvalidRequestError):
+    """A request field that is valid JSON but cannot be honoured; `param` names it."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+    @model_validator(mode="after")
+    def _check(self) -> "StreamOptions":
+        if self.continuous_usage_stats:
+            raise ValueError("continuous_usage_stats is not supported")
+        return self
 
 
-class _SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class JsonSchemaFormat(_Strict):
+    name: str = "response"
+    description: str | None = None
+    json_schema: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None  # the schema is always enforced exactly
 
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> "ResponseFormat":
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type json_schema, and only then")
+        return self
+
+
+class StructuredOutputsField(_Strict):
+    """vLLM's `structured_outputs` request extension."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+
+# Fields of the OpenAI API that Flotilla does not implement: setting one to anything
+# but its "off" value is refused (the value here is what is accepted).
+_UNSUPPORTED_COMMON: dict[str, Any] = {"service_tier": None, "store": (None, False),
+                                       "metadata": None}
+_UNSUPPORTED_CHAT: dict[str, Any] = {
+    "audio": None, "modalities": (None, ["text"]), "prediction": None,
+    "web_search_options": None, "functions": None, "function_call": None,
+    "reasoning_effort": None}
+_UNSUPPORTED_COMPLETION: dict[str, Any] = {"suffix": None, "echo": (None, False)}
+
+
+class _SamplingFields(_Strict):
     model: str | None = None
     n: int = Field(1, ge=1, le=128)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = None
     min_p: float | None = Field(None, ge=0.0, le=1.0)
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(None, gt=0.0)
     seed: int | None = None
     stop: str | list[str] | None = None
@@ -36,38 +100,105 @@ class _SamplingFields(BaseModel):
     min_tokens: int = Field(0, ge=0)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: str | None = None  # accepted and not used (as vLLM): OpenAI's abuse tracking
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    # declared only to be refused with a clear message when set (see unsupported_param)
+    service_tier: Any = None
+    store: Any = None
+    metadata: Any = None
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    UNSUPPORTED: ClassVar[dict[str, Any]] = _UNSUPPORTED_COMMON
+
+    def unsupported_param(self) -> ParamError | None:
+        """The first field set to something Flotilla does not implement, as a ParamError."""
+        for name, accepted in self.UNSUPPORTED.items():
+            value = getattr(self, name)
+            ok = accepted if isinstance(accepted, tuple) else (accepted,)
+            if value not in ok:
+                return ParamError(name, f"{name} is not supported by this server")
+        return None
+
+    def structured_outputs_params(self, forced: StructuredOutputsParams | None = None,
+                                  forced_by: str = "") -> StructuredOutputsParams | None:
+        """The one output constraint the request asks for (response_format,
+        structured_outputs or a guided_* field; `forced` is what tool_choice requires)."""
+        specs: list[tuple[str, dict[str, Any]]] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            specs.append(("response_format", {"json_object": True}))
+        elif rf is not None and rf.type == "json_schema":
+            specs.append(("response_format", {"json": rf.json_schema.json_schema}))
+        if self.structured_outputs is not None:
+            so = self.structured_outputs
+            specs.append(("structured_outputs", {
+                k: v for k, v in (("json", so.json_), ("json_object", so.json_object),
+                                  ("regex", so.regex), ("choice", so.choice),
+                                  ("grammar", so.grammar)) if v not in (None, False)}))
+        for name, key in (("guided_json", "json"), ("guided_regex", "regex"),
+                          ("guided_choice", "choice"), ("guided_grammar", "grammar")):
+            if getattr(self, name) is not None:
+                specs.append((name, {key: getattr(self, name)}))
+        if forced is not None:
+            if specs:
+                raise ParamError(specs[0][0], f"{specs[0][0]} cannot be combined with "
+                                 f"{forced_by} (it constrains the output itself)")
+            return forced
+        if len(specs) > 1:
+            raise ParamError(specs[1][0], "give one output constraint: "
+                             + " and ".join(name for name, _ in specs) + " were both set")
+        if not specs:
+            return None
+        name, fields = specs[0]
+        try:
+            return StructuredOutputsParams(**fields)
+        except InvalidRequestError as exc:
+            raise ParamError(name, str(exc)) from None
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        structured: StructuredOutputsParams | None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
             n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=0 if self.top_k is None else self.top_k,
-            min_p=self.min_p or 0.0, presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
+            min_p=self.min_p or 0.0, presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=self.repetition_penalty or 1.0, seed=self.seed,
             max_tokens=max_tokens, min_tokens=self.min_tokens, stop=stop,
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            logprobs=logprobs, skip_special_tokens=self.skip_special_tokens)
+            logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
+            logit_bias=self.logit_bias or None, allowed_token_ids=self.allowed_token_ids,
+            bad_words=list(self.bad_words or []), structured_outputs=structured)
 
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=20)
-    echo: bool = False
+    best_of: int | None = Field(None, ge=1)
+    echo: bool | None = False
+    suffix: str | None = None
+
+    UNSUPPORTED: ClassVar[dict[str, Any]] = {**_UNSUPPORTED_COMMON, **_UNSUPPORTED_COMPLETION}
 
     @model_validator(mode="after")
     def _one_prompt(self) -> "CompletionRequest":
         if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], (str, list)):
             if len(self.prompt) != 1:
                 raise ValueError("only one prompt per request is supported; send several requests")
-        if self.echo:
-            raise ValueError("echo is not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of other than n is not supported")
         return self
 
     def single_prompt(self) -> str | list[int]:
@@ -77,31 +208,102 @@ class CompletionRequest(_SamplingFields):
         return p
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    role: str
+class FunctionCall(_Strict):
+    name: str
+    arguments: str
+
+
+class MessageToolCall(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
+
+
+class FunctionDefinition(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # arguments are always schema-exact when they are enforced
+
+
+class ToolDefinition(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    functions: Any = None
+    function_call: Any = None
+    reasoning_effort: Any = None
+
+    UNSUPPORTED: ClassVar[dict[str, Any]] = {**_UNSUPPORTED_COMMON, **_UNSUPPORTED_CHAT}
+
+    @model_validator(mode="after")
+    def _tools(self) -> "ChatCompletionRequest":
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise ValueError("tool_choice needs tools")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            name = self.tool_choice.function.name
+            if name not in {t.function.name for t in self.tools}:
+                raise ValueError(f"tool_choice names {name!r}, which is not in tools")
+        return self
+
+    @property
+    def effective_tool_choice(self) -> str | NamedToolChoice:
+        """OpenAI's default: auto when tools are given, else none."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
 
     def conversation(self) -> list[dict[str, Any]]:
         out = []
-        for m in self.messages:
+        for i, m in enumerate(self.messages):
             content = m.content
             if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
-                texts = [part.get("text", "") for part in content if part.get("type") == "text"]
-                if len(texts) != len(content):
-                    raise ValueError("only text content parts are supported")
-                content = "".join(texts)
-            out.append({"role": m.role, "content": content or ""})
+                if not all(part.get("type") == "text" and isinstance(part.get("text"), str)
+                           for part in content):
+                    raise ParamError(f"messages.{i}.content",
+                                     "only text content parts are supported")
+                content = "".join(part["text"] for part in content)
+            msg: dict[str, Any] = {"role": m.role, "content": content or ""}
+            if m.name is not None:
+                msg["name"] = m.name
+            if m.tool_calls:
+                msg["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+            if m.tool_call_id is not None:
+                msg["tool_call_id"] = m.tool_call_id
+            out.append(msg)
         return out
 
     def token_limit(self) -> int | None:
@@ -110,21 +312,19 @@ class ChatCompletionRequest(_SamplingFields):
     def logprob_count(self) -> int | None:
         if not self.logprobs:
             if self.top_logprobs:
-                raise ValueError("top_logprobs needs logprobs=true")
+                raise ParamError("top_logprobs", "top_logprobs needs logprobs=true")
             return None
         return self.top_logprobs or 0
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(_Strict):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
+    add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(_Strict):
     model: str | None = None
     tokens: list[int]
-
-
-Role = Literal["system", "user", "assistant", "tool"]
