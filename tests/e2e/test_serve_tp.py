@@ -61,6 +61,38 @@ def test_openai_client_against_dp2_tp2(served, tiny_llama):
     assert len(_alive_tp_workers()) == 2  # 2 engines x 1 TP worker actor each
 
 
+def test_structured_outputs_and_tools_cross_the_wire_to_both_engines(served):
+    """The constraint travels in the engine-core request to DP ranks with TP=2: eight
+    concurrent requests (both engines) all validate."""
+    import json
+    from concurrent.futures import ThreadPoolExecutor
+
+    import jsonschema
+
+    from tests.test_openai_structured import TOOLS, WEATHER
+    from tests.test_structured_outputs import FLAGS
+    client = openai.OpenAI(base_url=f"{served}/v1", api_key="none", max_retries=0)
+    msgs = [{"role": "user", "content": "hi"}]
+
+    def constrained(i):
+        if i % 2:
+            r = client.chat.completions.create(
+                model="tiny", messages=msgs, max_tokens=60, seed=i,
+                response_format={"type": "json_schema",
+                                 "json_schema": {"name": "f", "schema": FLAGS}})
+            return "json", r.choices[0].message.content
+        r = client.chat.completions.create(
+            model="tiny", messages=msgs, max_tokens=60, seed=i, tools=TOOLS,
+            tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        return "tool", r.choices[0].message.tool_calls[0].function.arguments
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(constrained, range(8)))
+    for kind, text in results:
+        schema = FLAGS if kind == "json" else WEATHER["function"]["parameters"]
+        jsonschema.validate(json.loads(text), schema)
+
+
 def _alive_tp_workers() -> dict[str, int]:
     """actor id -> pid of the live TPWorker actors (from the GCS actor table: the state
     API would need the dashboard, which this session does not start)."""
