@@ -179,3 +179,32 @@ def test_engine_fails_one_request_whose_grammar_does_not_compile(tiny_llama):
         assert core.kv.num_free_blocks == core.num_blocks and not core.requests
     finally:
         core.shutdown()
+
+
+def test_bitmask_rows_filled_in_parallel_equal_one_by_one(tiny_llama):
+    """The step's bitmask from xgrammar's batch filler (engine threads > 1) is the same as
+    filling row by row, constrained rows only, and JSON rows ban control characters
+    (xgrammar alone allows token 190, a NUL byte, inside a maxLength string)."""
+    from engine.core.request import Request
+    from engine.structured.manager import StructuredOutputManager
+    specs = [S(json=PERSON), None, S(regex="[a-z]+"), S(json={"type": "string",
+                                                              "maxLength": 5})]
+    masks = []
+    for threads in (1, 2):
+        manager = StructuredOutputManager(tiny_llama, 49152, (2,), fill_threads=threads)
+        requests = [Request(str(i), [1, 2], SamplingParams(structured_outputs=spec), (2,))
+                    for i, spec in enumerate(specs)]
+        for r in requests:
+            manager.add(r)
+        while manager.has_pending():
+            manager.wait(1.0)
+            assert manager.poll() == []
+        assert manager.accept(requests[3], 18)  # the string's opening quote
+        bitmask, rows = manager.bitmask(requests)
+        assert rows == [0, 2, 3]
+        masks.append(bitmask[rows].clone())
+        manager.shutdown()
+    assert masks[0].equal(masks[1])
+    allowed = lambda row, t: bool((int(masks[0][row, t // 32]) >> (t % 32)) & 1)  # noqa: E731
+    assert allowed(2, 81) and not allowed(2, 190)  # 'a' yes, NUL no
+    assert not allowed(1, 18)  # the regex row: no quote

@@ -71,8 +71,9 @@ class EngineCore:
         self.sampler = Sampler(self.shape.vocab_size,
                                kernels.argmax_rows if kernels is not None else None,
                                seed=config.seed, device=self.device)
-        self.structured = StructuredOutputManager(self.checkpoint, self.shape.vocab_size,
-                                                  self.eos_token_ids)
+        self.structured = StructuredOutputManager(
+            self.checkpoint, self.shape.vocab_size, self.eos_token_ids,
+            fill_threads=config.cpu_threads() if self.device.type == "cpu" else 1)
         self.requests: dict[str, Request] = {}
         self._aborted: list[EngineCoreOutput] = []
         self._sleep_level = 0  # 0 awake; 1 KV cache freed (weights off GPU); 2 weights freed
@@ -239,7 +240,7 @@ class EngineCore:
         return self.runner.memory_usage()
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers, if any."""
+        """Stop the grammar compile thread and the tensor-parallel workers, if any."""
         self.structured.shutdown()
         stop = getattr(self.runner, "shutdown", None)
         if stop is not None:

@@ -38,9 +38,13 @@ class GrammarState:
 
 
 class StructuredOutputManager:
-    def __init__(self, checkpoint: Path, vocab_size: int, stop_token_ids: tuple[int, ...]
-                 ) -> None:
+    def __init__(self, checkpoint: Path, vocab_size: int, stop_token_ids: tuple[int, ...],
+                 fill_threads: int = 1) -> None:
+        """fill_threads: threads that fill a step's bitmask rows together (the engine's
+        compute threads, idle at that point of the step)."""
         self.checkpoint = checkpoint
+        self.fill_threads = max(1, fill_threads)
+        self._batch_filler: Any = None
         self.vocab_size = vocab_size
         self.stop_token_ids = stop_token_ids
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar")
@@ -72,7 +76,8 @@ class StructuredOutputManager:
 
     def poll(self) -> list[tuple[Request, str]]:
         """Give finished compiles their matcher; return the requests whose compile failed,
-        with why (the engine finishes them with an error)."""
+        with why as "TypeName: message" (the engine finishes them with an error output,
+        which the frontend turns back into that typed error)."""
         if not self._pending:
             return []
         failed, still = [], []
@@ -82,8 +87,8 @@ class StructuredOutputManager:
                 future.cancel()
             elif not future.done():
                 still.append(request)
-            elif future.exception() is not None:
-                failed.append((request, str(future.exception())))
+            elif (exc := future.exception()) is not None:
+                failed.append((request, f"{type(exc).__name__}: {exc}"))
             else:
                 import xgrammar as xgr
                 request.grammar.matcher = xgr.GrammarMatcher(future.result())
@@ -110,11 +115,17 @@ class StructuredOutputManager:
         if self._bitmask is None or self._bitmask.shape[0] < len(requests):
             self._bitmask = xgr.allocate_token_bitmask(max(len(requests), 64), self.vocab_size)
         bitmask = self._bitmask[:len(requests)]
-        for i in rows:
-            state = requests[i].grammar
-            state.matcher.fill_next_token_bitmask(bitmask, i)
-            if state.is_json:
-                bitmask[i] &= self._compiler.no_control_mask
+        if len(rows) == 1 or self.fill_threads == 1:
+            for i in rows:
+                requests[i].grammar.matcher.fill_next_token_bitmask(bitmask, i)
+        else:  # rows in parallel: a bounded-string JSON schema costs ~0.2 ms a row (Zen 3)
+            if self._batch_filler is None:
+                self._batch_filler = xgr.BatchGrammarMatcher(self.fill_threads)
+            self._batch_filler.batch_fill_next_token_bitmask(
+                [requests[i].grammar.matcher for i in rows], bitmask, rows)
+        json_rows = [i for i in rows if requests[i].grammar.is_json]
+        if json_rows:
+            bitmask[json_rows] &= self._compiler.no_control_mask
         return bitmask, rows
 
     @staticmethod
