@@ -11,6 +11,7 @@ when it has one, else Flotilla's default tool prompt (deployments.tool_prompt).
 """
 from __future__ import annotations
 
+import json
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +40,7 @@ class ToolPlan:
     tools: list[dict[str, Any]]  # OpenAI tool dicts rendered into the prompt
     parser: ToolCallParser | None  # None: the reply is plain content
     forced: StructuredOutputsParams | None  # the constraint tool_choice imposes
+    max_calls: int | None = None  # parallel_tool_calls=false with auto: later calls dropped
 
 
 def plan_tools(body: ChatCompletionRequest, tool_call_parser: str) -> ToolPlan:
@@ -54,7 +56,8 @@ def plan_tools(body: ChatCompletionRequest, tool_call_parser: str) -> ToolPlan:
         tool = next(t for t in tools if t["function"]["name"] == name)
         return ToolPlan(tools, NamedToolParser(name),
                         StructuredOutputsParams(json=named_tool_schema(tool)))
-    return ToolPlan(tools, get_tool_parser(tool_call_parser), None)
+    return ToolPlan(tools, get_tool_parser(tool_call_parser), None,
+                    1 if body.parallel_tool_calls is False else None)
 
 
 def render_chat_prompt(processor: Any, conversation: list[dict[str, Any]], plan: ToolPlan,
@@ -66,6 +69,7 @@ def render_chat_prompt(processor: Any, conversation: list[dict[str, Any]], plan:
     template = chat_template or getattr(processor.tokenizer, "chat_template", None)
     has_tool_messages = any(m.get("tool_calls") or m["role"] == "tool" for m in conversation)
     if template_supports_tools(template if isinstance(template, str) else None):
+        conversation = [_arguments_as_objects(m) for m in conversation]
         kwargs = dict(template_kwargs)
         if plan.tools:
             kwargs["tools"] = plan.tools
@@ -77,24 +81,42 @@ def render_chat_prompt(processor: Any, conversation: list[dict[str, Any]], plan:
                                          **template_kwargs)
 
 
+def _arguments_as_objects(message: dict[str, Any]) -> dict[str, Any]:
+    """Earlier calls' arguments as objects: OpenAI sends them as JSON text, and templates
+    with a tools section serialize them themselves (`| tojson`), which would quote the
+    text a second time."""
+    if not message.get("tool_calls"):
+        return message
+    calls = []
+    for call in message["tool_calls"]:
+        function = dict(call["function"])
+        try:
+            function["arguments"] = json.loads(function["arguments"])
+        except (TypeError, ValueError):
+            pass  # not JSON: the template gets the text as it came
+        calls.append({**call, "function": function})
+    return {**message, "tool_calls": calls}
+
+
 def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def tool_message(text: str, parser: ToolCallParser) -> tuple[str | None, list[dict[str, Any]]]:
+def tool_message(text: str, plan: ToolPlan) -> tuple[str | None, list[dict[str, Any]]]:
     """(content, tool_calls in OpenAI's shape) of one finished choice."""
-    parsed = parser.parse(text)
+    parsed = plan.parser.parse(text)
     calls = [{"id": new_call_id(), "type": "function",
               "function": {"name": c.name, "arguments": c.arguments}}
-             for c in parsed.tool_calls]
+             for c in parsed.tool_calls[:plan.max_calls]]
     return parsed.content, calls
 
 
 class ToolDeltaStream:
     """One streamed choice: generated text in, chat `delta` dicts out."""
 
-    def __init__(self, parser: ToolCallParser) -> None:
-        self._streamer: ToolCallStreamer = parser.streamer()
+    def __init__(self, plan: ToolPlan) -> None:
+        self._streamer: ToolCallStreamer = plan.parser.streamer()
+        self._max_calls = plan.max_calls
         self._ids: dict[int, str] = {}
 
     @property
@@ -112,6 +134,8 @@ class ToolDeltaStream:
         calls: list[dict[str, Any]] = []
         for p in pieces:
             if not isinstance(p, ToolCallDelta):
+                continue
+            if self._max_calls is not None and p.index >= self._max_calls:
                 continue
             if calls and calls[-1]["index"] == p.index and p.name is None:
                 calls[-1]["function"]["arguments"] += p.arguments  # merge one call's chunks

@@ -22,6 +22,7 @@ from starlette.routing import Route
 
 from deployments.chat_tools import (
     ToolDeltaStream,
+    ToolPlan,
     plan_tools,
     render_chat_prompt,
     tool_message,
@@ -220,7 +221,7 @@ def build_openai_app(get_client: Callable[[], Awaitable[EngineClient]],
         ids = client.processor.tokenizer.encode(text, add_special_tokens=False)
         return await _generate(f"chatcmpl-{rid}-{uuid.uuid4().hex[:8]}",
                                {"prompt": text, "prompt_token_ids": ids}, params, body, chat=True,
-                               tools=plan.parser)
+                               tools=plan if plan.parser is not None else None)
 
     async def _generate(request_id: str, prompt, params, body, chat: bool,
                         tools=None) -> Response:
@@ -380,10 +381,13 @@ def build_openai_app(get_client: Callable[[], Awaitable[EngineClient]],
         body = await _body(request, TokenizeRequest)
         client = await get_client()
         processor = client.processor
-        if body.messages is not None:
+        if body.messages is not None:  # the prompt /v1/chat/completions would build
             conversation = ChatCompletionRequest(messages=body.messages).conversation()
-            text = processor.apply_chat_template(conversation, body.add_generation_prompt)
-            ids = processor.tokenizer.encode(text, add_special_tokens=False)
+            text = render_chat_prompt(processor, conversation, ToolPlan([], None, None),
+                                      options.chat_template, body.add_generation_prompt, {})
+            special = ("add_special_tokens" in body.model_fields_set
+                       and body.add_special_tokens)
+            ids = processor.tokenizer.encode(text, add_special_tokens=special)
         elif body.prompt is not None:
             ids = processor.tokenizer.encode(body.prompt,
                                              add_special_tokens=body.add_special_tokens)

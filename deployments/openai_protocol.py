@@ -119,6 +119,12 @@ class _SamplingFields(_Strict):
 
     UNSUPPORTED: ClassVar[dict[str, Any]] = _UNSUPPORTED_COMMON
 
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> "_SamplingFields":
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options needs stream=true")
+        return self
+
     def unsupported_param(self) -> ParamError | None:
         """The first field set to something Flotilla does not implement, as a ParamError."""
         for name, accepted in self.UNSUPPORTED.items():
@@ -273,6 +279,12 @@ class ChatCompletionRequest(_SamplingFields):
     def _tools(self) -> "ChatCompletionRequest":
         if self.tool_choice not in (None, "none") and not self.tools:
             raise ValueError("tool_choice needs tools")
+        if self.parallel_tool_calls is not None and not self.tools:
+            raise ValueError("parallel_tool_calls needs tools")
+        if self.effective_tool_choice == "auto" and any(t.function.strict for t in self.tools):
+            raise ValueError("strict functions are enforced with tool_choice required or a "
+                             "named function; with auto the model's calls are parsed, not "
+                             "constrained")
         if isinstance(self.tool_choice, NamedToolChoice):
             name = self.tool_choice.function.name
             if name not in {t.function.name for t in self.tools}:

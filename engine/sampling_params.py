@@ -68,6 +68,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
                "stop_token_ids must be non-negative ints")
+        _check(self.structured_outputs is None or self.min_tokens == 0,
+               "min_tokens cannot be combined with structured outputs (the constraint "
+               "decides where the output ends)")
         if self.logit_bias is not None:
             _check(all(isinstance(t, int) and t >= 0 for t in self.logit_bias),
                    "logit_bias keys must be non-negative token ids")

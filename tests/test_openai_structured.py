@@ -54,7 +54,7 @@ def test_response_format_and_vllm_constraints(real):
         r = await oai.completions.create(model=MODEL, prompt="Code:", max_tokens=10, seed=1,
                                          extra_body={"guided_regex": "[A-Z]{2}[0-9]{2}"})
         out["regex"] = r.choices[0].text
-        r = await oai.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=60,
+        r = await oai.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=100,
                                               extra_body={"guided_json": FLAGS}, seed=5)
         out["guided_json"] = r.choices[0].message.content
         return out
@@ -90,6 +90,14 @@ def test_unknown_unsupported_and_bad_fields_are_400_naming_them(real):
                                                      "tool_choice": "required"}),
             "part": ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
                 {"type": "image_url", "image_url": {"url": "x"}}]}]}),
+            "strict_auto": ("/v1/chat/completions", {"messages": MSGS, "tools": [
+                {**WEATHER, "function": {**WEATHER["function"], "strict": True}}]}),
+            "parallel_no_tools": ("/v1/chat/completions", {"messages": MSGS,
+                                                           "parallel_tool_calls": False}),
+            "stream_options": ("/v1/completions", {"prompt": "x", "stream_options": {
+                "include_usage": True}}),
+            "min_tokens": ("/v1/completions", {"prompt": "x", "min_tokens": 2,
+                                               "guided_choice": ["a"]}),
         }
         for name, (path, body) in cases.items():
             r = await http.post(path, json=body)
@@ -111,6 +119,9 @@ def test_unknown_unsupported_and_bad_fields_are_400_naming_them(real):
     assert "structured_outputs and guided_regex" in r["two"][2]
     assert r["bias"][0] == 400 and r["bias_id"][0] == 400
     assert r["tool_choice"][0] == 400 and r["part"][:2] == (400, "messages.0.content")
+    assert r["strict_auto"][0] == 400 and "strict" in r["strict_auto"][2]
+    assert r["parallel_no_tools"][0] == 400 and r["stream_options"][0] == 400
+    assert r["min_tokens"][0] == 400 and "min_tokens" in r["min_tokens"][2]
     assert r["after"] == 200
 
 
@@ -171,12 +182,12 @@ def test_auto_tool_calls_are_parsed_and_a_tool_result_conversation_runs(real):
     async def test(http, oai):
         out = {}
         r = await oai.chat.completions.create(
-            model=MODEL, messages=MSGS, tools=TOOLS, max_tokens=60,
+            model=MODEL, messages=MSGS, tools=TOOLS, max_tokens=200,
             extra_body={"structured_outputs": {"choice": [reply]}})
         out["auto"] = r.choices[0]
         deltas = []
         async for chunk in await oai.chat.completions.create(
-                model=MODEL, messages=MSGS, tools=TOOLS, max_tokens=60, stream=True,
+                model=MODEL, messages=MSGS, tools=TOOLS, max_tokens=200, stream=True,
                 extra_body={"structured_outputs": {"choice": [reply]}}):
             deltas += [c.delta for c in chunk.choices]
         out["stream"] = deltas
@@ -190,6 +201,15 @@ def test_auto_tool_calls_are_parsed_and_a_tool_result_conversation_runs(real):
         out["followup"] = r
         r = await http.post("/tokenize", json={"messages": history})
         out["prompt"] = r.json()["tokens"]
+        two = reply + "\n" + reply.replace("Paris", "Rome")
+        r = await oai.chat.completions.create(
+            model=MODEL, messages=MSGS, tools=TOOLS, max_tokens=250,
+            extra_body={"structured_outputs": {"choice": [two]}})
+        out["two"] = r.choices[0]
+        r = await oai.chat.completions.create(
+            model=MODEL, messages=MSGS, tools=TOOLS, max_tokens=250, parallel_tool_calls=False,
+            extra_body={"structured_outputs": {"choice": [two]}})
+        out["one"] = r.choices[0]
         r = await oai.chat.completions.create(model=MODEL, messages=MSGS, tools=TOOLS,
                                               tool_choice="none", max_tokens=8,
                                               extra_body={"structured_outputs": {
@@ -208,6 +228,10 @@ def test_auto_tool_calls_are_parsed_and_a_tool_result_conversation_runs(real):
     assert "".join(d.tool_calls[0].function.arguments for d in streamed) == \
         call.function.arguments
     assert not any(d.content for d in out["stream"])
+    assert [json.loads(c.function.arguments)["city"] for c in out["two"].message.tool_calls] \
+        == ["Paris", "Rome"]
+    assert [json.loads(c.function.arguments)["city"] for c in out["one"].message.tool_calls] \
+        == ["Paris"]
     assert out["followup"].choices[0].message.content is not None
     assert out["none"].message.tool_calls is None and "<tool_call>" in out["none"].message.content
 
@@ -231,10 +255,13 @@ def test_prompt_renders_tools_and_tool_results(tiny_llama):
     assert "<tools>" in text and '"get_time"' in text
     assert '<tool_call>\n{"name": "get_weather"' in text and "18 degrees" in text
     own = ("{% for t in tools %}TOOL {{ t.function.name }};{% endfor %}"
-           "{% for m in messages %}[{{ m.role }}] {{ m.content }}{% endfor %}")
+           "{% for m in messages %}[{{ m.role }}] {{ m.content }}"
+           "{% for c in m.tool_calls or [] %}CALL {{ c.function.arguments.city }}"
+           "{% endfor %}{% endfor %}")
     text = render_chat_prompt(processor, body.conversation(), plan_tools(body, "hermes"),
                               own, True, {})
     assert text.startswith("TOOL get_weather;TOOL get_time;") and "<tools>" not in text
+    assert "CALL Paris" in text  # arguments reach the template as an object, not text
 
 
 def test_concurrent_mixed_batch_keeps_unconstrained_tokens(real):
@@ -250,7 +277,7 @@ def test_concurrent_mixed_batch_keeps_unconstrained_tokens(real):
 
         async def constrained(i):
             r = await oai.completions.create(
-                model=MODEL, prompt=f"Item {i}:", max_tokens=60, seed=i,
+                model=MODEL, prompt=f"Item {i}:", max_tokens=100, seed=i,
                 extra_body={"structured_outputs": {"json": FLAGS}})
             return r.choices[0].text
         alone = [await plain(i) for i in range(8)]

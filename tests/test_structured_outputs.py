@@ -60,14 +60,14 @@ def test_regex_choice_grammar_and_json_object(llm):
         SamplingParams(max_tokens=20, seed=2, structured_outputs=S(
             choice=["yes", "no", 'say "maybe"'])),
         SamplingParams(max_tokens=20, seed=3, structured_outputs=S(
-            grammar='root ::= "(" ("x" | "y")+ ")"')),
+            grammar='root ::= "(" xy xy? xy? ")"\nxy ::= "x" | "y"')),
         SamplingParams(max_tokens=64, temperature=0,
                        structured_outputs=S(json_object=True))], use_tqdm=False)
     regex, choice, grammar, obj = _texts(outs)
     import re
     assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", regex)
     assert choice in ("yes", "no", 'say "maybe"')
-    assert re.fullmatch(r"\([xy]+\)", grammar)
+    assert re.fullmatch(r"\([xy]{1,3}\)", grammar)
     # any JSON: a random model need not close it in 64 tokens, but it is a valid prefix
     assert obj.startswith("{")
     if outs[3].outputs[0].finish_reason == "stop":
@@ -81,7 +81,7 @@ def test_constrained_rows_do_not_change_their_neighbours(llm):
     plain = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     alone = llm.generate(prompts[::2], plain, use_tqdm=False)
     mixed = llm.generate(prompts, [
-        plain if i % 2 == 0 else SamplingParams(max_tokens=40, seed=i,
+        plain if i % 2 == 0 else SamplingParams(max_tokens=100, seed=i,
                                                 structured_outputs=S(json=FLAGS))
         for i in range(16)], use_tqdm=False)
     assert [o.outputs[0].token_ids for o in mixed[::2]] == [o.outputs[0].token_ids
@@ -208,3 +208,31 @@ def test_bitmask_rows_filled_in_parallel_equal_one_by_one(tiny_llama):
     allowed = lambda row, t: bool((int(masks[0][row, t // 32]) >> (t % 32)) & 1)  # noqa: E731
     assert allowed(2, 81) and not allowed(2, 190)  # 'a' yes, NUL no
     assert not allowed(1, 18)  # the regex row: no quote
+
+
+def test_restrictions_that_leave_no_token_fail_that_request(tiny_llama):
+    """allowed_token_ids whose only id is a bad word: no token is possible, so the request
+    fails with a typed error instead of sampling an id it forbade; min_tokens with a
+    constraint is refused up front."""
+    from engine.config import EngineConfig
+    from engine.core.engine_core import EngineCore
+    from engine.wire.protocol import EngineCoreRequest
+    core = EngineCore(EngineConfig(model=str(tiny_llama), dtype="float32"))
+    try:
+        core.add_request(EngineCoreRequest("none-left", [1, 2, 3], SamplingParams(
+            allowed_token_ids=[100], bad_words=["x"], bad_words_token_ids=[[100]])))
+        core.add_request(EngineCoreRequest("fine", [1, 2, 3], SamplingParams(
+            max_tokens=3, allowed_token_ids=[100, 200], bad_words=["x"],
+            bad_words_token_ids=[[100]], ignore_eos=True)))
+        outputs = {}
+        while core.has_unfinished_requests():
+            for out in core.step():
+                outputs.setdefault(out.request_id, []).append(out)
+        dead = outputs["none-left"][-1]
+        assert dead.finish_reason == "error" and dead.error.startswith("InvalidRequestError")
+        assert [t for o in outputs["fine"] for t in o.new_token_ids] == [200, 200, 200]
+        assert core.kv.num_free_blocks == core.num_blocks
+    finally:
+        core.shutdown()
+    with pytest.raises(InvalidRequestError, match="min_tokens"):
+        SamplingParams(min_tokens=2, structured_outputs=S(choice=["a"]))

@@ -145,7 +145,13 @@ class EngineCore:
             return outputs
         sampled_requests = [sched.requests[i] for i in rows]
         result = self.sampler(logits, sampled_requests, self.structured.bitmask(sampled_requests))
-        for request, token, lp in zip(sampled_requests, result.token_ids, result.logprobs):
+        for i, (request, token, lp) in enumerate(zip(sampled_requests, result.token_ids,
+                                                     result.logprobs)):
+            if i in result.blocked:
+                outputs.append(self._fail(request, "InvalidRequestError: no token satisfies "
+                                          "this request's restrictions (allowed_token_ids, "
+                                          "bad_words, logit_bias, structured outputs)"))
+                continue
             request.append_token(token)
             if request.grammar is not None and not self.structured.accept(request, token):
                 outputs.append(self._fail(request, f"token {token} broke the request's "

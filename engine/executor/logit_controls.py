@@ -15,6 +15,13 @@ from engine.core.request import Request
 GrammarMask = tuple[torch.Tensor, list[int]]  # (bitmask [B, ceil(V/32)] int32, its rows)
 
 
+def restricted_rows(requests: list[Request]) -> list[int]:
+    """Rows whose next token is restricted (a grammar, allowed ids, biases, bad words)."""
+    return [i for i, r in enumerate(requests)
+            if r.grammar is not None or r.params.logit_bias
+            or r.params.allowed_token_ids is not None or r.params.bad_words_token_ids]
+
+
 def apply_logit_controls(logits: torch.Tensor, requests: list[Request],
                          grammar_mask: GrammarMask | None) -> torch.Tensor:
     """logits [B, V] (one row per request, modified in place when contiguous); returns
@@ -31,6 +38,8 @@ def apply_logit_controls(logits: torch.Tensor, requests: list[Request],
     if grammar_mask is not None:
         import xgrammar as xgr
         bitmask, mask_rows = grammar_mask
+        if bitmask.device != logits.device:  # matchers fill on the CPU
+            bitmask = bitmask.to(logits.device, non_blocking=True)
         xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[1],
                                         indices=mask_rows)
     return logits

@@ -18,7 +18,11 @@ from typing import Callable
 import torch
 
 from engine.core.request import Request
-from engine.executor.logit_controls import GrammarMask, apply_logit_controls
+from engine.executor.logit_controls import (
+    GrammarMask,
+    apply_logit_controls,
+    restricted_rows,
+)
 
 
 @dataclass
@@ -27,6 +31,9 @@ class SamplerOutput:
     # per row: (token ids, logprobs, ranks) with the sampled token first, then the top-k;
     # None for rows that did not ask for logprobs
     logprobs: list[tuple[list[int], list[float], list[int]] | None]
+    # rows whose restrictions left no token at all (allowed_token_ids minus bad words,
+    # say): their token is meaningless and the engine fails those requests
+    blocked: frozenset[int] = frozenset()
 
 
 class Sampler:
@@ -61,6 +68,11 @@ class Sampler:
 
         logits = apply_logit_controls(logits, requests, grammar_mask)
         logits = self._apply_penalties(logits, requests)
+        blocked: frozenset[int] = frozenset()
+        restricted = restricted_rows(requests)
+        if restricted:
+            dead = torch.isneginf(logits[restricted]).all(dim=-1).tolist()
+            blocked = frozenset(i for i, d in zip(restricted, dead) if d)
         greedy = [p.greedy for p in params]
         if all(greedy):
             tokens = self._argmax(logits)
@@ -70,7 +82,7 @@ class Sampler:
         logprob_rows = [None] * len(requests)
         if raw_logprobs is not None:
             logprob_rows = self._gather_logprobs(raw_logprobs, tokens, params)
-        return SamplerOutput(token_list, logprob_rows)
+        return SamplerOutput(token_list, logprob_rows, blocked)
 
     # ---- penalties --------------------------------------------------------------------
     def _apply_penalties(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
@@ -83,9 +95,8 @@ class Sampler:
         for i in rows:
             r, p = requests[i], requests[i].params
             row = logits[i]
-            if r.num_output_tokens < p.min_tokens and r.grammar is None:
-                # EOS and stop tokens may not end the request before min_tokens (a
-                # grammar that is complete allows nothing else, so it wins)
+            if r.num_output_tokens < p.min_tokens:
+                # EOS and stop tokens may not end the request before min_tokens
                 blocked = list(p.stop_token_ids)
                 if not p.ignore_eos:
                     blocked.extend(r.eos_token_ids)

@@ -15,7 +15,7 @@ from engine.errors import InvalidRequestError
 from engine.frontend.output_processor import child_request_id
 from engine.request_checks import check_params, check_prompt
 from engine.sampling_params import SamplingParams
-from engine.structured.grammar import check_structured_outputs
+from engine.structured.grammar import check_structured_outputs, preload_xgrammar
 from engine.wire.protocol import EngineCoreRequest
 
 Prompt = str | list[int] | dict[str, Any]
@@ -28,6 +28,7 @@ class Processor:
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.max_logprobs = max_logprobs
+        preload_xgrammar()  # so a first constrained request does not wait for the import
 
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         """Accepts text, a token id list, or {"prompt": ...} / {"prompt_token_ids": ...}."""

@@ -8,7 +8,7 @@ costs ~3.7 s (it loads triton), which no unconstrained server should pay.
 """
 from __future__ import annotations
 
-import functools
+import hashlib
 import json
 import re
 import threading
@@ -63,17 +63,41 @@ def build_grammar(spec: StructuredOutputsParams) -> "xgrammar.Grammar":
             f"structured outputs {spec.kind} does not compile: {_clean(exc)}") from None
 
 
-@functools.lru_cache(maxsize=1024)
-def _check_key(key: bytes) -> None:
-    import msgspec
-    build_grammar(msgspec.msgpack.decode(key, type=StructuredOutputsParams))
+_CHECKED_SIZE = 4096
+_checked: OrderedDict[bytes, None] = OrderedDict()  # digests of specs that built
+_checked_lock = threading.Lock()
+_preload_started = threading.Event()
 
 
 def check_structured_outputs(spec: StructuredOutputsParams) -> None:
     """Raise InvalidRequestError unless spec compiles (the frontend's check, so a bad
-    schema is answered before it reaches a scheduler); a spec seen before is not
-    rebuilt. Failures are not cached (lru_cache keeps only returns)."""
-    _check_key(spec.cache_key())
+    schema is answered before it reaches a scheduler). A spec that built before is not
+    rebuilt; only its digest is kept, so large schemas do not pile up in memory."""
+    digest = hashlib.sha256(spec.cache_key()).digest()
+    with _checked_lock:
+        if digest in _checked:
+            _checked.move_to_end(digest)
+            return
+    build_grammar(spec)
+    with _checked_lock:
+        _checked[digest] = None
+        while len(_checked) > _CHECKED_SIZE:
+            _checked.popitem(last=False)
+
+
+def preload_xgrammar() -> None:
+    """Import xgrammar on a daemon thread (once per process), so the first constrained
+    request does not stall a frontend's event loop for the ~3.7 s import."""
+    if _preload_started.is_set():
+        return
+    _preload_started.set()
+
+    def _load() -> None:
+        try:
+            import xgrammar  # noqa: F401
+        except ImportError:  # reported by the first request that needs it
+            pass
+    threading.Thread(target=_load, name="xgrammar-import", daemon=True).start()
 
 
 def _no_control_mask(vocab: list[bytes], vocab_size: int) -> torch.Tensor:
@@ -104,13 +128,28 @@ class GrammarCompiler:
         self._cache: OrderedDict[bytes, Any] = OrderedDict()
         self._lock = threading.Lock()
 
-    def compile(self, spec: StructuredOutputsParams) -> "xgrammar.CompiledGrammar":
+    def cached(self, spec: StructuredOutputsParams) -> "xgrammar.CompiledGrammar | None":
+        """The compiled grammar if this constraint was compiled before (no waiting in
+        line behind another request's compile)."""
         key = spec.cache_key()
         with self._lock:
-            if key in self._cache:
+            compiled = self._cache.get(key)
+            if compiled is not None:
                 self._cache.move_to_end(key)
-                return self._cache[key]
-        compiled = self._compiler.compile_grammar(build_grammar(spec))
+            return compiled
+
+    def compile(self, spec: StructuredOutputsParams) -> "xgrammar.CompiledGrammar":
+        """InvalidRequestError if xgrammar cannot compile it for this tokenizer."""
+        compiled = self.cached(spec)
+        if compiled is not None:
+            return compiled
+        grammar = build_grammar(spec)
+        try:
+            compiled = self._compiler.compile_grammar(grammar)
+        except (RuntimeError, ValueError) as exc:
+            raise InvalidRequestError(f"structured outputs {spec.kind} does not compile "
+                                      f"for this tokenizer: {_clean(exc)}") from None
+        key = spec.cache_key()
         with self._lock:
             self._cache[key] = compiled
             while len(self._cache) > COMPILED_CACHE_SIZE:

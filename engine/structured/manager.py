@@ -11,6 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import threading
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -24,15 +25,20 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 POLL_WAIT_S = 0.02  # an idle engine waiting only on a compile sleeps this long per step
+COMPILE_THREADS = 2  # one slow schema does not hold up every other new constraint
+# A request whose grammar has not compiled by then fails (xgrammar cannot be interrupted,
+# so the compile itself runs on; its result still fills the cache).
+COMPILE_TIMEOUT_S = 60.0
 
 
 class GrammarState:
     """One request's compile future, then its matcher."""
 
-    __slots__ = ("future", "matcher", "is_json")
+    __slots__ = ("future", "matcher", "is_json", "started")
 
     def __init__(self, future: concurrent.futures.Future, is_json: bool) -> None:
         self.future = future
+        self.started = time.monotonic()
         self.matcher: Any = None
         self.is_json = is_json  # its mask also bans control characters (grammar.py)
 
@@ -47,7 +53,8 @@ class StructuredOutputManager:
         self._batch_filler: Any = None
         self.vocab_size = vocab_size
         self.stop_token_ids = stop_token_ids
-        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        self._executor = concurrent.futures.ThreadPoolExecutor(COMPILE_THREADS,
+                                                               thread_name_prefix="grammar")
         self._compiler: GrammarCompiler | None = None
         self._compiler_lock = threading.Lock()
         self._pending: list[Request] = []
@@ -69,9 +76,13 @@ class StructuredOutputManager:
         spec = request.params.structured_outputs
         if spec is None:
             return
-        request.grammar = GrammarState(
-            self._executor.submit(lambda: self._get_compiler().compile(spec)),
-            spec.kind in ("json", "json_object"))
+        compiled = self._compiler.cached(spec) if self._compiler is not None else None
+        if compiled is not None:  # seen before: ready now, no thread hop
+            future: concurrent.futures.Future = concurrent.futures.Future()
+            future.set_result(compiled)
+        else:
+            future = self._executor.submit(lambda: self._get_compiler().compile(spec))
+        request.grammar = GrammarState(future, spec.kind in ("json", "json_object"))
         self._pending.append(request)
 
     def poll(self) -> list[tuple[Request, str]]:
@@ -86,7 +97,11 @@ class StructuredOutputManager:
             if request.status.finished:
                 future.cancel()
             elif not future.done():
-                still.append(request)
+                if time.monotonic() - request.grammar.started > COMPILE_TIMEOUT_S:
+                    failed.append((request, "InvalidRequestError: the structured-outputs "
+                                   f"grammar did not compile within {COMPILE_TIMEOUT_S:g} s"))
+                else:
+                    still.append(request)
             elif (exc := future.exception()) is not None:
                 failed.append((request, f"{type(exc).__name__}: {exc}"))
             else:

@@ -77,12 +77,12 @@ def test_structured_outputs_and_tools_cross_the_wire_to_both_engines(served):
     def constrained(i):
         if i % 2:
             r = client.chat.completions.create(
-                model="tiny", messages=msgs, max_tokens=60, seed=i,
+                model="tiny", messages=msgs, max_tokens=100, seed=i,
                 response_format={"type": "json_schema",
                                  "json_schema": {"name": "f", "schema": FLAGS}})
             return "json", r.choices[0].message.content
         r = client.chat.completions.create(
-            model="tiny", messages=msgs, max_tokens=60, seed=i, tools=TOOLS,
+            model="tiny", messages=msgs, max_tokens=100, seed=i, tools=TOOLS,
             tool_choice={"type": "function", "function": {"name": "get_weather"}})
         return "tool", r.choices[0].message.tool_calls[0].function.arguments
 
