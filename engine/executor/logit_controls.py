@@ -15,11 +15,12 @@ from engine.core.request import Request
 GrammarMask = tuple[torch.Tensor, list[int]]  # (bitmask [B, ceil(V/32)] int32, its rows)
 
 
-def restricted_rows(requests: list[Request]) -> list[int]:
-    """Rows whose next token is restricted (a grammar, allowed ids, biases, bad words)."""
+def rows_that_can_block(requests: list[Request]) -> list[int]:
+    """Rows whose restrictions could rule out every token: allowed_token_ids or
+    bad_words, alone or with a grammar. A grammar alone always allows a token until it
+    is complete (and then the request has finished), and logit_bias adds finite values."""
     return [i for i, r in enumerate(requests)
-            if r.grammar is not None or r.params.logit_bias
-            or r.params.allowed_token_ids is not None or r.params.bad_words_token_ids]
+            if r.params.allowed_token_ids is not None or r.params.bad_words_token_ids]
 
 
 def apply_logit_controls(logits: torch.Tensor, requests: list[Request],

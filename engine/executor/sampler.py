@@ -21,7 +21,7 @@ from engine.core.request import Request
 from engine.executor.logit_controls import (
     GrammarMask,
     apply_logit_controls,
-    restricted_rows,
+    rows_that_can_block,
 )
 
 
@@ -69,7 +69,7 @@ class Sampler:
         logits = apply_logit_controls(logits, requests, grammar_mask)
         logits = self._apply_penalties(logits, requests)
         blocked: frozenset[int] = frozenset()
-        restricted = restricted_rows(requests)
+        restricted = rows_that_can_block(requests)
         if restricted:
             dead = torch.isneginf(logits[restricted]).all(dim=-1).tolist()
             blocked = frozenset(i for i, d in zip(restricted, dead) if d)
