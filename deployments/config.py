@@ -116,10 +116,11 @@ class AppArgs(BaseModel):
                 engine[name] = data.pop(name)
             elif name.startswith("mock_") and name[5:] in _MOCK_FIELDS:
                 mock[name[5:]] = data.pop(name)
-        for name in ("ingress_autoscaling", "engine_autoscaling"):
-            if isinstance(data.get(name), str):
+        for holder, name in [(data, "ingress_autoscaling"), (data, "engine_autoscaling")] + [
+                (engine, name) for name in _ENGINE_JSON_FIELDS]:
+            if isinstance(holder.get(name), str):
                 try:
-                    data[name] = json.loads(data[name])
+                    holder[name] = json.loads(holder[name])
                 except json.JSONDecodeError as exc:
                     raise ValueError(f"{name}: not valid JSON ({exc.msg})") from None
         data["engine"], data["mock"] = engine, mock
@@ -288,4 +289,6 @@ def flat_options() -> list[Option]:
 
 
 _ENGINE_FIELDS = frozenset(f.name for f in dataclasses.fields(EngineConfig))
+_ENGINE_JSON_FIELDS = frozenset(o.name for o in dataclass_options(EngineConfig)
+                                if o.kind is dict)
 _MOCK_FIELDS = frozenset(f.name for f in dataclasses.fields(MockTiming))

@@ -204,8 +204,10 @@ def build_openai_app(get_client: Callable[[], Awaitable[EngineClient]],
     # ---- generation ---------------------------------------------------------------------------
     async def completions(request: Request, rid: str) -> Response:
         body = await _body(request, CompletionRequest)
+        client = await get_client()
         params = body.sampling_params(body.max_tokens, body.logprobs,
-                                      body.structured_outputs_params())
+                                      body.structured_outputs_params(),
+                                      client.sampling_defaults)
         return await _generate(f"cmpl-{rid}-{uuid.uuid4().hex[:8]}", body.single_prompt(),
                                params, body, chat=False)
 
@@ -213,8 +215,9 @@ def build_openai_app(get_client: Callable[[], Awaitable[EngineClient]],
         body = await _body(request, ChatCompletionRequest)
         plan = plan_tools(body, options.tool_call_parser)
         structured = body.structured_outputs_params(plan.forced, "tool_choice")
-        params = body.sampling_params(body.token_limit(), body.logprob_count(), structured)
         client = await get_client()
+        params = body.sampling_params(body.token_limit(), body.logprob_count(), structured,
+                                      client.sampling_defaults)
         text = render_chat_prompt(client.processor, body.conversation(), plan,
                                   options.chat_template, body.add_generation_prompt,
                                   body.chat_template_kwargs or {})
@@ -362,11 +365,23 @@ def build_openai_app(get_client: Callable[[], Awaitable[EngineClient]],
         yield b"data: [DONE]\n\n"
 
     # ---- other routes -------------------------------------------------------------------------
-    async def models(request: Request, rid: str) -> Response:
+    async def model_card() -> dict[str, Any]:
         client = await get_client()
-        return JSONResponse({"object": "list", "data": [{
-            "id": model, "object": "model", "created": 0, "owned_by": "flotilla",
-            "max_model_len": client.max_model_len}]})
+        return {"id": model, "object": "model", "created": 0, "owned_by": "flotilla",
+                "max_model_len": client.max_model_len}
+
+    async def models(request: Request, rid: str) -> Response:
+        return JSONResponse({"object": "list", "data": [await model_card()]})
+
+    async def retrieve_model(request: Request, rid: str) -> Response:
+        name = request.path_params["model_id"]
+        if name != model:
+            raise HTTPError(404, f"The model `{name}` does not exist.", "NotFoundError", "model")
+        return JSONResponse(await model_card())
+
+    async def version(request: Request, rid: str) -> Response:
+        from engine import __version__
+        return JSONResponse({"version": __version__})
 
     async def metrics_endpoint(request: Request, rid: str) -> Response:
         return Response(metrics.exposition(), media_type="text/plain; version=0.0.4")
@@ -430,6 +445,8 @@ def build_openai_app(get_client: Callable[[], Awaitable[EngineClient]],
         Route("/v1/completions", endpoint(completions), methods=["POST"]),
         Route("/v1/chat/completions", endpoint(chat_completions), methods=["POST"]),
         Route("/v1/models", endpoint(models), methods=["GET"]),
+        Route("/v1/models/{model_id:path}", endpoint(retrieve_model), methods=["GET"]),
+        Route("/version", endpoint(version, auth=False), methods=["GET"]),
         Route("/tokenize", endpoint(tokenize), methods=["POST"]),
         Route("/detokenize", endpoint(detokenize), methods=["POST"]),
         Route("/health", endpoint(health, auth=False), methods=["GET"]),

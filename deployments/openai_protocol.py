@@ -171,15 +171,18 @@ class _SamplingFields(_Strict):
             raise ParamError(name, str(exc)) from None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                        structured: StructuredOutputsParams | None) -> SamplingParams:
+                        structured: StructuredOutputsParams | None,
+                        defaults: dict[str, int | float] | None = None) -> SamplingParams:
+        """defaults: the model's sampling defaults (engine.generation_defaults) for the
+        fields this request leaves unset."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        base = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
+                "repetition_penalty": 1.0, **(defaults or {})}
+        given = {k: getattr(self, k) for k in base if getattr(self, k) is not None}
         return SamplingParams(
-            n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=0 if self.top_k is None else self.top_k,
-            min_p=self.min_p or 0.0, presence_penalty=self.presence_penalty or 0.0,
-            frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=self.repetition_penalty or 1.0, seed=self.seed,
+            n=self.n, **{**base, **given},
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0, seed=self.seed,
             max_tokens=max_tokens, min_tokens=self.min_tokens, stop=stop,
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output,

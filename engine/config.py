@@ -49,6 +49,13 @@ class EngineConfig:
     seed: int = option(0, "base seed of sampling (a request's own seed overrides it)")
     tensor_parallel_size: int = option(1, "ranks the model is split over (heads, MLP, vocab)")
     max_logprobs: int = option(20, "the most logprobs a request may ask for per token")
+    generation_config: str = option(
+        "auto", "sampling defaults for what a request leaves unset: auto (the model's "
+        "generation_config.json), vllm (neutral: temperature 1, no top-k/top-p) or a "
+        "folder holding a generation_config.json")
+    override_generation_config: dict | None = option(
+        None, "sampling defaults (JSON) that take precedence over generation_config, "
+        'e.g. {"temperature": 0.6}')
 
     def __post_init__(self) -> None:
         checks = [

@@ -246,3 +246,19 @@ def test_metrics_use_vllm_names_and_engine_values(engines):
                  "flotilla:time_to_first_token_frontend_seconds_count",
                  "vllm:prompt_tokens_total"):
         assert name in text, name
+
+
+def test_models_retrieve_and_version(engines):
+    engines.add()
+
+    async def test(http, oai):
+        card = await oai.models.retrieve(MODEL)
+        missing = await http.get("/v1/models/other-model")
+        version = await http.get("/version")
+        return card, missing, version
+
+    card, missing, version = serve(engines, test)
+    assert card.id == MODEL and card.object == "model"
+    assert missing.status_code == 404 and missing.json()["error"]["param"] == "model"
+    from engine import __version__
+    assert version.json() == {"version": __version__}

@@ -23,6 +23,7 @@ from engine.errors import (
 )
 from engine.executor.model_runner import ModelRunner
 from engine.executor.sampler import Sampler
+from engine.generation_defaults import sampling_defaults
 from engine.model.kernels import cpu_kernels
 from engine.model.llama import ModelShape
 from engine.model.loader import load_hf_config, resolve_model
@@ -54,6 +55,8 @@ class EngineCore:
             torch.set_num_threads(config.cpu_threads())
         max_len = self._max_model_len(self.shape)
         self.eos_token_ids = _eos_ids(self.checkpoint, hf_config)
+        self.sampling_defaults = sampling_defaults(self.checkpoint, config.generation_config,
+                                                   config.override_generation_config)
         if config.tensor_parallel_size > 1:
             from engine.executor.tp_executor import TPExecutor
             self.runner = TPExecutor(config, self.shape, hf_config, self.checkpoint, max_len,
@@ -77,9 +80,11 @@ class EngineCore:
         self.requests: dict[str, Request] = {}
         self._aborted: list[EngineCoreOutput] = []
         self._sleep_level = 0  # 0 awake; 1 KV cache freed (weights off GPU); 2 weights freed
-        logger.info("engine ready: %s on %s/%s, %d KV blocks of %d tokens, max_model_len %d",
-                    self.shape.architecture, self.device, self.dtype, self.num_blocks,
-                    config.block_size, self.max_model_len)
+        logger.info("engine ready: %s on %s/%s, %d KV blocks of %d tokens, max_model_len %d, "
+                    "sampling defaults %s (generation_config=%s)", self.shape.architecture,
+                    self.device, self.dtype, self.num_blocks, config.block_size,
+                    self.max_model_len, self.sampling_defaults or "neutral",
+                    config.generation_config)
 
     # ---- set-up -----------------------------------------------------------------------
     def _max_model_len(self, shape: ModelShape) -> int:
@@ -267,7 +272,8 @@ class EngineCore:
             num_gpu_blocks=self.num_blocks, block_size=self.block_size,
             dtype=self.dtype_name, version=__version__,
             supported_tasks=self.get_supported_tasks(), max_num_seqs=self.config.max_num_seqs,
-            model=self.config.model, max_logprobs=self.config.max_logprobs)
+            model=self.config.model, max_logprobs=self.config.max_logprobs,
+            sampling_defaults=self.sampling_defaults)
 
     def get_stats(self) -> SchedulerStats:
         return SchedulerStats(

@@ -73,9 +73,14 @@ class LLM:
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         return self.llm_engine.reset_prefix_cache(reset_running_requests)
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a call without sampling_params uses: the model's generation_config.json
+        values (EngineConfig.generation_config / override_generation_config)."""
+        return SamplingParams(**self.llm_engine.engine_core.sampling_defaults)
+
     def _params_list(self, params, count: int) -> list[SamplingParams]:
         if params is None:
-            return [SamplingParams()] * count
+            return [self.get_default_sampling_params()] * count
         if isinstance(params, SamplingParams):
             return [params] * count
         params = list(params)

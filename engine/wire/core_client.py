@@ -172,6 +172,8 @@ class EngineClient:
         self.processor = Processor(tokenizer, self.max_model_len, vocab,
                                    min(r.max_logprobs for _, r in readies))
         self.output_processor = OutputProcessor(tokenizer)
+        # the model's sampling defaults, from the first engine (they all serve one model)
+        self.sampling_defaults: dict[str, int | float] = dict(readies[0][1].sampling_defaults)
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._read_outputs(e), name=f"engine-{e.index}-reader")
                        for e in self.engines]

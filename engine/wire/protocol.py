@@ -108,6 +108,8 @@ class EngineCoreReadyResponse(msgspec.Struct, omit_defaults=True):
     protocol_version: int = PROTOCOL_VERSION
     model: str = ""
     max_logprobs: int = 20  # EngineConfig.max_logprobs: the frontend refuses more up front
+    # sampling values a request gets for what it leaves unset (engine.generation_defaults)
+    sampling_defaults: dict[str, int | float] = {}
 
 
 class UtilityRequest(msgspec.Struct, array_like=True, omit_defaults=True):
