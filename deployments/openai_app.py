@@ -7,7 +7,10 @@ which closes its EngineClient stream, which aborts it at its engine.
 """
 from __future__ import annotations
 
+import asyncio
+import base64
 import hmac
+import struct
 import time
 import uuid
 from dataclasses import dataclass
@@ -32,19 +35,24 @@ from deployments.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     ParamError,
     TokenizeRequest,
 )
+from deployments.prompt_batch import echo_prompt, merge_prompt_streams
 from engine.errors import (
     EngineDeadError,
     EngineDrainingError,
+    EngineRequestError,
     EngineSleepingError,
     FlotillaError,
     InconsistentUtilityResults,
     InvalidRequestError,
     NoEnginesError,
 )
-from engine.outputs import RequestOutput
+from engine.outputs import OutputKind, RequestOutput
+from engine.pooling import PoolingParams
+from engine.sampling_params import SamplingParams
 from engine.wire.core_client import EngineClient
 
 _JSON = msgspec.json.Encoder()  # SSE chunks
@@ -208,8 +216,21 @@ def build_openai_app(get_client: Callable[[], Awaitable[EngineClient]],
         params = body.sampling_params(body.max_tokens, body.logprobs,
                                       body.structured_outputs_params(),
                                       client.sampling_defaults)
-        return await _generate(f"cmpl-{rid}-{uuid.uuid4().hex[:8]}", body.single_prompt(),
-                               params, body, chat=False)
+        request_id = f"cmpl-{rid}-{uuid.uuid4().hex[:8]}"
+        prompts = body.prompts()
+        if len(prompts) == 1 and not body.echo:
+            return await _generate(request_id, prompts[0], params, body, chat=False)
+        streams = []
+        for i, prompt in enumerate(prompts):
+            stream = client.generate(f"{request_id}-{i}", prompt, params)
+            if body.echo:
+                text = prompt if isinstance(prompt, str) else \
+                    client.processor.tokenizer.decode(prompt)
+                stream = echo_prompt(stream, text)
+            streams.append(stream)
+        merged = streams[0] if len(streams) == 1 else merge_prompt_streams(streams, params.n)
+        return await _respond(merged, request_id, params, body, False, None,
+                              len(prompts) * params.n)
 
     async def chat_completions(request: Request, rid: str) -> Response:
         body = await _body(request, ChatCompletionRequest)
@@ -229,7 +250,12 @@ def build_openai_app(get_client: Callable[[], Awaitable[EngineClient]],
     async def _generate(request_id: str, prompt, params, body, chat: bool,
                         tools=None) -> Response:
         client = await get_client()
-        stream = client.generate(request_id, prompt, params)
+        return await _respond(client.generate(request_id, prompt, params), request_id, params,
+                              body, chat, tools, params.n)
+
+    async def _respond(stream, request_id: str, params, body, chat: bool, tools,
+                       choices: int) -> Response:
+        """choices: how many the response has (n per prompt, prompts x n in all)."""
         created = int(time.time())
         top_k = params.logprobs or 0
         if body.stream:
@@ -238,7 +264,7 @@ def build_openai_app(get_client: Callable[[], Awaitable[EngineClient]],
             return StreamingResponse(
                 _sse(stream, first, request_id, created, chat, include_usage, top_k, tools),
                 media_type="text/event-stream")
-        return JSONResponse(await _full(stream, request_id, created, chat, params.n, top_k,
+        return JSONResponse(await _full(stream, request_id, created, chat, choices, top_k,
                                         tools))
 
     async def _first(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
@@ -258,12 +284,12 @@ def build_openai_app(get_client: Callable[[], Awaitable[EngineClient]],
         tokens = [0] * n
         logprobs: list[list] = [[] for _ in range(n)]
         finish: list[str | None] = [None] * n
-        prompt_tokens = 0
-        last = None
+        prompt_tokens: dict[str, int] = {}  # per prompt's request: usage sums them
         try:
             async for out in stream:
-                last = out
-                prompt_tokens = len(out.prompt_token_ids)
+                prompt_tokens[out.request_id] = len(out.prompt_token_ids)
+                if out.finished:
+                    _record(out)
                 for c in out.outputs:
                     texts[c.index] += c.text
                     tokens[c.index] += len(c.token_ids)
@@ -272,7 +298,6 @@ def build_openai_app(get_client: Callable[[], Awaitable[EngineClient]],
                     finish[c.index] = c.finish_reason or finish[c.index]
         finally:
             await stream.aclose()
-        _record(last)
         choices = []
         for i in range(n):
             lp = _format_logprobs(logprobs[i], chat) if logprobs[i] else None
@@ -288,27 +313,28 @@ def build_openai_app(get_client: Callable[[], Awaitable[EngineClient]],
             else:
                 choices.append({"index": i, "text": texts[i], "logprobs": lp,
                                 "finish_reason": finish[i]})
-        completion = sum(tokens)
+        completion, prompt = sum(tokens), sum(prompt_tokens.values())
         return {"id": request_id, "object": "chat.completion" if chat else "text_completion",
                 "created": created, "model": model, "choices": choices,
-                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-                          "total_tokens": prompt_tokens + completion}}
+                "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
+                          "total_tokens": prompt + completion}}
 
     async def _sse(stream, first, request_id, created, chat, include_usage, top_k, tools):
         obj = "chat.completion.chunk" if chat else "text_completion"
         started: set[int] = set()
         tool_streams: dict[int, ToolDeltaStream] = {}
         completion = 0
-        prompt_tokens = len(first.prompt_token_ids)
+        prompt_tokens: dict[str, int] = {}  # per prompt's request: usage sums them
 
         def event(payload: dict) -> bytes:  # msgspec: 1.0 us a chunk, json.dumps 10 us
             return b"data: " + _JSON.encode(payload) + b"\n\n"
 
-        last = first
         try:
             out: RequestOutput | None = first
             while out is not None:
-                last = out
+                prompt_tokens[out.request_id] = len(out.prompt_token_ids)
+                if out.finished:
+                    _record(out)
                 for c in out.outputs:
                     completion += len(c.token_ids)
                     if not c.text and not c.token_ids and c.finish_reason is None:
@@ -352,17 +378,50 @@ def build_openai_app(get_client: Callable[[], Awaitable[EngineClient]],
             if include_usage:
                 yield event({"id": request_id, "object": obj, "created": created, "model": model,
                              "choices": [], "usage": {
-                                 "prompt_tokens": prompt_tokens, "completion_tokens": completion,
-                                 "total_tokens": prompt_tokens + completion}})
+                                 "prompt_tokens": sum(prompt_tokens.values()),
+                                 "completion_tokens": completion,
+                                 "total_tokens": sum(prompt_tokens.values()) + completion}})
         except Exception as exc:  # noqa: BLE001 - reported in-band: the status is already sent
             err = _map_error(exc)
             yield event({"error": {"message": err.message, "type": err.err_type,
                                    "code": err.status}})
         finally:
             await stream.aclose()
-            if last is not None and last.finished:
-                _record(last)
         yield b"data: [DONE]\n\n"
+
+    async def embeddings(request: Request, rid: str) -> Response:
+        body = await _body(request, EmbeddingRequest)
+        client = await get_client()
+        pooling = PoolingParams(dimensions=body.dimensions)
+        request_id = f"embd-{rid}-{uuid.uuid4().hex[:8]}"
+
+        async def one(i: int, prompt) -> RequestOutput:
+            stream = client.generate(f"{request_id}-{i}", prompt, SamplingParams(),
+                                     kind=OutputKind.FINAL_ONLY, pooling_params=pooling)
+            try:
+                async for out in stream:
+                    if out.finished:
+                        return out
+            finally:
+                await stream.aclose()
+            raise EngineRequestError("the engine ended an embedding request without a vector")
+
+        # each input is its own engine request: they spread over the data-parallel engines
+        tasks = [asyncio.ensure_future(one(i, p)) for i, p in enumerate(body.inputs())]
+        try:
+            outs = await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:
+                task.cancel()  # one failed, or the client left: abort the rest
+        data = []
+        for i, out in enumerate(outs):
+            vector = out.outputs[0].embedding
+            if body.encoding_format == "base64":
+                vector = base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
+            data.append({"object": "embedding", "index": i, "embedding": vector})
+        tokens = sum(len(o.prompt_token_ids) for o in outs)
+        return JSONResponse({"object": "list", "data": data, "model": model,
+                             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
 
     # ---- other routes -------------------------------------------------------------------------
     async def model_card() -> dict[str, Any]:
@@ -382,6 +441,11 @@ def build_openai_app(get_client: Callable[[], Awaitable[EngineClient]],
     async def version(request: Request, rid: str) -> Response:
         from engine import __version__
         return JSONResponse({"version": __version__})
+
+    async def openapi(request: Request, rid: str) -> Response:
+        from deployments.openai_schema import openapi_document
+        from engine import __version__
+        return JSONResponse(openapi_document(__version__))
 
     async def metrics_endpoint(request: Request, rid: str) -> Response:
         return Response(metrics.exposition(), media_type="text/plain; version=0.0.4")
@@ -444,9 +508,11 @@ def build_openai_app(get_client: Callable[[], Awaitable[EngineClient]],
     routes = [
         Route("/v1/completions", endpoint(completions), methods=["POST"]),
         Route("/v1/chat/completions", endpoint(chat_completions), methods=["POST"]),
+        Route("/v1/embeddings", endpoint(embeddings), methods=["POST"]),
         Route("/v1/models", endpoint(models), methods=["GET"]),
         Route("/v1/models/{model_id:path}", endpoint(retrieve_model), methods=["GET"]),
         Route("/version", endpoint(version, auth=False), methods=["GET"]),
+        Route("/openapi.json", endpoint(openapi, auth=False), methods=["GET"]),
         Route("/tokenize", endpoint(tokenize), methods=["POST"]),
         Route("/detokenize", endpoint(detokenize), methods=["POST"]),
         Route("/health", endpoint(health, auth=False), methods=["GET"]),

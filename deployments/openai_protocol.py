@@ -80,7 +80,8 @@ _UNSUPPORTED_CHAT: dict[str, Any] = {
     "audio": None, "modalities": (None, ["text"]), "prediction": None,
     "web_search_options": None, "functions": None, "function_call": None,
     "reasoning_effort": None}
-_UNSUPPORTED_COMPLETION: dict[str, Any] = {"suffix": None, "echo": (None, False)}
+_UNSUPPORTED_COMPLETION: dict[str, Any] = {"suffix": None}
+MAX_PROMPTS = 256  # prompts in one /v1/completions request
 
 
 class _SamplingFields(_Strict):
@@ -202,19 +203,23 @@ class CompletionRequest(_SamplingFields):
     UNSUPPORTED: ClassVar[dict[str, Any]] = {**_UNSUPPORTED_COMMON, **_UNSUPPORTED_COMPLETION}
 
     @model_validator(mode="after")
-    def _one_prompt(self) -> "CompletionRequest":
-        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], (str, list)):
-            if len(self.prompt) != 1:
-                raise ValueError("only one prompt per request is supported; send several requests")
+    def _prompts(self) -> "CompletionRequest":
+        count = len(self.prompts())
+        if not 1 <= count <= MAX_PROMPTS:
+            raise ValueError(f"prompt: give 1 to {MAX_PROMPTS} prompts, got {count}")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of other than n is not supported")
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo with logprobs needs prompt logprobs, which this server "
+                             "does not compute yet")
         return self
 
-    def single_prompt(self) -> str | list[int]:
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts in order: a string, token ids, or a list of either."""
         p = self.prompt
         if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            return p[0]
-        return p
+            return list(p)
+        return [p]
 
 
 class FunctionCall(_Strict):
@@ -330,6 +335,29 @@ class ChatCompletionRequest(_SamplingFields):
                 raise ParamError("top_logprobs", "top_logprobs needs logprobs=true")
             return None
         return self.top_logprobs or 0
+
+
+class EmbeddingRequest(_Strict):
+    """POST /v1/embeddings: one embedding per input, in order."""
+
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1)
+    user: str | None = None  # accepted and not used, as on the other endpoints
+
+    @model_validator(mode="after")
+    def _inputs(self) -> "EmbeddingRequest":
+        count = len(self.inputs())
+        if not 1 <= count <= MAX_PROMPTS:
+            raise ValueError(f"input: give 1 to {MAX_PROMPTS} inputs, got {count}")
+        return self
+
+    def inputs(self) -> list[str | list[int]]:
+        i = self.input
+        if isinstance(i, list) and i and isinstance(i[0], (str, list)):
+            return list(i)
+        return [i]
 
 
 class TokenizeRequest(_Strict):

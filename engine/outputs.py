@@ -29,6 +29,7 @@ class CompletionOutput:
     logprobs: list[dict[int, Logprob]] | None = None
     finish_reason: str | None = None  # stop | length | abort
     stop_reason: int | str | None = None  # stop string or stop token id that ended it
+    embedding: list[float] | None = None  # an embedding request's vector (no text, no tokens)
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -262,3 +262,48 @@ def test_models_retrieve_and_version(engines):
     assert missing.status_code == 404 and missing.json()["error"]["param"] == "model"
     from engine import __version__
     assert version.json() == {"version": __version__}
+
+
+def test_completions_with_a_list_of_prompts_and_echo(tiny_server, tiny_llama):
+    """Choices prompt-major, usage summed, echo puts the prompt first; the same when
+    streamed; each prompt is its own engine request."""
+    from engine.model.loader import load_tokenizer
+    tokenizer = load_tokenizer(tiny_llama)
+    real = _Real(tiny_server, tokenizer)
+    prompts = ["The sky is", "Paris is", "One two"]
+
+    async def test(http, oai):
+        greedy = dict(model=MODEL, max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+        alone = [(await oai.completions.create(prompt=p, **greedy)).choices[0].text
+                 for p in prompts]
+        batch = await oai.completions.create(prompt=prompts, n=2, **greedy)
+        echoed = await oai.completions.create(prompt=prompts, echo=True, **greedy)
+        streamed: dict[int, str] = {}
+        usage = None
+        async for chunk in await oai.completions.create(
+                prompt=prompts, echo=True, stream=True, stream_options={"include_usage": True},
+                **greedy):
+            for c in chunk.choices:
+                streamed[c.index] = streamed.get(c.index, "") + c.text
+            usage = chunk.usage or usage
+        bad = await http.post("/v1/completions", json={"prompt": prompts, "echo": True,
+                                                       "logprobs": 1})
+        too_many = await http.post("/v1/completions", json={"prompt": ["x"] * 300})
+        ids = [[101, 2000, 3000], [7, 8, 9, 10]]
+        by_ids = await oai.completions.create(prompt=ids, echo=True, **greedy)
+        return alone, batch, echoed, streamed, usage, bad, too_many, by_ids, ids
+
+    alone, batch, echoed, streamed, usage, bad, too_many, by_ids, ids = serve(real, test)
+    texts = prompts
+    assert [c.text[:len(tokenizer.decode(i))] for c, i in zip(by_ids.choices, ids)] == \
+        [tokenizer.decode(i) for i in ids]
+    assert by_ids.usage.prompt_tokens == 7
+    assert [c.index for c in batch.choices] == list(range(6))
+    assert [c.text for c in batch.choices] == [t for t in alone for _ in range(2)]
+    prompt_tokens = sum(len(tokenizer.encode(p)) if isinstance(p, str) else len(p)
+                        for p in prompts)
+    assert batch.usage.prompt_tokens == prompt_tokens and batch.usage.completion_tokens == 30
+    assert [c.text for c in echoed.choices] == [t + a for t, a in zip(texts, alone)]
+    assert [streamed[i] for i in range(3)] == [c.text for c in echoed.choices]
+    assert usage.completion_tokens == 15 and usage.prompt_tokens == prompt_tokens
+    assert bad.status_code == 400 and too_many.status_code == 400

@@ -27,6 +27,7 @@ from engine.generation_defaults import sampling_defaults
 from engine.model.kernels import cpu_kernels
 from engine.model.llama import ModelShape
 from engine.model.loader import load_hf_config, resolve_model
+from engine.pooling import Pooler, pooling_method
 from engine.request_checks import check_params, check_prompt
 from engine.structured.manager import StructuredOutputManager
 from engine.wire.protocol import (
@@ -74,6 +75,7 @@ class EngineCore:
         self.sampler = Sampler(self.shape.vocab_size,
                                kernels.argmax_rows if kernels is not None else None,
                                seed=config.seed, device=self.device)
+        self.pooler = Pooler(pooling_method(self.checkpoint), self.shape.hidden_size)
         self.structured = StructuredOutputManager(
             self.checkpoint, self.shape.vocab_size, self.eos_token_ids,
             fill_threads=config.cpu_threads() if self.device.type == "cpu" else 1)
@@ -111,10 +113,15 @@ class EngineCore:
             raise EngineSleepingError("the engine is asleep (sleep mode); call wake_up first")
         if req.request_id in self.requests:
             raise DuplicateRequestError(f"request id {req.request_id!r} is already running")
-        check_prompt(req.prompt_token_ids, self.max_model_len, self.shape.vocab_size)
+        # an embedding request generates nothing: its prompt may fill max_model_len
+        spare = 1 if req.pooling_params is not None else 0
+        check_prompt(req.prompt_token_ids, self.max_model_len + spare, self.shape.vocab_size)
         check_params(req.sampling_params, self.config.max_logprobs, self.shape.vocab_size)
+        if req.pooling_params is not None:
+            self.pooler.check(req.pooling_params)
         request = Request(req.request_id, req.prompt_token_ids, req.sampling_params,
-                          self.eos_token_ids, req.arrival_time or None, req.priority)
+                          self.eos_token_ids, req.arrival_time or None, req.priority,
+                          req.pooling_params)
         self.requests[req.request_id] = request
         self.structured.add(request)
         self.scheduler.add(request)
@@ -143,9 +150,12 @@ class EngineCore:
             if self.structured.has_pending():
                 self.structured.wait()  # only compiles are left: do not spin
             return outputs
-        logits, rows = self.runner.execute(sched)
+        result = self.runner.execute(sched)
+        logits, rows = result.logits, result.sample_rows
         for request, n in zip(sched.requests, sched.num_new_tokens):
             request.num_computed_tokens += n
+        for i, hidden in result.pooled:
+            outputs.extend(self._pool(sched.requests[i], hidden))
         if not rows:
             return outputs
         sampled_requests = [sched.requests[i] for i in rows]
@@ -173,6 +183,17 @@ class EngineCore:
                 del self.requests[request.request_id]
             outputs.append(out)
         return outputs
+
+    def _pool(self, request: Request, hidden: torch.Tensor) -> list[EngineCoreOutput]:
+        """Fold an embedding request's hidden states in; its output once all are in."""
+        self.pooler.add(request, hidden, request.num_computed_tokens == hidden.shape[0])
+        if request.num_computed_tokens < request.num_tokens:
+            return []
+        vector = self.pooler.finish(request)
+        self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
+        del self.requests[request.request_id]
+        return [EngineCoreOutput(request.request_id, [], RequestStatus.FINISHED_STOPPED.value,
+                                 pooled=vector)]
 
     def _fail(self, request: Request, why: str) -> EngineCoreOutput:
         """End one request with an error output; the engine goes on with the others."""
@@ -263,7 +284,7 @@ class EngineCore:
         return str(self.dtype).removeprefix("torch.")
 
     def get_supported_tasks(self) -> list[str]:
-        return ["generate"]
+        return ["generate", "embed"]
 
     def ready_response(self, engine_index: int) -> EngineCoreReadyResponse:
         from engine import __version__

@@ -6,6 +6,7 @@ import time
 
 import torch
 
+from engine.pooling import PoolingParams
 from engine.sampling_params import SamplingParams
 
 
@@ -31,7 +32,7 @@ class Request:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  eos_token_ids: tuple[int, ...], arrival_time: float | None = None,
-                 priority: int = 0) -> None:
+                 priority: int = 0, pooling: PoolingParams | None = None) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.all_token_ids = list(prompt_token_ids)
@@ -49,6 +50,8 @@ class Request:
         self.num_preemptions = 0
         self.generator: torch.Generator | None = None
         self.grammar = None  # GrammarState of a structured-outputs request (engine.structured)
+        self.pooling = pooling  # an embedding request: pools its prompt, samples nothing
+        self.pool_sum: torch.Tensor | None = None  # mean pooling: sum of its hidden states
         if params.seed is not None:
             self.generator = torch.Generator()
             self.generator.manual_seed(params.seed)

@@ -76,7 +76,9 @@ class Scheduler:
                 if request.waiting_for_grammar:
                     compiling.append(self.waiting.popleft())
                     continue
-                hits = self.kv.find_cached_prefix(request)
+                # an embedding request computes every token (mean pooling needs them all)
+                hits = [] if request.pooling is not None else \
+                    self.kv.find_cached_prefix(request)
                 computed = len(hits) * self.kv.block_size
                 n = min(request.num_tokens - computed, budget)
                 if not self.kv.allocate(request, n, hits):
@@ -97,6 +99,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.kv.free_request(request)
         request.num_computed_tokens = 0
+        request.pool_sum = None  # an embedding request pools again from its first token
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1

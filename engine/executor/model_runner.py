@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import msgspec
 import torch
@@ -49,6 +50,14 @@ class StepInput(msgspec.Struct, array_like=True, gc=False):
     seq_lens: list[int]  # its context after this step, new tokens included
     block_tables: list[list[int]]  # its blocks covering seq_lens
     logit_positions: list[int]  # flat token index of each sampling row
+    pool_spans: list[list[int]] = []  # [start, end) flat tokens of each embedding request
+
+
+@dataclass
+class StepResult:
+    logits: torch.Tensor | None  # [S, V] for the sampling rows
+    sample_rows: list[int]  # index into the step's requests, one per logits row
+    pooled: list[tuple[int, torch.Tensor]]  # (request index, hidden states [n, H]) per span
 
 
 class ModelRunner:
@@ -167,20 +176,23 @@ class ModelRunner:
         return {"weights_bytes": weights, "kv_cache_bytes": kv}
 
     # ---- one step ---------------------------------------------------------------------
-    def execute(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:
-        """Run the forward pass; return logits [S, V] and the batch rows that sample."""
-        step, sample_rows = self.prepare(sched)
-        logits = self.run(step)
-        return logits, sample_rows
+    def execute(self, sched: SchedulerOutput) -> StepResult:
+        """Run the forward pass: logits [S, V] of the batch rows that sample, and the
+        hidden states of the embedding requests' tokens this step."""
+        step, sample_rows, pool_rows = self.prepare(sched)
+        logits, pooled = self.run(step)
+        return StepResult(logits, sample_rows, list(zip(pool_rows, pooled)))
 
-    def prepare(self, sched: SchedulerOutput) -> tuple[StepInput, list[int]]:
-        """The step's inputs as lists, and the rows of sched.requests that sample.
-        Decodes come first in the flat batch, then the prefill chunks."""
+    def prepare(self, sched: SchedulerOutput) -> tuple[StepInput, list[int], list[int]]:
+        """The step's inputs as lists, the rows of sched.requests that sample and those
+        that pool (embedding requests, every chunk). Decodes come first in the flat
+        batch, then the prefill chunks."""
         bs = self.block_size
         order = sorted(range(len(sched.requests)), key=lambda i: sched.num_new_tokens[i] != 1)
         step = StepInput([], [], [], [], [], [], [])
         ids, positions, slots = step.ids, step.positions, step.slots
         sample_rows: list[int] = []  # index into sched.requests
+        pool_rows: list[int] = []
         for i in order:
             request, n = sched.requests[i], sched.num_new_tokens[i]
             start = request.num_computed_tokens
@@ -192,24 +204,28 @@ class ModelRunner:
             step.query_lens.append(n)
             step.seq_lens.append(end)
             step.block_tables.append(blocks[:-(-end // bs)])
-            if end == request.num_tokens:
+            if request.pooling is not None:
+                pool_rows.append(i)
+                step.pool_spans.append([len(ids) - n, len(ids)])
+            elif end == request.num_tokens:
                 sample_rows.append(i)
                 step.logit_positions.append(len(ids) - 1)
-        return step, sample_rows
+        return step, sample_rows, pool_rows
 
     @torch.inference_mode()
-    def run(self, step: StepInput) -> torch.Tensor | None:
-        """Forward pass of one step; logits [S, V] of its sampling rows (None on TP
-        ranks other than 0)."""
+    def run(self, step: StepInput) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+        """Forward pass of one step: logits [S, V] of its sampling rows (None on TP
+        ranks other than 0), and the final hidden states (float32) of each pool span."""
         dev = self.device
         meta = self._attention_metadata(step)
         input_ids = torch.tensor(step.ids, dtype=torch.long, device=dev)
         pos = torch.tensor(step.positions, dtype=torch.long, device=dev)
         hidden = self.model(input_ids, pos, self.layer_caches, meta)
+        pooled = [hidden[start:end].float() for start, end in step.pool_spans]
         if not step.logit_positions:
-            return hidden.new_empty((0, self.shape.vocab_size), dtype=torch.float32)
+            return hidden.new_empty((0, self.shape.vocab_size), dtype=torch.float32), pooled
         index = torch.tensor(step.logit_positions, dtype=torch.long, device=dev)
-        return self.model.compute_logits(hidden.index_select(0, index))
+        return self.model.compute_logits(hidden.index_select(0, index)), pooled
 
     def _attention_metadata(self, step: StepInput) -> AttentionMetadata:
         dev = self.device

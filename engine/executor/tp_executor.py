@@ -29,7 +29,7 @@ import torch
 from engine.config import EngineConfig, default_num_threads
 from engine.core.scheduler import SchedulerOutput
 from engine.errors import EngineDeadError, InvalidRequestError
-from engine.executor.model_runner import ModelRunner, StepInput
+from engine.executor.model_runner import ModelRunner, StepInput, StepResult
 from engine.executor.parallel import ShardPlan, TPGroup, check_divisible
 from engine.wire.core_server import free_port
 
@@ -211,10 +211,11 @@ class TPExecutor:
         return {**mine, "per_rank_weights_bytes": [r[0] for r in per_rank],
                 "per_rank_kv_cache_bytes": [r[1] for r in per_rank]}
 
-    def execute(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:
-        step, rows = self.runner.prepare(sched)
+    def execute(self, sched: SchedulerOutput) -> StepResult:
+        step, rows, pool_rows = self.runner.prepare(sched)
         self._send(Command("step", step=step))
-        return self._call(self.runner.run, step), rows
+        logits, pooled = self._call(self.runner.run, step)
+        return StepResult(logits, rows, list(zip(pool_rows, pooled)))
 
     def shutdown(self) -> None:
         """Stop the workers (a stop message if the group still works, then the launcher)."""

@@ -11,6 +11,7 @@ from engine.errors import InvalidRequestError
 from engine.frontend.llm_engine import LLMEngine
 from engine.frontend.processor import Prompt
 from engine.outputs import RequestOutput
+from engine.pooling import PoolingParams
 from engine.sampling_params import SamplingParams
 
 
@@ -47,6 +48,27 @@ class LLM:
             for prompt, p in zip(prompts, params):
                 request_id = str(next(self._counter))
                 self.llm_engine.add_request(request_id, prompt, p)
+                ids.append(request_id)
+        except Exception:
+            self.llm_engine.abort_request(ids)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def embed(self, prompts: Prompt | Sequence[Prompt],
+              pooling_params: PoolingParams | None = None,
+              use_tqdm: bool = True) -> list[RequestOutput]:
+        """One embedding per prompt (outputs[0].embedding), in prompt order; prompts are
+        batched with each other like generation requests."""
+        if isinstance(prompts, (str, dict)) or (
+                isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = pooling_params or PoolingParams()
+        ids = []
+        try:
+            for prompt in prompts:
+                request_id = str(next(self._counter))
+                self.llm_engine.add_request(request_id, prompt, SamplingParams(),
+                                            pooling_params=params)
                 ids.append(request_id)
         except Exception:
             self.llm_engine.abort_request(ids)

@@ -12,6 +12,7 @@ from engine.frontend.output_processor import OutputProcessor
 from engine.frontend.processor import Processor, Prompt
 from engine.model.loader import load_tokenizer
 from engine.outputs import OutputKind, RequestOutput
+from engine.pooling import PoolingParams
 from engine.sampling_params import SamplingParams
 
 
@@ -29,9 +30,12 @@ class LLMEngine:
         return self.engine_core.max_model_len
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
-                    kind: OutputKind = OutputKind.FINAL_ONLY) -> None:
+                    kind: OutputKind = OutputKind.FINAL_ONLY,
+                    pooling_params: PoolingParams | None = None) -> None:
+        """pooling_params: an embedding request (params are then not used)."""
         text, token_ids = self.processor.tokenize(prompt)
-        requests = self.processor.make_requests(request_id, token_ids, params)
+        requests = self.processor.make_requests(request_id, token_ids, params,
+                                                pooling_params=pooling_params)
         if self.output_processor.has_request(request_id):
             raise DuplicateRequestError(f"request id {request_id!r} is already running")
         added = []

@@ -40,6 +40,7 @@ class _Child:
     sent_logprobs: int = 0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    embedding: list[float] | None = None
 
 
 @dataclass
@@ -188,6 +189,8 @@ class OutputProcessor:
             m.last_token_time = now
             m.num_generation_tokens += len(out.new_token_ids)
         parent.num_cached_tokens = out.num_cached_tokens
+        if out.pooled is not None:
+            child.embedding = out.pooled
         child.token_ids.extend(out.new_token_ids)
         if child.logprobs is not None and out.new_logprobs:
             for ids, vals, ranks in out.new_logprobs:
@@ -228,6 +231,6 @@ class OutputProcessor:
                 text, tokens, logprobs = child.text, list(child.token_ids), child.logprobs
             completions.append(CompletionOutput(
                 child.index, text, tokens, child.cumulative_logprob, logprobs,
-                child.finish_reason, child.stop_reason))
+                child.finish_reason, child.stop_reason, child.embedding))
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids,
                              completions, finished, parent.num_cached_tokens, parent.metrics)

@@ -13,6 +13,7 @@ from transformers import PreTrainedTokenizerBase
 
 from engine.errors import InvalidRequestError
 from engine.frontend.output_processor import child_request_id
+from engine.pooling import PoolingParams
 from engine.request_checks import check_params, check_prompt
 from engine.sampling_params import SamplingParams
 from engine.structured.grammar import check_structured_outputs, preload_xgrammar
@@ -67,9 +68,17 @@ class Processor:
 
     def make_requests(self, request_id: str, prompt_token_ids: list[int],
                       params: SamplingParams, arrival_time: float | None = None,
-                      priority: int = 0, data_parallel_rank: int | None = None
+                      priority: int = 0, data_parallel_rank: int | None = None,
+                      pooling_params: PoolingParams | None = None
                       ) -> list[EngineCoreRequest]:
-        """Validate and build one EngineCoreRequest per sequence (n of them)."""
+        """Validate and build one EngineCoreRequest per sequence (n of them); with
+        pooling_params, one embedding request (params only bound the prompt checks)."""
+        if pooling_params is not None:
+            check_prompt(prompt_token_ids, self.max_model_len + 1, self.vocab_size)
+            return [EngineCoreRequest(request_id, list(prompt_token_ids),
+                                      SamplingParams(max_tokens=1), arrival_time or time.time(),
+                                      priority=priority, data_parallel_rank=data_parallel_rank,
+                                      pooling_params=pooling_params)]
         check_prompt(prompt_token_ids, self.max_model_len, self.vocab_size)
         if params.bad_words and not params.bad_words_token_ids:
             params = params.clone(bad_words_token_ids=self.bad_words_token_ids(params.bad_words))

@@ -44,6 +44,7 @@ from engine.errors import (
 from engine.frontend.output_processor import OutputProcessor
 from engine.frontend.processor import Processor, Prompt
 from engine.outputs import OutputKind, RequestOutput
+from engine.pooling import PoolingParams
 from engine.sampling_params import SamplingParams
 from engine.wire.protocol import (
     ABORT,
@@ -174,6 +175,9 @@ class EngineClient:
         self.output_processor = OutputProcessor(tokenizer)
         # the model's sampling defaults, from the first engine (they all serve one model)
         self.sampling_defaults: dict[str, int | float] = dict(readies[0][1].sampling_defaults)
+        # what every engine can do ("generate", "embed")
+        self.supported_tasks: list[str] = [t for t in readies[0][1].supported_tasks
+                                           if all(t in r.supported_tasks for _, r in readies)]
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._read_outputs(e), name=f"engine-{e.index}-reader")
                        for e in self.engines]
@@ -225,15 +229,22 @@ class EngineClient:
     # ---- generation -----------------------------------------------------------------------
     async def generate(self, request_id: str, prompt: Prompt, params: SamplingParams, *,
                        data_parallel_rank: int | None = None,
-                       kind: OutputKind = OutputKind.DELTA) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs; stopping the iteration early aborts it."""
+                       kind: OutputKind = OutputKind.DELTA,
+                       pooling_params: PoolingParams | None = None
+                       ) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs; stopping the iteration early aborts it.
+        pooling_params: an embedding request, whose one output carries the vector."""
         if self.dead_error is not None:
             raise self.dead_error
+        if pooling_params is not None and "embed" not in self.supported_tasks:
+            raise InvalidRequestError("the served engines do not compute embeddings "
+                                      f"(they support: {', '.join(self.supported_tasks)})")
         if request_id in self._streams:
             raise EngineRequestError(f"request id {request_id!r} is already running")
         text, ids = self.processor.tokenize(prompt)
         requests = self.processor.make_requests(request_id, ids, params,
-                                                data_parallel_rank=data_parallel_rank)
+                                                data_parallel_rank=data_parallel_rank,
+                                                pooling_params=pooling_params)
         finished = yielded = False
         while True:  # more than once only when a draining engine refuses the request
             engine = self._pick(data_parallel_rank)

@@ -22,6 +22,7 @@ from typing import Any
 
 import msgspec
 
+from engine.pooling import PoolingParams
 from engine.sampling_params import SamplingParams
 
 PROTOCOL_VERSION = 1
@@ -57,6 +58,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     client_index: int = 0
     priority: int = 0
     data_parallel_rank: int | None = None
+    pooling_params: PoolingParams | None = None  # set: an embedding request (no sampling)
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -69,6 +71,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     new_logprobs: list[TokenLogprobs] | None = None
     num_cached_tokens: int = 0
     error: str | None = None  # set with finish_reason "error": why the engine refused it
+    pooled: list[float] | None = None  # an embedding request's vector (with finish "stop")
 
     @property
     def finished(self) -> bool:

@@ -131,3 +131,28 @@ def test_killed_tp_worker_fails_fast_and_the_engine_is_restarted(served):
     # served again by a restarted engine with a fresh TP worker
     assert statuses[-3:] == [200, 200, 200]
     assert victim not in _alive_tp_workers() and len(_alive_tp_workers()) == 2
+
+
+def test_embeddings_and_prompt_lists_through_dp2_tp2(served, tiny_llama):
+    """/v1/embeddings and a completion with a list of prompts: each input is its own
+    engine request, so they spread over both engines; vectors match the offline path."""
+    import torch
+
+    from engine import LLM, SamplingParams
+    client = openai.OpenAI(base_url=f"{served}/v1", api_key="none", max_retries=0)
+    texts = [f"sentence number {i}" for i in range(6)]
+    served_vectors = [d.embedding for d in client.embeddings.create(model="tiny",
+                                                                   input=texts).data]
+    llm = LLM(str(tiny_llama), dtype="float32")
+    try:
+        offline = [o.outputs[0].embedding for o in llm.embed(texts, use_tqdm=False)]
+        greedy = [o.outputs[0].text for o in llm.generate(
+            texts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+            use_tqdm=False)]
+    finally:
+        llm.shutdown()
+    for a, b in zip(served_vectors, offline):
+        assert float(torch.dot(torch.tensor(a), torch.tensor(b))) > 0.9999
+    r = client.completions.create(model="tiny", prompt=texts, max_tokens=6, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert [c.text for c in r.choices] == greedy
