@@ -29,6 +29,14 @@ class ParamError(InvalidRequestError):
         self.param = param
 
 
+def _one_or_many(value: str | list) -> list[str | list[int]]:
+    """A prompt field as a list of prompts: a string or token ids is one prompt; a list
+    of strings or of token-id lists is many."""
+    if isinstance(value, list) and value and isinstance(value[0], (str, list)):
+        return list(value)
+    return [value]
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
@@ -216,10 +224,7 @@ class CompletionRequest(_SamplingFields):
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts in order: a string, token ids, or a list of either."""
-        p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            return list(p)
-        return [p]
+        return _one_or_many(self.prompt)
 
 
 class FunctionCall(_Strict):
@@ -354,10 +359,7 @@ class EmbeddingRequest(_Strict):
         return self
 
     def inputs(self) -> list[str | list[int]]:
-        i = self.input
-        if isinstance(i, list) and i and isinstance(i[0], (str, list)):
-            return list(i)
-        return [i]
+        return _one_or_many(self.input)
 
 
 class TokenizeRequest(_Strict):

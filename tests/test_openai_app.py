@@ -307,3 +307,4 @@ def test_completions_with_a_list_of_prompts_and_echo(tiny_server, tiny_llama):
     assert [streamed[i] for i in range(3)] == [c.text for c in echoed.choices]
     assert usage.completion_tokens == 15 and usage.prompt_tokens == prompt_tokens
     assert bad.status_code == 400 and too_many.status_code == 400
+
