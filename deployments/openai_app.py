@@ -30,6 +30,13 @@ from deployments.chat_tools import (
     render_chat_prompt,
     tool_message,
 )
+from deployments.logprob_format import (
+    completion_entries,
+    format_logprobs,
+    prompt_entries,
+    prompt_logprobs_json,
+    text_length,
+)
 from deployments.metrics import IngressMetrics
 from deployments.openai_protocol import (
     ChatCompletionRequest,
@@ -111,6 +118,28 @@ def _map_error(exc: BaseException) -> HTTPError:
     if isinstance(exc, FlotillaError):
         return HTTPError(500, str(exc), "InternalServerError")
     return HTTPError(500, f"internal error: {type(exc).__name__}", "InternalServerError")
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """How one generation response is shaped: chat or completion, how many top
+    logprobs, tool parsing, prompt logprobs shown (vLLM's extension) or put in front of
+    the choice's logprobs (completions' echo with logprobs)."""
+
+    chat: bool
+    top_k: int
+    tools: Any
+    show_prompt_logprobs: bool
+    echo_logprobs: bool
+    decode: Callable[[list[int]], str]
+
+    def prompt_entries(self, out: RequestOutput) -> list[dict]:
+        return prompt_entries(out.prompt_logprobs, out.prompt_token_ids, self.top_k,
+                              self.decode)
+
+    @staticmethod
+    def prompt_json(prompt_logprobs) -> list | None:
+        return None if prompt_logprobs is None else prompt_logprobs_json(prompt_logprobs)
 
 
 class ClientControl:
@@ -215,7 +244,7 @@ def build_openai_app(get_client: Callable[[], Awaitable[EngineClient]],
         client = await get_client()
         params = body.sampling_params(body.max_tokens, body.logprobs,
                                       body.structured_outputs_params(),
-                                      client.sampling_defaults)
+                                      client.sampling_defaults, body.engine_prompt_logprobs())
         request_id = f"cmpl-{rid}-{uuid.uuid4().hex[:8]}"
         prompts = body.prompts()
         if len(prompts) == 1 and not body.echo:
@@ -230,7 +259,7 @@ def build_openai_app(get_client: Callable[[], Awaitable[EngineClient]],
             streams.append(stream)
         merged = streams[0] if len(streams) == 1 else merge_prompt_streams(streams, params.n)
         return await _respond(merged, request_id, params, body, False, None,
-                              len(prompts) * params.n)
+                              len(prompts) * params.n, client.processor.tokenizer.decode)
 
     async def chat_completions(request: Request, rid: str) -> Response:
         body = await _body(request, ChatCompletionRequest)
@@ -238,7 +267,7 @@ def build_openai_app(get_client: Callable[[], Awaitable[EngineClient]],
         structured = body.structured_outputs_params(plan.forced, "tool_choice")
         client = await get_client()
         params = body.sampling_params(body.token_limit(), body.logprob_count(), structured,
-                                      client.sampling_defaults)
+                                      client.sampling_defaults, body.prompt_logprobs)
         text = render_chat_prompt(client.processor, body.conversation(), plan,
                                   options.chat_template, body.add_generation_prompt,
                                   body.chat_template_kwargs or {})
@@ -251,21 +280,21 @@ def build_openai_app(get_client: Callable[[], Awaitable[EngineClient]],
                         tools=None) -> Response:
         client = await get_client()
         return await _respond(client.generate(request_id, prompt, params), request_id, params,
-                              body, chat, tools, params.n)
+                              body, chat, tools, params.n, client.processor.tokenizer.decode)
 
     async def _respond(stream, request_id: str, params, body, chat: bool, tools,
-                       choices: int) -> Response:
+                       choices: int, decode) -> Response:
         """choices: how many the response has (n per prompt, prompts x n in all)."""
+        shape = _Shape(chat, params.logprobs or 0, tools, body.prompt_logprobs is not None,
+                       not chat and bool(body.echo) and body.logprobs is not None, decode)
         created = int(time.time())
-        top_k = params.logprobs or 0
         if body.stream:
             first = await _first(stream)  # errors before the first token stay HTTP errors
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(
-                _sse(stream, first, request_id, created, chat, include_usage, top_k, tools),
+                _sse(stream, first, request_id, created, include_usage, shape),
                 media_type="text/event-stream")
-        return JSONResponse(await _full(stream, request_id, created, chat, choices, top_k,
-                                        tools))
+        return JSONResponse(await _full(stream, request_id, created, choices, shape))
 
     async def _first(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
         try:
@@ -279,10 +308,12 @@ def build_openai_app(get_client: Callable[[], Awaitable[EngineClient]],
             metrics.record(out.metrics, len(out.prompt_token_ids),
                            [c.finish_reason for c in out.outputs])
 
-    async def _full(stream, request_id, created, chat, n, top_k, tools) -> dict:
+    async def _full(stream, request_id, created, n, shape: _Shape) -> dict:
+        chat, tools = shape.chat, shape.tools
         texts = [""] * n
         tokens = [0] * n
         logprobs: list[list] = [[] for _ in range(n)]
+        prompt_lps: list[list | None] = [None] * n  # each choice's prompt's prompt logprobs
         finish: list[str | None] = [None] * n
         prompt_tokens: dict[str, int] = {}  # per prompt's request: usage sums them
         try:
@@ -291,16 +322,20 @@ def build_openai_app(get_client: Callable[[], Awaitable[EngineClient]],
                 if out.finished:
                     _record(out)
                 for c in out.outputs:
+                    if out.prompt_logprobs is not None:
+                        prompt_lps[c.index] = out.prompt_logprobs
+                        if shape.echo_logprobs:
+                            logprobs[c.index][:0] = shape.prompt_entries(out)
                     texts[c.index] += c.text
                     tokens[c.index] += len(c.token_ids)
                     if c.logprobs:
-                        logprobs[c.index] += _logprob_entries(c, top_k)
+                        logprobs[c.index] += completion_entries(c, shape.top_k)
                     finish[c.index] = c.finish_reason or finish[c.index]
         finally:
             await stream.aclose()
         choices = []
         for i in range(n):
-            lp = _format_logprobs(logprobs[i], chat) if logprobs[i] else None
+            lp = format_logprobs(logprobs[i], chat) if logprobs[i] else None
             if chat:
                 message: dict[str, Any] = {"role": "assistant", "content": texts[i]}
                 if tools is not None:
@@ -313,16 +348,23 @@ def build_openai_app(get_client: Callable[[], Awaitable[EngineClient]],
             else:
                 choices.append({"index": i, "text": texts[i], "logprobs": lp,
                                 "finish_reason": finish[i]})
+                if shape.show_prompt_logprobs:  # vLLM: per choice in completions
+                    choices[-1]["prompt_logprobs"] = shape.prompt_json(prompt_lps[i])
         completion, prompt = sum(tokens), sum(prompt_tokens.values())
-        return {"id": request_id, "object": "chat.completion" if chat else "text_completion",
-                "created": created, "model": model, "choices": choices,
-                "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
-                          "total_tokens": prompt + completion}}
+        response = {"id": request_id, "object": "chat.completion" if chat else "text_completion",
+                    "created": created, "model": model, "choices": choices,
+                    "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
+                              "total_tokens": prompt + completion}}
+        if chat and shape.show_prompt_logprobs:  # vLLM: once per chat response
+            response["prompt_logprobs"] = shape.prompt_json(prompt_lps[0])
+        return response
 
-    async def _sse(stream, first, request_id, created, chat, include_usage, top_k, tools):
+    async def _sse(stream, first, request_id, created, include_usage, shape: _Shape):
+        chat, tools = shape.chat, shape.tools
         obj = "chat.completion.chunk" if chat else "text_completion"
         started: set[int] = set()
         tool_streams: dict[int, ToolDeltaStream] = {}
+        offsets: dict[int, int] = {}  # each choice's text_offset so far
         completion = 0
         prompt_tokens: dict[str, int] = {}  # per prompt's request: usage sums them
 
@@ -335,12 +377,17 @@ def build_openai_app(get_client: Callable[[], Awaitable[EngineClient]],
                 prompt_tokens[out.request_id] = len(out.prompt_token_ids)
                 if out.finished:
                     _record(out)
+                echoed = (shape.prompt_entries(out) if shape.echo_logprobs
+                          and out.prompt_logprobs is not None else [])
                 for c in out.outputs:
                     completion += len(c.token_ids)
                     if not c.text and not c.token_ids and c.finish_reason is None:
                         continue
-                    lp = (_format_logprobs(_logprob_entries(c, top_k), chat)
-                          if c.logprobs else None)
+                    lp = None
+                    if c.logprobs or echoed:
+                        entries = echoed + completion_entries(c, shape.top_k)
+                        lp = format_logprobs(entries, chat, offsets.get(c.index, 0))
+                        offsets[c.index] = offsets.get(c.index, 0) + text_length(entries)
                     if chat and tools is not None:
                         ts = tool_streams.setdefault(c.index, ToolDeltaStream(tools))
                         deltas = [ts.feed(c.text)]
@@ -523,29 +570,3 @@ def build_openai_app(get_client: Callable[[], Awaitable[EngineClient]],
         Route("/reset_prefix_cache", endpoint(reset_prefix_cache, admin=True), methods=["POST"]),
     ]
     return Starlette(routes=routes)
-
-
-def _logprob_entries(completion, top_k: int) -> list[dict]:
-    """Per generated token: the sampled token's logprob and the top_k alternatives."""
-    entries = []
-    for token_id, lp in zip(completion.token_ids, completion.logprobs or []):
-        sampled = lp.get(token_id)
-        top = sorted(((t, l) for t, l in lp.items() if l.rank is not None and l.rank <= top_k),
-                     key=lambda x: x[1].rank)
-        entries.append({"token": sampled.decoded_token if sampled else "",
-                        "logprob": sampled.logprob if sampled else None,
-                        "top": [(l.decoded_token, l.logprob) for _, l in top]})
-    return entries
-
-
-def _format_logprobs(entries: list[dict], chat: bool) -> dict:
-    if chat:
-        return {"content": [{
-            "token": e["token"], "logprob": e["logprob"],
-            "bytes": list(e["token"].encode()),
-            "top_logprobs": [{"token": t, "logprob": l, "bytes": list(t.encode())}
-                             for t, l in e["top"]]} for e in entries]}
-    return {"tokens": [e["token"] for e in entries],
-            "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [dict(e["top"]) for e in entries],
-            "text_offset": []}

@@ -112,6 +112,7 @@ class _SamplingFields(_Strict):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted and not used (as vLLM): OpenAI's abuse tracking
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)  # vLLM's extension
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
@@ -132,6 +133,8 @@ class _SamplingFields(_Strict):
     def _stream_options_need_stream(self) -> "_SamplingFields":
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options needs stream=true")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs are not available with stream=true")
         return self
 
     def unsupported_param(self) -> ParamError | None:
@@ -181,9 +184,11 @@ class _SamplingFields(_Strict):
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         structured: StructuredOutputsParams | None,
-                        defaults: dict[str, int | float] | None = None) -> SamplingParams:
+                        defaults: dict[str, int | float] | None = None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         """defaults: the model's sampling defaults (engine.generation_defaults) for the
-        fields this request leaves unset."""
+        fields this request leaves unset; prompt_logprobs: what the engine computes
+        (echo with logprobs needs them even when the request does not ask)."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         base = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
                 "repetition_penalty": 1.0, **(defaults or {})}
@@ -195,7 +200,8 @@ class _SamplingFields(_Strict):
             max_tokens=max_tokens, min_tokens=self.min_tokens, stop=stop,
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=self.skip_special_tokens,
             logit_bias=self.logit_bias or None, allowed_token_ids=self.allowed_token_ids,
             bad_words=list(self.bad_words or []), structured_outputs=structured)
 
@@ -217,10 +223,14 @@ class CompletionRequest(_SamplingFields):
             raise ValueError(f"prompt: give 1 to {MAX_PROMPTS} prompts, got {count}")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of other than n is not supported")
-        if self.echo and self.logprobs is not None:
-            raise ValueError("echo with logprobs needs prompt logprobs, which this server "
-                             "does not compute yet")
         return self
+
+    def engine_prompt_logprobs(self) -> int | None:
+        """Prompt logprobs the engine computes: those asked, and with echo + logprobs
+        the prompt's part of the logprobs object."""
+        asked = [k for k in (self.prompt_logprobs,
+                             self.logprobs if self.echo else None) if k is not None]
+        return max(asked) if asked else None
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts in order: a string, token ids, or a list of either."""

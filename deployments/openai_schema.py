@@ -44,10 +44,22 @@ class Usage(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
+    """None entries: an echoed prompt's first token, which nothing predicts."""
+
     tokens: list[str]
     token_logprobs: list[float | None]
-    top_logprobs: list[dict[str, float]]
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
+
+
+class PromptTokenLogprob(BaseModel):
+    logprob: float
+    rank: int | None
+    decoded_token: str | None
+
+
+# vLLM's prompt_logprobs: per prompt token (null first), {token id: its logprob}
+PromptLogprobs = list[dict[str, PromptTokenLogprob] | None]
 
 
 class CompletionChoice(BaseModel):
@@ -55,6 +67,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # with prompt_logprobs: this choice's prompt
 
 
 class CompletionResponse(BaseModel):
@@ -114,6 +127,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = None  # with prompt_logprobs
 
 
 class FunctionCallDelta(BaseModel):

@@ -59,5 +59,7 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
-    prompt_logprobs: None = None
+    # prompt_logprobs asked: one entry per prompt token, None for the first (nothing
+    # before it), else {token id: Logprob} of that token and the top alternatives
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     extra: dict = field(default_factory=dict)

@@ -26,6 +26,8 @@ def check_params(params: SamplingParams, max_logprobs: int, vocab_size: int) -> 
     """What SamplingParams cannot check by itself: limits of this engine and its model."""
     if params.logprobs is not None and params.logprobs > max_logprobs:
         raise InvalidRequestError(f"logprobs must be <= {max_logprobs}")
+    if params.prompt_logprobs is not None and params.prompt_logprobs > max_logprobs:
+        raise InvalidRequestError(f"prompt_logprobs must be <= {max_logprobs}")
     ids = params.token_ids_in_params()
     if ids and max(ids) >= vocab_size:
         raise InvalidRequestError(

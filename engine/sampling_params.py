@@ -33,6 +33,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
+    # logprobs of each prompt token given those before it (the first has none), with
+    # this many top alternatives; the engine computes every prompt position for them
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, [-100, 100]
     allowed_token_ids: list[int] | None = None  # sample only among these
@@ -65,6 +68,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         _check(self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
                f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        _check(self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+               f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
                "stop_token_ids must be non-negative ints")

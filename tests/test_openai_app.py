@@ -286,14 +286,15 @@ def test_completions_with_a_list_of_prompts_and_echo(tiny_server, tiny_llama):
             for c in chunk.choices:
                 streamed[c.index] = streamed.get(c.index, "") + c.text
             usage = chunk.usage or usage
-        bad = await http.post("/v1/completions", json={"prompt": prompts, "echo": True,
-                                                       "logprobs": 1})
+        with_lp = (await http.post("/v1/completions", json={
+            "prompt": prompts, "echo": True, "logprobs": 1, "max_tokens": 5,
+            "temperature": 0})).json()
         too_many = await http.post("/v1/completions", json={"prompt": ["x"] * 300})
         ids = [[101, 2000, 3000], [7, 8, 9, 10]]
         by_ids = await oai.completions.create(prompt=ids, echo=True, **greedy)
-        return alone, batch, echoed, streamed, usage, bad, too_many, by_ids, ids
+        return alone, batch, echoed, streamed, usage, with_lp, too_many, by_ids, ids
 
-    alone, batch, echoed, streamed, usage, bad, too_many, by_ids, ids = serve(real, test)
+    alone, batch, echoed, streamed, usage, with_lp, too_many, by_ids, ids = serve(real, test)
     texts = prompts
     assert [c.text[:len(tokenizer.decode(i))] for c, i in zip(by_ids.choices, ids)] == \
         [tokenizer.decode(i) for i in ids]
@@ -306,5 +307,10 @@ def test_completions_with_a_list_of_prompts_and_echo(tiny_server, tiny_llama):
     assert [c.text for c in echoed.choices] == [t + a for t, a in zip(texts, alone)]
     assert [streamed[i] for i in range(3)] == [c.text for c in echoed.choices]
     assert usage.completion_tokens == 15 and usage.prompt_tokens == prompt_tokens
-    assert bad.status_code == 400 and too_many.status_code == 400
+    for choice, prompt in zip(with_lp["choices"], prompts):  # the prompt's tokens first
+        lp = choice["logprobs"]
+        n = len(tokenizer.encode(prompt)) if isinstance(prompt, str) else len(prompt)
+        assert len(lp["tokens"]) == n + 5 and lp["token_logprobs"][0] is None
+        assert all(v is not None for v in lp["token_logprobs"][1:])
+    assert too_many.status_code == 400
 

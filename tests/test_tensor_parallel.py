@@ -25,13 +25,23 @@ def tiny_mqa(tmp_path_factory, default_model_dir):
                             default_model_dir, num_key_value_heads=1)
 
 
+def _prompt_logprobs(llm, prompts) -> list[list[float]]:
+    """Each prompt token's logprob (from the second on)."""
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
+    return [[e[t].logprob for t, e in zip(o.prompt_token_ids[1:], o.prompt_logprobs[1:])]
+            for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
 def _tp_vs_single(model_dir, tp, **engine_kwargs):
     prompts = _prompts([70, 33, 5, 100, 17])
     single = LLM(str(model_dir), dtype="float32", **engine_kwargs)
     expected = _greedy(single, prompts)
+    expected_lp = _prompt_logprobs(single, prompts[:2])
     llm = LLM(str(model_dir), dtype="float32", tensor_parallel_size=tp, **engine_kwargs)
     try:
         assert _greedy(llm, prompts) == expected
+        for got, want in zip(_prompt_logprobs(llm, prompts[:2]), expected_lp):
+            assert got == pytest.approx(want, abs=1e-4)
         usage = llm.llm_engine.engine_core.get_memory_usage()
         whole = single.llm_engine.engine_core.get_memory_usage()["weights_bytes"]
         return usage, whole

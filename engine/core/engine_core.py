@@ -22,7 +22,7 @@ from engine.errors import (
     InvalidRequestError,
 )
 from engine.executor.model_runner import ModelRunner
-from engine.executor.sampler import Sampler
+from engine.executor.sampler import Sampler, prompt_token_logprobs
 from engine.generation_defaults import sampling_defaults
 from engine.model.kernels import cpu_kernels
 from engine.model.llama import ModelShape
@@ -156,6 +156,11 @@ class EngineCore:
             request.num_computed_tokens += n
         for i, hidden in result.pooled:
             outputs.extend(self._pool(sched.requests[i], hidden))
+        for i, first, span_logits in result.prompt_logits:
+            request = sched.requests[i]
+            targets = request.prompt_token_ids[first + 1:first + 1 + span_logits.shape[0]]
+            request.prompt_logprobs.extend(prompt_token_logprobs(
+                span_logits, targets, request.params.prompt_logprobs))
         if not rows:
             return outputs
         sampled_requests = [sched.requests[i] for i in rows]
@@ -176,6 +181,8 @@ class EngineCore:
             out = EngineCoreOutput(request.request_id, [token],
                                    new_logprobs=None if lp is None else [lp],
                                    num_cached_tokens=max(0, request.num_cached_tokens))
+            if request.prompt_logprobs is not None:  # gathered in full by now: sent once
+                out.prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, None
             if status is not None:
                 out.finish_reason = status.value
                 out.stop_reason = request.stop_reason

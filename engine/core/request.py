@@ -52,6 +52,10 @@ class Request:
         self.grammar = None  # GrammarState of a structured-outputs request (engine.structured)
         self.pooling = pooling  # an embedding request: pools its prompt, samples nothing
         self.pool_sum: torch.Tensor | None = None  # mean pooling: sum of its hidden states
+        # prompt_logprobs: one (ids, logprobs, ranks) per prompt position from 1, gathered
+        # chunk by chunk; None when not asked or once sent with the first token
+        self.prompt_logprobs: list[tuple[list[int], list[float], list[int]]] | None = (
+            [] if params.prompt_logprobs is not None else None)
         if params.seed is not None:
             self.generator = torch.Generator()
             self.generator.manual_seed(params.seed)
@@ -72,6 +76,13 @@ class Request:
     def waiting_for_grammar(self) -> bool:
         """Its constraint is still compiling: the scheduler leaves it waiting."""
         return self.grammar is not None and self.grammar.matcher is None
+
+    @property
+    def needs_prompt_logits(self) -> bool:
+        """Prompt logprobs are asked and not all gathered: every prompt position must be
+        computed here (no prefix-cache hits), its logits kept."""
+        return (self.prompt_logprobs is not None
+                and len(self.prompt_logprobs) < self.num_prompt_tokens - 1)
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -76,9 +76,10 @@ class Scheduler:
                 if request.waiting_for_grammar:
                     compiling.append(self.waiting.popleft())
                     continue
-                # an embedding request computes every token (mean pooling needs them all)
-                hits = [] if request.pooling is not None else \
-                    self.kv.find_cached_prefix(request)
+                # an embedding request computes every token (mean pooling needs them all),
+                # and so does one that asks for prompt logprobs (they need the logits)
+                recompute = request.pooling is not None or request.needs_prompt_logits
+                hits = [] if recompute else self.kv.find_cached_prefix(request)
                 computed = len(hits) * self.kv.block_size
                 n = min(request.num_tokens - computed, budget)
                 if not self.kv.allocate(request, n, hits):

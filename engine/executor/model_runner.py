@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 import torch
@@ -51,6 +51,17 @@ class StepInput(msgspec.Struct, array_like=True, gc=False):
     block_tables: list[list[int]]  # its blocks covering seq_lens
     logit_positions: list[int]  # flat token index of each sampling row
     pool_spans: list[list[int]] = []  # [start, end) flat tokens of each embedding request
+    # [start, end) flat tokens whose logits give prompt logprobs (after the sampling rows)
+    prompt_spans: list[list[int]] = []
+
+
+@dataclass
+class StepRows:
+    """What each output of a step belongs to (indexes into the step's requests)."""
+
+    sample: list[int] = field(default_factory=list)  # one per sampling logits row
+    pool: list[int] = field(default_factory=list)  # one per pool span
+    prompt: list[tuple[int, int]] = field(default_factory=list)  # (request, first position)
 
 
 @dataclass
@@ -58,6 +69,21 @@ class StepResult:
     logits: torch.Tensor | None  # [S, V] for the sampling rows
     sample_rows: list[int]  # index into the step's requests, one per logits row
     pooled: list[tuple[int, torch.Tensor]]  # (request index, hidden states [n, H]) per span
+    # (request index, first prompt position p, logits [n, V] of positions p..p+n-1)
+    prompt_logits: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)
+
+    @classmethod
+    def build(cls, step: StepInput, rows: StepRows, logits: torch.Tensor | None,
+              pooled: list[torch.Tensor]) -> "StepResult":
+        """Split run()'s logits into the sampling rows and each prompt span's rows."""
+        spans = []
+        if logits is not None and step.prompt_spans:
+            at = len(step.logit_positions)
+            for (i, first), (start, end) in zip(rows.prompt, step.prompt_spans):
+                spans.append((i, first, logits[at:at + end - start]))
+                at += end - start
+            logits = logits[:len(step.logit_positions)]
+        return cls(logits, rows.sample, list(zip(rows.pool, pooled)), spans)
 
 
 class ModelRunner:
@@ -177,22 +203,22 @@ class ModelRunner:
 
     # ---- one step ---------------------------------------------------------------------
     def execute(self, sched: SchedulerOutput) -> StepResult:
-        """Run the forward pass: logits [S, V] of the batch rows that sample, and the
-        hidden states of the embedding requests' tokens this step."""
-        step, sample_rows, pool_rows = self.prepare(sched)
-        logits, pooled = self.run(step)
-        return StepResult(logits, sample_rows, list(zip(pool_rows, pooled)))
+        """Run the forward pass: logits [S, V] of the batch rows that sample, the hidden
+        states of the embedding requests' tokens and the logits of the prompt positions
+        that prompt logprobs need, this step."""
+        step, rows = self.prepare(sched)
+        return StepResult.build(step, rows, *self.run(step))
 
-    def prepare(self, sched: SchedulerOutput) -> tuple[StepInput, list[int], list[int]]:
-        """The step's inputs as lists, the rows of sched.requests that sample and those
-        that pool (embedding requests, every chunk). Decodes come first in the flat
-        batch, then the prefill chunks."""
+    def prepare(self, sched: SchedulerOutput) -> tuple[StepInput, StepRows]:
+        """The step's inputs as lists, and which requests its outputs belong to: the
+        rows that sample, those that pool (embedding requests, every chunk) and those
+        whose prompt positions need logits. Decodes come first in the flat batch, then
+        the prefill chunks."""
         bs = self.block_size
         order = sorted(range(len(sched.requests)), key=lambda i: sched.num_new_tokens[i] != 1)
         step = StepInput([], [], [], [], [], [], [])
         ids, positions, slots = step.ids, step.positions, step.slots
-        sample_rows: list[int] = []  # index into sched.requests
-        pool_rows: list[int] = []
+        rows = StepRows()
         for i in order:
             request, n = sched.requests[i], sched.num_new_tokens[i]
             start = request.num_computed_tokens
@@ -204,27 +230,40 @@ class ModelRunner:
             step.query_lens.append(n)
             step.seq_lens.append(end)
             step.block_tables.append(blocks[:-(-end // bs)])
+            base = len(ids) - n  # flat index of position `start`
             if request.pooling is not None:
-                pool_rows.append(i)
-                step.pool_spans.append([len(ids) - n, len(ids)])
-            elif end == request.num_tokens:
-                sample_rows.append(i)
+                rows.pool.append(i)
+                step.pool_spans.append([base, len(ids)])
+                continue
+            if request.needs_prompt_logits:
+                # position p's logits give the logprob of prompt token p + 1
+                first = max(start, len(request.prompt_logprobs))
+                last = min(end, request.num_prompt_tokens - 1)
+                if last > first:
+                    rows.prompt.append((i, first))
+                    step.prompt_spans.append([base + first - start, base + last - start])
+            if end == request.num_tokens:
+                rows.sample.append(i)
                 step.logit_positions.append(len(ids) - 1)
-        return step, sample_rows, pool_rows
+        return step, rows
 
     @torch.inference_mode()
     def run(self, step: StepInput) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
-        """Forward pass of one step: logits [S, V] of its sampling rows (None on TP
-        ranks other than 0), and the final hidden states (float32) of each pool span."""
+        """Forward pass of one step: logits [S + P, V] of its sampling rows then of its
+        prompt spans' positions (None on TP ranks other than 0), and the final hidden
+        states (float32) of each pool span."""
         dev = self.device
         meta = self._attention_metadata(step)
         input_ids = torch.tensor(step.ids, dtype=torch.long, device=dev)
         pos = torch.tensor(step.positions, dtype=torch.long, device=dev)
         hidden = self.model(input_ids, pos, self.layer_caches, meta)
         pooled = [hidden[start:end].float() for start, end in step.pool_spans]
-        if not step.logit_positions:
+        positions = list(step.logit_positions)
+        for start, end in step.prompt_spans:
+            positions.extend(range(start, end))
+        if not positions:
             return hidden.new_empty((0, self.shape.vocab_size), dtype=torch.float32), pooled
-        index = torch.tensor(step.logit_positions, dtype=torch.long, device=dev)
+        index = torch.tensor(positions, dtype=torch.long, device=dev)
         return self.model.compute_logits(hidden.index_select(0, index)), pooled
 
     def _attention_metadata(self, step: StepInput) -> AttentionMetadata:

@@ -160,24 +160,45 @@ class Sampler:
     @staticmethod
     def _gather_logprobs(logprobs: torch.Tensor, tokens: torch.Tensor, params
                          ) -> list[tuple[list[int], list[float], list[int]] | None]:
-        k = max(p.logprobs or 0 for p in params)
-        sampled_lp = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
-        ranks = (logprobs > sampled_lp.unsqueeze(1)).sum(dim=1) + 1
-        top_vals, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
-        rows = []
-        for i, p in enumerate(params):
-            if p.logprobs is None:
-                rows.append(None)
-                continue
-            ids = [int(tokens[i])]
-            vals = [float(sampled_lp[i])]
-            rk = [int(ranks[i])]
-            if p.logprobs:
-                ids += top_ids[i, :p.logprobs].tolist()
-                vals += top_vals[i, :p.logprobs].tolist()
-                rk += list(range(1, p.logprobs + 1))
-            rows.append((ids, vals, rk))
-        return rows
+        return token_logprobs(logprobs, tokens, [p.logprobs for p in params])
+
+
+def prompt_token_logprobs(logits: torch.Tensor, targets: list[int], top: int
+                          ) -> list[tuple[list[int], list[float], list[int]]]:
+    """Prompt logprobs of a span: row j of `logits` scores targets[j] (the prompt token
+    after it), with its rank and the `top` best alternatives (the model's raw
+    log-softmax, as for sampled tokens)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    tokens = torch.tensor(targets, dtype=torch.long, device=logits.device)
+    return token_logprobs(logprobs, tokens, [top] * len(targets))
+
+
+def token_logprobs(logprobs: torch.Tensor, tokens: torch.Tensor, counts: list[int | None]
+                   ) -> list[tuple[list[int], list[float], list[int]] | None]:
+    """Per row: (ids, logprobs, ranks) of tokens[i] first, then the counts[i] most likely
+    tokens (None where counts[i] is None)."""
+    k = max(c or 0 for c in counts)
+    chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    ranks = ((logprobs > chosen.unsqueeze(1)).sum(dim=1) + 1).tolist()
+    chosen_vals, token_ids = chosen.tolist(), tokens.tolist()
+    top_vals = top_ids = None
+    if k:
+        vals, ids = logprobs.topk(k, dim=-1)
+        top_vals, top_ids = vals.tolist(), ids.tolist()
+    rows = []
+    for i, c in enumerate(counts):
+        if c is None:
+            rows.append(None)
+            continue
+        ids = [token_ids[i]]
+        vals = [chosen_vals[i]]
+        rk = [ranks[i]]
+        if c:
+            ids += top_ids[i][:c]
+            vals += top_vals[i][:c]
+            rk += list(range(1, c + 1))
+        rows.append((ids, vals, rk))
+    return rows
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:

@@ -212,10 +212,9 @@ class TPExecutor:
                 "per_rank_kv_cache_bytes": [r[1] for r in per_rank]}
 
     def execute(self, sched: SchedulerOutput) -> StepResult:
-        step, rows, pool_rows = self.runner.prepare(sched)
+        step, rows = self.runner.prepare(sched)
         self._send(Command("step", step=step))
-        logits, pooled = self._call(self.runner.run, step)
-        return StepResult(logits, rows, list(zip(pool_rows, pooled)))
+        return StepResult.build(step, rows, *self._call(self.runner.run, step))
 
     def shutdown(self) -> None:
         """Stop the workers (a stop message if the group still works, then the launcher)."""

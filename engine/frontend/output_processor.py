@@ -53,10 +53,18 @@ class _Parent:
     children: list[_Child]
     metrics: RequestMetrics
     num_cached_tokens: int = 0
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    sent_prompt_logprobs: bool = False
 
     @property
     def finished(self) -> bool:
         return all(c.finish_reason is not None for c in self.children)
+
+    @property
+    def awaiting_prompt_logprobs(self) -> bool:
+        """Asked, not here yet: a delta stream waits for them, so that its first output
+        carries them (with n > 1 another sequence's token may come first)."""
+        return self.params.prompt_logprobs is not None and self.prompt_logprobs is None
 
 
 @dataclass
@@ -162,7 +170,8 @@ class OutputProcessor:
                 self._by_engine_id.pop(child.engine_id, None)
                 if parent.finished:
                     parent.metrics.finished_time = now
-            if parent.kind is OutputKind.DELTA or parent.finished:  # FINAL_ONLY: at the end
+            if parent.finished or (parent.kind is OutputKind.DELTA  # FINAL_ONLY: at the end
+                                   and not parent.awaiting_prompt_logprobs):
                 touched[parent.request_id] = None
         return UpdatedRequests(list(touched), to_abort)
 
@@ -191,13 +200,13 @@ class OutputProcessor:
         parent.num_cached_tokens = out.num_cached_tokens
         if out.pooled is not None:
             child.embedding = out.pooled
+        if out.prompt_logprobs is not None:
+            parent.prompt_logprobs = [None] + [self._logprob_entry(*row)
+                                               for row in out.prompt_logprobs]
         child.token_ids.extend(out.new_token_ids)
         if child.logprobs is not None and out.new_logprobs:
             for ids, vals, ranks in out.new_logprobs:
-                entry = {}
-                for t, v, r in zip(ids, vals, ranks):
-                    entry.setdefault(t, Logprob(v, r, self.tokenizer.decode([t])))
-                child.logprobs.append(entry)
+                child.logprobs.append(self._logprob_entry(ids, vals, ranks))
                 child.cumulative_logprob += vals[0]
         delta = child.detok.update(out.new_token_ids)
         child.text = child.detok.output_text
@@ -212,6 +221,14 @@ class OutputProcessor:
                 return
         if out.finish_reason is not None:
             child.finish_reason, child.stop_reason = out.finish_reason, out.stop_reason
+
+    def _logprob_entry(self, ids: list[int], vals: list[float], ranks: list[int]
+                       ) -> dict[int, Logprob]:
+        """{token id: Logprob} of one position, the scored token first."""
+        entry: dict[int, Logprob] = {}
+        for t, v, r in zip(ids, vals, ranks):
+            entry.setdefault(t, Logprob(v, r, self.tokenizer.decode([t])))
+        return entry
 
     def _make_output(self, parent: _Parent, finished: bool) -> RequestOutput:
         completions = []
@@ -232,5 +249,12 @@ class OutputProcessor:
             completions.append(CompletionOutput(
                 child.index, text, tokens, child.cumulative_logprob, logprobs,
                 child.finish_reason, child.stop_reason, child.embedding))
+        prompt_logprobs = parent.prompt_logprobs
+        if parent.kind is OutputKind.DELTA:  # a delta stream carries them once
+            if parent.sent_prompt_logprobs:
+                prompt_logprobs = None
+            elif prompt_logprobs is not None:
+                parent.sent_prompt_logprobs = True
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids,
-                             completions, finished, parent.num_cached_tokens, parent.metrics)
+                             completions, finished, parent.num_cached_tokens, parent.metrics,
+                             prompt_logprobs)

@@ -91,7 +91,9 @@ class Processor:
             child = params
             if params.n > 1:
                 seed = None if params.seed is None else params.seed + i
-                child = params.clone(n=1, seed=seed)
+                # the prompt is the same for every sequence: the first computes its logprobs
+                child = params.clone(n=1, seed=seed,
+                                     prompt_logprobs=params.prompt_logprobs if i == 0 else None)
             requests.append(EngineCoreRequest(
                 child_request_id(request_id, i, params.n), list(prompt_token_ids), child,
                 arrival, priority=priority, data_parallel_rank=data_parallel_rank))

@@ -112,7 +112,8 @@ def _refuse_model_controls(params: SamplingParams) -> None:
         ("structured outputs", params.structured_outputs is not None),
         ("logit_bias", bool(params.logit_bias)),
         ("allowed_token_ids", params.allowed_token_ids is not None),
-        ("bad_words", bool(params.bad_words_token_ids))) if on]
+        ("bad_words", bool(params.bad_words_token_ids)),
+        ("prompt_logprobs", params.prompt_logprobs is not None)) if on]
     if asked:
         raise InvalidRequestError(f"the mock engine does not support {', '.join(asked)} "
                                   "(it has no model); use a real model")

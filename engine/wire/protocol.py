@@ -72,6 +72,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     num_cached_tokens: int = 0
     error: str | None = None  # set with finish_reason "error": why the engine refused it
     pooled: list[float] | None = None  # an embedding request's vector (with finish "stop")
+    # prompt positions 1.. (position 0 has no logprob), sent once with the first token
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
     @property
     def finished(self) -> bool:
