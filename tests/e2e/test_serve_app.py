@@ -109,18 +109,7 @@ def test_engines_that_disagree_give_500_naming_both_values(base_url):
         assert ok.status_code == 200
 
 
-def test_client_disconnect_aborts_at_the_engine(base_url):
-    from ray import serve
-    coordinator = serve.get_deployment_handle("Coordinator", app_name="flotilla")
-    with httpx.Client(base_url=base_url, timeout=60) as http:
-        with http.stream("POST", "/v1/completions", json={
-                "prompt": "tell me everything", "max_tokens": 3000, "ignore_eos": True,
-                "stream": True}) as r:
-            lines = r.iter_lines()
-            got = [next(lines) for _ in range(6)]
-            assert any(line.startswith("data: ") for line in got)
-            busy = coordinator.stats.remote().result()
-            assert sum(s["num_running_reqs"] for s in busy) == 1
+def _wait_idle(coordinator) -> list[dict]:
     import time
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
@@ -128,6 +117,35 @@ def test_client_disconnect_aborts_at_the_engine(base_url):
         if all(s["num_running_reqs"] == 0 and s["kv_cache_usage"] == 0 for s in stats):
             break
         time.sleep(0.2)
+    return stats
+
+
+@pytest.mark.parametrize("prompts", [1, 4], ids=["one_prompt", "four_prompts"])
+def test_client_disconnect_aborts_at_the_engine(base_url, prompts):
+    """A stream closed by its client aborts every engine request behind it; a list of
+    prompts is one engine request each, spread over both engines."""
+    import time
+
+    from ray import serve
+    coordinator = serve.get_deployment_handle("Coordinator", app_name="flotilla")
+    prompt = "tell me everything" if prompts == 1 else [f"tell me about {i}"
+                                                         for i in range(prompts)]
+    with httpx.Client(base_url=base_url, timeout=60) as http:
+        with http.stream("POST", "/v1/completions", json={
+                "prompt": prompt, "max_tokens": 3000, "ignore_eos": True,
+                "stream": True}) as r:
+            lines = r.iter_lines()
+            got = [next(lines) for _ in range(6)]
+            assert any(line.startswith("data: ") for line in got)
+            deadline = time.monotonic() + 5  # the prompts' ADDs leave one by one
+            busy = coordinator.stats.remote().result()
+            while sum(s["num_running_reqs"] for s in busy) < prompts and \
+                    time.monotonic() < deadline:
+                busy = coordinator.stats.remote().result()
+            assert sum(s["num_running_reqs"] for s in busy) == prompts
+            if prompts > 1:
+                assert all(s["num_running_reqs"] > 0 for s in busy), busy
+    stats = _wait_idle(coordinator)
     assert all(s["num_running_reqs"] == 0 and s["kv_cache_usage"] == 0 for s in stats), stats
 
 
