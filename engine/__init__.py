@@ -15,6 +15,7 @@ from engine.errors import (
     PromptTooLongError,
     UnsupportedModelError,
 )
+from engine.lora.request import LoRARequest
 from engine.outputs import CompletionOutput, Logprob, RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -27,7 +28,7 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "SamplingParams", "EngineConfig", "RequestOutput", "CompletionOutput",
+__all__ = ["LLM", "SamplingParams", "LoRARequest", "EngineConfig", "RequestOutput", "CompletionOutput",
            "Logprob", "FlotillaError", "InvalidRequestError", "PromptTooLongError",
            "DuplicateRequestError", "ModelNotFoundError", "UnsupportedModelError",
            "EngineDeadError"]

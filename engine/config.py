@@ -53,6 +53,13 @@ class EngineConfig:
         "auto", "sampling defaults for what a request leaves unset: auto (the model's "
         "generation_config.json), vllm (neutral: temperature 1, no top-k/top-p) or a "
         "folder holding a generation_config.json")
+    enable_lora: bool = option(False, "serve LoRA adapters (PEFT format) on top of the model")
+    max_loras: int = option(1, "adapters resident on the device at once (the most one step "
+                               "mixes)")
+    max_lora_rank: int = option(16, "the highest adapter rank accepted")
+    max_cpu_loras: int | None = option(None, "adapters cached in host memory; none: max_loras")
+    lora_modules: dict | None = option(None, 'adapters loaded at start, {"name": "path"} '
+                                             "(JSON)")
     override_generation_config: dict | None = option(
         None, "sampling defaults (JSON) that take precedence over generation_config, "
         'e.g. {"temperature": 0.6}')
@@ -74,6 +81,11 @@ class EngineConfig:
              "num_gpu_blocks_override must be >= 1"),
             (self.num_threads is None or self.num_threads >= 1, "num_threads must be >= 1"),
             (self.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1"),
+            (self.max_loras >= 1, "max_loras must be >= 1"),
+            (self.max_lora_rank >= 1, "max_lora_rank must be >= 1"),
+            (self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras,
+             "max_cpu_loras must be >= max_loras"),
+            (not self.lora_modules or self.enable_lora, "lora_modules needs enable_lora"),
         ]
         for ok, message in checks:
             if not ok:

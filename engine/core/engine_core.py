@@ -24,6 +24,8 @@ from engine.errors import (
 from engine.executor.model_runner import ModelRunner
 from engine.executor.sampler import Sampler, prompt_token_logprobs
 from engine.generation_defaults import sampling_defaults
+from engine.lora.manager import LoRAManager
+from engine.lora.request import LoRARequest
 from engine.model.kernels import cpu_kernels
 from engine.model.llama import ModelShape
 from engine.model.loader import load_hf_config, resolve_model
@@ -79,6 +81,9 @@ class EngineCore:
         self.structured = StructuredOutputManager(
             self.checkpoint, self.shape.vocab_size, self.eos_token_ids,
             fill_threads=config.cpu_threads() if self.device.type == "cpu" else 1)
+        self.lora = LoRAManager(config.max_loras) if config.enable_lora else None
+        for i, (name, path) in enumerate((config.lora_modules or {}).items(), 1):
+            self.add_lora(LoRARequest(name, i, str(path)))
         self.requests: dict[str, Request] = {}
         self._aborted: list[EngineCoreOutput] = []
         self._sleep_level = 0  # 0 awake; 1 KV cache freed (weights off GPU); 2 weights freed
@@ -119,9 +124,11 @@ class EngineCore:
         check_params(req.sampling_params, self.config.max_logprobs, self.shape.vocab_size)
         if req.pooling_params is not None:
             self.pooler.check(req.pooling_params)
+        if req.lora_request is not None:
+            self._check_lora(req.lora_request)
         request = Request(req.request_id, req.prompt_token_ids, req.sampling_params,
                           self.eos_token_ids, req.arrival_time or None, req.priority,
-                          req.pooling_params)
+                          req.pooling_params, req.lora_request)
         self.requests[req.request_id] = request
         self.structured.add(request)
         self.scheduler.add(request)
@@ -150,6 +157,8 @@ class EngineCore:
             if self.structured.has_pending():
                 self.structured.wait()  # only compiles are left: do not spin
             return outputs
+        if self.lora is not None:
+            self._place_adapters(sched.requests)
         result = self.runner.execute(sched)
         logits, rows = result.logits, result.sample_rows
         for request, n in zip(sched.requests, sched.num_new_tokens):
@@ -223,6 +232,53 @@ class EngineCore:
         if request.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
+
+    # ---- LoRA -------------------------------------------------------------------------
+    def _check_lora(self, lora: LoRARequest) -> None:
+        if self.lora is None:
+            raise InvalidRequestError("this engine serves no LoRA adapters (start it with "
+                                      "enable_lora)")
+        known = self.lora.registered.get(lora.lora_name)
+        if known is not None and known != lora:
+            raise InvalidRequestError(f"adapter {lora.lora_name!r} is loaded with another id "
+                                      "or path")
+        self.runner.check_lora(lora)  # reads it now, off the step: raises LoRAError
+
+    def _place_adapters(self, requests: list[Request]) -> None:
+        """Give the step's adapters device slots, loading those not resident."""
+        adapters = {r.lora.lora_int_id: r.lora for r in requests if r.lora is not None}
+        if not adapters:
+            return
+        slots, to_load = self.lora.assign(adapters)
+        for slot, lora in to_load:
+            self.runner.load_lora(slot, lora)
+        for r in requests:
+            if r.lora is not None:
+                r.lora_slot = slots[r.lora.lora_int_id]
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load an adapter by name (requests may then name it); raises if it cannot be
+        served. Loading the same adapter again is a no-op."""
+        self._check_lora(lora_request)
+        self.lora.register(lora_request)
+        return True
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Forget an adapter. Requests already running with it finish. Its slot and host
+        copy are freed now when no request uses it, else they go as any other adapter's
+        do (least recently used). False if no adapter has that id."""
+        if self.lora is None or not self.lora.unregister(lora_id):
+            return False
+        if not any(r.lora is not None and r.lora.lora_int_id == lora_id
+                   for r in self.requests.values()):
+            self.lora.release(lora_id)
+            self.runner.drop_lora(lora_id)
+        return True
+
+    def list_loras(self) -> list[int]:
+        """Ids of the adapters loaded by name."""
+        return [] if self.lora is None else sorted(
+            r.lora_int_id for r in self.lora.registered.values())
 
     # ---- utilities --------------------------------------------------------------------
     def reset_prefix_cache(self, reset_running_requests: bool = False,

@@ -61,9 +61,10 @@ class KVCacheManager:
         tokens = request.all_token_ids
         usable = (len(tokens) - 1) // self.block_size
         hits: list[int] = []
-        parent = None
+        root = request.cache_root
+        parent = root
         for i in range(usable):
-            chunk = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
+            chunk = _key(root, tokens[i * self.block_size:(i + 1) * self.block_size])
             h = hash((parent, chunk))
             block_id = self.cached.get(h)
             if block_id is None or self.blocks[block_id].token_ids != chunk:
@@ -135,12 +136,19 @@ class KVCacheManager:
         """Hash the request's blocks that will be full once num_tokens are computed."""
         full = num_tokens // self.block_size
         tokens = request.all_token_ids
+        root = request.cache_root
         for i in range(len(request.block_hashes), full):
-            parent = request.block_hashes[-1] if request.block_hashes else None
-            chunk = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
+            parent = request.block_hashes[-1] if request.block_hashes else root
+            chunk = _key(root, tokens[i * self.block_size:(i + 1) * self.block_size])
             h = hash((parent, chunk))
             request.block_hashes.append(h)
             block = self.blocks[request.block_ids[i]]
             if block.block_hash is None:
                 block.block_hash, block.token_ids = h, chunk
                 self.cached.setdefault(h, block.block_id)
+
+
+def _key(root, tokens: list[int]) -> tuple:
+    """A block's identity beside its hash: its tokens, and the adapter it was computed
+    under (compared on a hit, so not even a hash collision mixes adapters)."""
+    return tuple(tokens) if root is None else (root, tuple(tokens))

@@ -6,6 +6,7 @@ import time
 
 import torch
 
+from engine.lora.request import LoRARequest
 from engine.pooling import PoolingParams
 from engine.sampling_params import SamplingParams
 
@@ -32,7 +33,8 @@ class Request:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  eos_token_ids: tuple[int, ...], arrival_time: float | None = None,
-                 priority: int = 0, pooling: PoolingParams | None = None) -> None:
+                 priority: int = 0, pooling: PoolingParams | None = None,
+                 lora: LoRARequest | None = None) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.all_token_ids = list(prompt_token_ids)
@@ -51,6 +53,8 @@ class Request:
         self.generator: torch.Generator | None = None
         self.grammar = None  # GrammarState of a structured-outputs request (engine.structured)
         self.pooling = pooling  # an embedding request: pools its prompt, samples nothing
+        self.lora = lora  # the adapter it runs with (None: the base model)
+        self.lora_slot = -1  # its adapter's device slot this step (-1: none)
         self.pool_sum: torch.Tensor | None = None  # mean pooling: sum of its hidden states
         # prompt_logprobs: one (ids, logprobs, ranks) per prompt position from 1, gathered
         # chunk by chunk; None when not asked or once sent with the first token
@@ -71,6 +75,12 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def cache_root(self) -> tuple[str, int] | None:
+        """What the prefix cache keys this request's blocks under besides the tokens: KV
+        computed under one adapter is never reused under another or the base model."""
+        return None if self.lora is None else ("lora", self.lora.lora_int_id)
 
     @property
     def waiting_for_grammar(self) -> bool:

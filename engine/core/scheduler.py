@@ -8,7 +8,8 @@ request at the tail of the running queue is preempted: its blocks are freed
 and it goes back to the front of the waiting queue, to be recomputed later
 (its full blocks often survive in the prefix cache). Waiting requests are
 admitted with what budget and max_num_seqs leave; one whose structured-outputs
-grammar is still compiling is passed over until it is ready.
+grammar is still compiling is passed over until it is ready, and so is one whose
+LoRA adapter would make the running batch hold more than max_loras adapters.
 """
 from __future__ import annotations
 
@@ -70,11 +71,17 @@ class Scheduler:
             break  # the request preempted itself: nothing after it can run either
 
         if not out.preempted:
-            compiling: list[Request] = []  # skipped, not blocking those behind them
+            # skipped, not blocking those behind them: a grammar still compiling, or an
+            # adapter that would put more than max_loras adapters in the batch
+            passed: list[Request] = []
+            adapters = {r.lora.lora_int_id for r in self.running if r.lora is not None}
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 request = self.waiting[0]
-                if request.waiting_for_grammar:
-                    compiling.append(self.waiting.popleft())
+                if request.waiting_for_grammar or (
+                        request.lora is not None
+                        and request.lora.lora_int_id not in adapters
+                        and len(adapters) >= self.config.max_loras):
+                    passed.append(self.waiting.popleft())
                     continue
                 # an embedding request computes every token (mean pooling needs them all),
                 # and so does one that asks for prompt logprobs (they need the logits)
@@ -90,10 +97,12 @@ class Scheduler:
                     request.num_cached_tokens = computed
                 request.status = RequestStatus.RUNNING
                 self.running.append(request)
+                if request.lora is not None:
+                    adapters.add(request.lora.lora_int_id)
                 scheduled.append(request)
                 out.num_new_tokens.append(n)
                 budget -= n
-            self.waiting.extendleft(reversed(compiling))
+            self.waiting.extendleft(reversed(passed))
         out.requests = scheduled
         return out
 

@@ -19,6 +19,10 @@ from engine.config import CPU_DEFAULT_KV_CACHE_BYTES, EngineConfig
 from engine.core.scheduler import SchedulerOutput
 from engine.errors import InvalidRequestError
 from engine.executor.parallel import ShardPlan, TPGroup
+from engine.lora.adapter import load_adapter
+from engine.lora.manager import AdapterCache
+from engine.lora.request import LoRARequest
+from engine.lora.slots import LoRASlots
 from engine.model.hugepages import (
     advise_huge_pages,
     anonymous_regions,
@@ -53,6 +57,7 @@ class StepInput(msgspec.Struct, array_like=True, gc=False):
     pool_spans: list[list[int]] = []  # [start, end) flat tokens of each embedding request
     # [start, end) flat tokens whose logits give prompt logprobs (after the sampling rows)
     prompt_spans: list[list[int]] = []
+    lora_segments: list[list[int]] = []  # [start, end, slot) runs of one adapter's tokens
 
 
 @dataclass
@@ -104,6 +109,10 @@ class ModelRunner:
         self.kernels = cpu_kernels() if device.type == "cpu" else None
         self.native_attention = self.kernels.paged_attention if self.kernels else None
         self.model = self._load_model()
+        self.lora_slots: LoRASlots | None = None
+        self.lora_cache: AdapterCache | None = None
+        if config.enable_lora:
+            self._enable_lora()
         self.kv_caches: torch.Tensor | None = None
         self.layer_caches: list[tuple[torch.Tensor, torch.Tensor]] = []  # views, per layer
         self.num_blocks = 0
@@ -129,6 +138,28 @@ class ModelRunner:
             collapse_new_regions(regions)
         logger.info("loaded %s in %.2fs", self.shape.architecture, time.perf_counter() - start)
         return model
+
+    # ---- LoRA -------------------------------------------------------------------------
+    def _enable_lora(self) -> None:
+        c = self.config
+        self.lora_slots = LoRASlots(self.shape, self.plan, c.max_loras, c.max_lora_rank,
+                                    self.device, self.dtype)
+        self.model.attach_lora(self.lora_slots)
+        self.lora_cache = AdapterCache(
+            c.max_cpu_loras or c.max_loras,
+            lambda r: load_adapter(r.lora_name, r.lora_path, self.shape, self.plan,
+                                   c.max_lora_rank, self.dtype))
+
+    def check_lora(self, request: LoRARequest) -> None:
+        """Read (and so validate) an adapter into the host cache; raises LoRAError."""
+        self.lora_cache.get(request)
+
+    def load_lora(self, slot: int, request: LoRARequest) -> None:
+        """Put an adapter in a device slot (from the host cache, else from disk)."""
+        self.lora_slots.load(slot, request.lora_int_id, self.lora_cache.get(request))
+
+    def drop_lora(self, lora_id: int) -> None:
+        self.lora_cache.drop(lora_id)
 
     # ---- KV cache ---------------------------------------------------------------------
     def bytes_per_block(self) -> int:
@@ -188,6 +219,8 @@ class ModelRunner:
     def restore_weights(self) -> None:
         if self.model is None:
             self.model = self._load_model()
+            if self.lora_slots is not None:
+                self.model.attach_lora(self.lora_slots)
         elif not self.has_weights():
             self.model.to(self.device)
 
@@ -215,7 +248,9 @@ class ModelRunner:
         whose prompt positions need logits. Decodes come first in the flat batch, then
         the prefill chunks."""
         bs = self.block_size
-        order = sorted(range(len(sched.requests)), key=lambda i: sched.num_new_tokens[i] != 1)
+        # decodes first; within each kind, one adapter's tokens together (LoRA runs)
+        order = sorted(range(len(sched.requests)), key=lambda i: (
+            sched.num_new_tokens[i] != 1, sched.requests[i].lora_slot))
         step = StepInput([], [], [], [], [], [], [])
         ids, positions, slots = step.ids, step.positions, step.slots
         rows = StepRows()
@@ -231,6 +266,13 @@ class ModelRunner:
             step.seq_lens.append(end)
             step.block_tables.append(blocks[:-(-end // bs)])
             base = len(ids) - n  # flat index of position `start`
+            slot = request.lora_slot
+            if slot >= 0:
+                runs = step.lora_segments
+                if runs and runs[-1][2] == slot and runs[-1][1] == base:
+                    runs[-1][1] = len(ids)
+                else:
+                    runs.append([base, len(ids), slot])
             if request.pooling is not None:
                 rows.pool.append(i)
                 step.pool_spans.append([base, len(ids)])
@@ -253,6 +295,8 @@ class ModelRunner:
         prompt spans' positions (None on TP ranks other than 0), and the final hidden
         states (float32) of each pool span."""
         dev = self.device
+        if self.lora_slots is not None:
+            self.lora_slots.segments = [tuple(run) for run in step.lora_segments]
         meta = self._attention_metadata(step)
         input_ids = torch.tensor(step.ids, dtype=torch.long, device=dev)
         pos = torch.tensor(step.positions, dtype=torch.long, device=dev)

@@ -31,6 +31,7 @@ from engine.core.scheduler import SchedulerOutput
 from engine.errors import EngineDeadError, InvalidRequestError
 from engine.executor.model_runner import ModelRunner, StepInput, StepResult
 from engine.executor.parallel import ShardPlan, TPGroup, check_divisible
+from engine.lora.request import LoRARequest
 from engine.wire.core_server import free_port
 
 logger = logging.getLogger(__name__)
@@ -52,9 +53,11 @@ class WorkerArgs(msgspec.Struct):
 class Command(msgspec.Struct, array_like=True, gc=False):
     """Rank 0 -> workers, once per call: kind plus its argument."""
 
-    kind: str  # step | blocks | alloc | free_kv | free_weights | restore | memory | stop
+    kind: str  # step | blocks | alloc | free_kv | free_weights | restore | memory | lora |
+    # drop_lora | stop
     step: StepInput | None = None
     value: int = 0
+    lora: LoRARequest | None = None
 
 
 class WorkerLauncher(Protocol):
@@ -211,6 +214,17 @@ class TPExecutor:
         return {**mine, "per_rank_weights_bytes": [r[0] for r in per_rank],
                 "per_rank_kv_cache_bytes": [r[1] for r in per_rank]}
 
+    def check_lora(self, request: LoRARequest) -> None:
+        self.runner.check_lora(request)  # rank 0 validates; each rank reads its slice
+
+    def load_lora(self, slot: int, request: LoRARequest) -> None:
+        self._send(Command("lora", value=slot, lora=request))
+        self.runner.load_lora(slot, request)
+
+    def drop_lora(self, lora_id: int) -> None:
+        self._send(Command("drop_lora", value=lora_id))
+        self.runner.drop_lora(lora_id)
+
     def execute(self, sched: SchedulerOutput) -> StepResult:
         step, rows = self.runner.prepare(sched)
         self._send(Command("step", step=step))
@@ -252,6 +266,10 @@ def serve_commands(runner: ModelRunner, tp: TPGroup) -> None:
         elif kind == "memory":
             usage = runner.memory_usage()
             tp.gather_ints([usage["weights_bytes"], usage["kv_cache_bytes"]])
+        elif kind == "lora":
+            runner.load_lora(command.value, command.lora)
+        elif kind == "drop_lora":
+            runner.drop_lora(command.value)
         elif kind == "stop":
             return
         else:

@@ -10,6 +10,7 @@ from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.frontend.llm_engine import LLMEngine
 from engine.frontend.processor import Prompt
+from engine.lora.request import LoRARequest
 from engine.outputs import RequestOutput
 from engine.pooling import PoolingParams
 from engine.sampling_params import SamplingParams
@@ -36,18 +37,27 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate for every prompt; results come back in prompt order."""
+                 use_tqdm: bool = True,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+                 ) -> list[RequestOutput]:
+        """Generate for every prompt; results come back in prompt order. lora_request:
+        the adapter every prompt runs with, or one per prompt (None: the base model);
+        the engine needs enable_lora."""
         if isinstance(prompts, (str, dict)) or (
                 isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
         params = self._params_list(sampling_params, len(prompts))
+        loras = (list(lora_request) if isinstance(lora_request, (list, tuple))
+                 else [lora_request] * len(prompts))
+        if len(loras) != len(prompts):
+            raise InvalidRequestError(f"got {len(loras)} LoRA requests for {len(prompts)} "
+                                      "prompts")
         ids = []
         try:
-            for prompt, p in zip(prompts, params):
+            for prompt, p, lora in zip(prompts, params, loras):
                 request_id = str(next(self._counter))
-                self.llm_engine.add_request(request_id, prompt, p)
+                self.llm_engine.add_request(request_id, prompt, p, lora_request=lora)
                 ids.append(request_id)
         except Exception:
             self.llm_engine.abort_request(ids)
@@ -79,7 +89,8 @@ class LLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
              chat_template: str | None = None,
-             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict[str, Any] | None = None,
+             lora_request: LoRARequest | None = None) -> list[RequestOutput]:
         """Chat with the tokenizer's chat template; one conversation or a list of them."""
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         processor = self.llm_engine.processor
@@ -90,7 +101,7 @@ class LLM:
             # the template already holds the BOS/special tokens: do not add them twice
             ids = processor.tokenizer.encode(text, add_special_tokens=False)
             prompts.append({"prompt": text, "prompt_token_ids": ids})
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         return self.llm_engine.reset_prefix_cache(reset_running_requests)

@@ -10,6 +10,7 @@ from engine.core.engine_core import EngineCore
 from engine.errors import DuplicateRequestError
 from engine.frontend.output_processor import OutputProcessor
 from engine.frontend.processor import Processor, Prompt
+from engine.lora.request import LoRARequest
 from engine.model.loader import load_tokenizer
 from engine.outputs import OutputKind, RequestOutput
 from engine.pooling import PoolingParams
@@ -31,11 +32,14 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
                     kind: OutputKind = OutputKind.FINAL_ONLY,
-                    pooling_params: PoolingParams | None = None) -> None:
-        """pooling_params: an embedding request (params are then not used)."""
+                    pooling_params: PoolingParams | None = None,
+                    lora_request: LoRARequest | None = None) -> None:
+        """pooling_params: an embedding request (params are then not used);
+        lora_request: the adapter it runs with."""
         text, token_ids = self.processor.tokenize(prompt)
         requests = self.processor.make_requests(request_id, token_ids, params,
-                                                pooling_params=pooling_params)
+                                                pooling_params=pooling_params,
+                                                lora_request=lora_request)
         if self.output_processor.has_request(request_id):
             raise DuplicateRequestError(f"request id {request_id!r} is already running")
         added = []

@@ -13,6 +13,7 @@ from transformers import PreTrainedTokenizerBase
 
 from engine.errors import InvalidRequestError
 from engine.frontend.output_processor import child_request_id
+from engine.lora.request import LoRARequest
 from engine.pooling import PoolingParams
 from engine.request_checks import check_params, check_prompt
 from engine.sampling_params import SamplingParams
@@ -69,7 +70,8 @@ class Processor:
     def make_requests(self, request_id: str, prompt_token_ids: list[int],
                       params: SamplingParams, arrival_time: float | None = None,
                       priority: int = 0, data_parallel_rank: int | None = None,
-                      pooling_params: PoolingParams | None = None
+                      pooling_params: PoolingParams | None = None,
+                      lora_request: LoRARequest | None = None
                       ) -> list[EngineCoreRequest]:
         """Validate and build one EngineCoreRequest per sequence (n of them); with
         pooling_params, one embedding request (params only bound the prompt checks)."""
@@ -78,7 +80,8 @@ class Processor:
             return [EngineCoreRequest(request_id, list(prompt_token_ids),
                                       SamplingParams(max_tokens=1), arrival_time or time.time(),
                                       priority=priority, data_parallel_rank=data_parallel_rank,
-                                      pooling_params=pooling_params)]
+                                      pooling_params=pooling_params,
+                                      lora_request=lora_request)]
         check_prompt(prompt_token_ids, self.max_model_len, self.vocab_size)
         if params.bad_words and not params.bad_words_token_ids:
             params = params.clone(bad_words_token_ids=self.bad_words_token_ids(params.bad_words))
@@ -96,5 +99,6 @@ class Processor:
                                      prompt_logprobs=params.prompt_logprobs if i == 0 else None)
             requests.append(EngineCoreRequest(
                 child_request_id(request_id, i, params.n), list(prompt_token_ids), child,
-                arrival, priority=priority, data_parallel_rank=data_parallel_rank))
+                arrival, priority=priority, data_parallel_rank=data_parallel_rank,
+                lora_request=lora_request))
         return requests

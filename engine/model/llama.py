@@ -95,6 +95,9 @@ class ModelShape:
 
 
 class LlamaAttention(nn.Module):
+    lora = None  # LoRASlots once LoRA is enabled (attach_lora), with layer_index
+    layer_index = 0
+
     def __init__(self, shape: ModelShape, plan: ShardPlan, tp: TPGroup | None,
                  kernels=None) -> None:
         super().__init__()
@@ -116,6 +119,8 @@ class LlamaAttention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)
+        if self.lora is not None:
+            self.lora.add(self.layer_index, "qkv_proj", x, qkv)
         native_rope = self.kernels is not None and self.q_norm is None
         if native_rope:  # rotate q and k heads in place inside the fused qkv rows
             self.kernels.rotary_inplace(qkv, rope.positions, rope.cos_table, rope.sin_table,
@@ -128,12 +133,17 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if not native_rope:
             q, k = apply_rotary(q, k, rope.cos, rope.sin)
-        o = paged_attention(q, k, v, kv_cache, meta, self.scale)
-        out = self.o_proj(o.reshape(t, self.q_size))
+        o = paged_attention(q, k, v, kv_cache, meta, self.scale).reshape(t, self.q_size)
+        out = self.o_proj(o)
+        if self.lora is not None:
+            self.lora.add(self.layer_index, "o_proj", o, out)
         return self.tp.all_reduce(out) if self.tp is not None else out
 
 
 class LlamaMLP(nn.Module):
+    lora = None  # as LlamaAttention
+    layer_index = 0
+
     def __init__(self, shape: ModelShape, plan: ShardPlan, tp: TPGroup | None,
                  kernels=None) -> None:
         super().__init__()
@@ -147,11 +157,16 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
+        if self.lora is not None:
+            self.lora.add(self.layer_index, "gate_up_proj", x, gate_up)
         if self.kernels is not None:
-            out = self.down_proj(self.kernels.silu_and_mul(gate_up))
+            act = self.kernels.silu_and_mul(gate_up)
         else:
             gate, up = gate_up.split(self.intermediate, dim=-1)
-            out = self.down_proj(F.silu(gate) * up)
+            act = F.silu(gate) * up
+        out = self.down_proj(act)
+        if self.lora is not None:
+            self.lora.add(self.layer_index, "down_proj", act, out)
         return self.tp.all_reduce(out) if self.tp is not None else out
 
 
@@ -198,6 +213,13 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = Linear(shape.hidden_size, plan.vocab_per_rank, bias=False)
         if shape.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+
+    def attach_lora(self, slots) -> None:
+        """Have every attention and MLP block add the step's adapter products
+        (engine.lora.slots.LoRASlots) after its projections."""
+        for i, layer in enumerate(self.layers):
+            for block in (layer.self_attn, layer.mlp):
+                block.lora, block.layer_index = slots, i
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp is None:

@@ -22,6 +22,7 @@ from typing import Any
 
 import msgspec
 
+from engine.lora.request import LoRARequest
 from engine.pooling import PoolingParams
 from engine.sampling_params import SamplingParams
 
@@ -59,6 +60,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     priority: int = 0
     data_parallel_rank: int | None = None
     pooling_params: PoolingParams | None = None  # set: an embedding request (no sampling)
+    lora_request: LoRARequest | None = None  # the adapter it runs with (None: base model)
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):

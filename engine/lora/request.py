@@ -1,0 +1,19 @@
+"""LoRARequest: which adapter a request runs with (vLLM's names and order)."""
+from __future__ import annotations
+
+import msgspec
+
+from engine.errors import InvalidRequestError
+
+
+class LoRARequest(msgspec.Struct, array_like=True, frozen=True):
+    """An adapter by name, a positive integer id that is its identity inside the engines
+    (slots, prefix-cache keys), and the folder holding it (PEFT format)."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+
+    def __post_init__(self) -> None:
+        if not self.lora_name or self.lora_int_id < 1 or not self.lora_path:
+            raise InvalidRequestError("a LoRARequest needs a name, an id >= 1 and a path")
