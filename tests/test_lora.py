@@ -1,0 +1,180 @@
+"""LoRA adapters made here with peft (random non-zero A and B): Flotilla's greedy
+tokens equal HF + peft's per adapter, in mixed batches, through LRU slot swaps, under
+TP=2, with prefix caching keyed per adapter; bad adapters are refused by name."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from engine import LLM, LoRARequest, SamplingParams
+from engine.errors import InvalidRequestError
+from tests.conftest import hf_greedy
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+PROMPTS = [[1, 50, 300, 2000, 77], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19,
+                                     20, 21, 22, 23]]
+NEW = 8
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+
+
+def make_adapter(base_dir, out, rank: int, targets: list[str], seed: int,
+                 rslora: bool = False):
+    """A peft LoRA of base_dir with random A and B (peft's default B is zero), saved in
+    out; returns the merged HF model for reference generation."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=2 * rank,
+                                            target_modules=targets, use_rslora=rslora,
+                                            init_lora_weights=False))
+    model.save_pretrained(out)
+    return model
+
+
+def peft_greedy(model, prompts) -> list[list[int]]:
+    results = []
+    for ids in prompts:
+        x = torch.tensor([ids])
+        with torch.no_grad():
+            out = model.generate(input_ids=x, attention_mask=torch.ones_like(x),
+                                 do_sample=False, max_new_tokens=NEW, min_new_tokens=NEW,
+                                 eos_token_id=None, pad_token_id=0)
+        results.append(out[0, len(ids):].tolist())
+    return results
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_llama, tmp_path_factory):
+    """Three adapters of the tiny Llama: (LoRARequest, reference tokens) each."""
+    root = tmp_path_factory.mktemp("lora")
+    specs = [("qv", 8, ["q_proj", "v_proj"], False), ("all", 4, ALL, True),
+             ("mlp", 16, ["gate_proj", "up_proj", "down_proj", "o_proj"], False)]
+    out = {}
+    for i, (name, rank, targets, rslora) in enumerate(specs, 1):
+        model = make_adapter(tiny_llama, root / name, rank, targets, seed=i, rslora=rslora)
+        out[name] = (LoRARequest(name, i, str(root / name)), peft_greedy(model, PROMPTS))
+    return out
+
+
+def _tokens(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_each_adapter_alone_and_all_mixed_equal_hf_peft(tiny_llama, adapters):
+    llm = LLM(str(tiny_llama), dtype="float32", enable_lora=True, max_loras=3,
+              max_lora_rank=16, max_num_batched_tokens=16)
+    try:
+        base = _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+        assert base == hf_greedy(tiny_llama, PROMPTS, NEW)
+        for lora, ref in adapters.values():
+            assert _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False,
+                                        lora_request=lora)) == ref, lora.lora_name
+            assert ref != base
+        # one batch: three adapters and the base model, each prompt under each
+        loras = [None] + [lora for lora, _ in adapters.values()]
+        prompts = [p for _ in loras for p in PROMPTS]
+        per_prompt = [lora for lora in loras for _ in PROMPTS]
+        mixed = _tokens(llm.generate(prompts, GREEDY, use_tqdm=False,
+                                     lora_request=per_prompt))
+        assert mixed == base + [t for _, ref in adapters.values() for t in ref]
+        core = llm.llm_engine.engine_core
+        assert core.kv.num_free_blocks == core.num_blocks
+    finally:
+        llm.shutdown()
+
+
+def test_more_adapters_than_slots_swap_and_stay_correct(tiny_llama, adapters):
+    """max_loras=1, host cache of 2: three adapters in flight take turns in the slot."""
+    llm = LLM(str(tiny_llama), dtype="float32", enable_lora=True, max_loras=1,
+              max_cpu_loras=2, max_lora_rank=16)
+    try:
+        names = ["qv", "all", "mlp", "qv", "mlp"]
+        prompts = [PROMPTS[i % 2] for i in range(len(names))]
+        outs = _tokens(llm.generate(prompts, GREEDY, use_tqdm=False,
+                                    lora_request=[adapters[n][0] for n in names]))
+        assert outs == [adapters[n][1][i % 2] for i, n in enumerate(names)]
+        runner = llm.llm_engine.engine_core.runner
+        assert len(runner.lora_cache._cache) == 2  # noqa: SLF001 - the LRU bound
+    finally:
+        llm.shutdown()
+
+
+def test_prefix_cache_is_per_adapter(tiny_llama, adapters):
+    llm = LLM(str(tiny_llama), dtype="float32", enable_lora=True, max_lora_rank=16,
+              block_size=4)
+    try:
+        lora, ref = adapters["all"]
+        prompt = PROMPTS[1]
+        llm.generate(prompt, GREEDY, use_tqdm=False)  # the base model's blocks cached
+        first = llm.generate(prompt, GREEDY, use_tqdm=False, lora_request=lora)[0]
+        again = llm.generate(prompt, GREEDY, use_tqdm=False, lora_request=lora)[0]
+        assert first.num_cached_tokens == 0  # nothing reused from the base model
+        assert again.num_cached_tokens == 16  # its own blocks reused (4 full of 19 tokens)
+        assert first.outputs[0].token_ids == again.outputs[0].token_ids == ref[1]
+    finally:
+        llm.shutdown()
+
+
+def test_bad_adapters_are_refused_by_name(tiny_llama, adapters, tmp_path):
+    lora, _ = adapters["all"]
+    plain = LLM(str(tiny_llama), dtype="float32")
+    try:
+        with pytest.raises(InvalidRequestError, match="enable_lora"):
+            plain.generate("hi", GREEDY, use_tqdm=False, lora_request=lora)
+    finally:
+        plain.shutdown()
+    # an adapter that also trains the LM head: named in the error
+    head = tmp_path / "head"
+    head.mkdir()
+    src = adapters["qv"][0].lora_path
+    config = json.loads(open(f"{src}/adapter_config.json").read())
+    (head / "adapter_config.json").write_text(json.dumps(config))
+    tensors = load_file(f"{src}/adapter_model.safetensors")
+    tensors["base_model.model.lm_head.lora_A.weight"] = torch.ones(8, 64)
+    tensors["base_model.model.lm_head.lora_B.weight"] = torch.ones(10, 8)
+    save_file(tensors, head / "adapter_model.safetensors")
+    llm = LLM(str(tiny_llama), dtype="float32", enable_lora=True, max_lora_rank=8)
+    try:
+        with pytest.raises(InvalidRequestError, match="lm_head"):
+            llm.generate("hi", GREEDY, use_tqdm=False,
+                         lora_request=LoRARequest("head", 9, str(head)))
+        with pytest.raises(InvalidRequestError, match="max_lora_rank"):
+            llm.generate("hi", GREEDY, use_tqdm=False, lora_request=adapters["mlp"][0])
+        with pytest.raises(InvalidRequestError, match="no LoRA adapter"):
+            llm.generate("hi", GREEDY, use_tqdm=False,
+                         lora_request=LoRARequest("gone", 10, str(tmp_path / "none")))
+        ok = llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=lora)
+        assert _tokens(ok) == adapters["all"][1]  # the engine still serves
+    finally:
+        llm.shutdown()
+
+
+def test_tp2_equals_tp1_with_an_adapter(tiny_llama, adapters):
+    lora, ref = adapters["all"]
+    llm = LLM(str(tiny_llama), dtype="float32", enable_lora=True, max_lora_rank=16,
+              tensor_parallel_size=2)
+    try:
+        assert _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False,
+                                    lora_request=lora)) == ref
+        mlp, mlp_ref = adapters["mlp"]
+        assert _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False,
+                                    lora_request=mlp)) == mlp_ref
+    finally:
+        llm.shutdown()
+
+
+def test_default_model_with_an_adapter_equals_hf_peft(default_model_dir, tmp_path):
+    model = make_adapter(default_model_dir, tmp_path / "smol", 8, ALL, seed=5)
+    ref = peft_greedy(model, PROMPTS)
+    del model
+    llm = LLM("default", dtype="float32", enable_lora=True, max_lora_rank=8,
+              lora_modules={"smol": str(tmp_path / "smol")})
+    try:
+        lora = LoRARequest("smol", 1, str(tmp_path / "smol"))
+        assert llm.llm_engine.engine_core.list_loras() == [1]
+        assert _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False,
+                                    lora_request=lora)) == ref
+    finally:
+        llm.shutdown()
