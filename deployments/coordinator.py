@@ -156,6 +156,10 @@ class Coordinator:
         client = await self._engine_client()
         return await client.call_utility(method, *args)
 
+    async def list_loras(self) -> list:
+        """The adapters loaded by name (every engine is given the same ones)."""
+        return await (await self._engine_client()).list_loras()
+
     async def is_sleeping(self) -> bool:
         return await (await self._engine_client()).is_sleeping()
 

@@ -49,6 +49,15 @@ class CoordinatorControl:
         return await self.coordinator.reset_prefix_cache.remote(reset_running_requests,
                                                                 reset_external)
 
+    async def add_lora(self, lora_request) -> None:
+        await self.coordinator.call.remote("add_lora", lora_request)
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        return any(await self.coordinator.call.remote("remove_lora", lora_id))
+
+    async def list_loras(self) -> list:
+        return await self.coordinator.list_loras.remote()
+
 
 @serve.deployment
 @serve.ingress()

@@ -37,14 +37,17 @@ from deployments.logprob_format import (
     prompt_logprobs_json,
     text_length,
 )
+from deployments.lora_admin import AdapterDirectory
 from deployments.metrics import IngressMetrics
 from deployments.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     EmbeddingRequest,
+    LoadLoRAAdapterRequest,
     ParamError,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
 )
 from deployments.prompt_batch import echo_prompt, merge_prompt_streams
 from engine.errors import (
@@ -56,7 +59,9 @@ from engine.errors import (
     InconsistentUtilityResults,
     InvalidRequestError,
     NoEnginesError,
+    UtilityCallError,
 )
+from engine.lora.request import LoRARequest
 from engine.outputs import OutputKind, RequestOutput
 from engine.pooling import PoolingParams
 from engine.sampling_params import SamplingParams
@@ -161,6 +166,15 @@ class ClientControl:
         return await (await self.get_client()).reset_prefix_cache(reset_running_requests,
                                                                   reset_external)
 
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        await (await self.get_client()).add_lora(lora_request)
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        return await (await self.get_client()).remove_lora(lora_id)
+
+    async def list_loras(self) -> list[LoRARequest]:
+        return await (await self.get_client()).list_loras()
+
 
 def build_openai_app(get_client: Callable[[], Awaitable[EngineClient]],
                      options: IngressOptions, control=None) -> Starlette:
@@ -178,6 +192,7 @@ def build_openai_app(get_client: Callable[[], Awaitable[EngineClient]],
         return client
 
     control = control or ClientControl(get_client)
+    adapters = AdapterDirectory(control)
     metrics = IngressMetrics(model, lambda: seen.get("client"))
 
     async def _body(request: Request, schema):
@@ -202,8 +217,9 @@ def build_openai_app(get_client: Callable[[], Awaitable[EngineClient]],
         unsupported = getattr(body, "unsupported_param", None)
         if unsupported is not None and (err := unsupported()) is not None:
             raise err
-        if getattr(body, "model", None) not in (None, model):
-            raise HTTPError(404, f"The model `{body.model}` does not exist.", "NotFoundError",
+        name = getattr(body, "model", None)
+        if name not in (None, model) and await adapters.resolve(name) is None:
+            raise HTTPError(404, f"The model `{name}` does not exist.", "NotFoundError",
                             "model")
         return body
 
@@ -247,11 +263,12 @@ def build_openai_app(get_client: Callable[[], Awaitable[EngineClient]],
                                       client.sampling_defaults, body.engine_prompt_logprobs())
         request_id = f"cmpl-{rid}-{uuid.uuid4().hex[:8]}"
         prompts = body.prompts()
+        lora = adapters.cached(body.model)
         if len(prompts) == 1 and not body.echo:
-            return await _generate(request_id, prompts[0], params, body, chat=False)
+            return await _generate(request_id, prompts[0], params, body, chat=False, lora=lora)
         streams = []
         for i, prompt in enumerate(prompts):
-            stream = client.generate(f"{request_id}-{i}", prompt, params)
+            stream = client.generate(f"{request_id}-{i}", prompt, params, lora_request=lora)
             if body.echo:
                 text = prompt if isinstance(prompt, str) else \
                     client.processor.tokenizer.decode(prompt)
@@ -274,13 +291,15 @@ def build_openai_app(get_client: Callable[[], Awaitable[EngineClient]],
         ids = client.processor.tokenizer.encode(text, add_special_tokens=False)
         return await _generate(f"chatcmpl-{rid}-{uuid.uuid4().hex[:8]}",
                                {"prompt": text, "prompt_token_ids": ids}, params, body, chat=True,
-                               tools=plan if plan.parser is not None else None)
+                               tools=plan if plan.parser is not None else None,
+                               lora=adapters.cached(body.model))
 
     async def _generate(request_id: str, prompt, params, body, chat: bool,
-                        tools=None) -> Response:
+                        tools=None, lora=None) -> Response:
         client = await get_client()
-        return await _respond(client.generate(request_id, prompt, params), request_id, params,
-                              body, chat, tools, params.n, client.processor.tokenizer.decode)
+        stream = client.generate(request_id, prompt, params, lora_request=lora)
+        return await _respond(stream, request_id, params, body, chat, tools, params.n,
+                              client.processor.tokenizer.decode)
 
     async def _respond(stream, request_id: str, params, body, chat: bool, tools,
                        choices: int, decode) -> Response:
@@ -444,7 +463,8 @@ def build_openai_app(get_client: Callable[[], Awaitable[EngineClient]],
 
         async def one(i: int, prompt) -> RequestOutput:
             stream = client.generate(f"{request_id}-{i}", prompt, SamplingParams(),
-                                     kind=OutputKind.FINAL_ONLY, pooling_params=pooling)
+                                     kind=OutputKind.FINAL_ONLY, pooling_params=pooling,
+                                     lora_request=adapters.cached(body.model))
             try:
                 async for out in stream:
                     if out.finished:
@@ -476,14 +496,42 @@ def build_openai_app(get_client: Callable[[], Awaitable[EngineClient]],
         return {"id": model, "object": "model", "created": 0, "owned_by": "flotilla",
                 "max_model_len": client.max_model_len}
 
+    def adapter_card(lora: LoRARequest, base: dict[str, Any]) -> dict[str, Any]:
+        return {**base, "id": lora.lora_name, "root": lora.lora_path, "parent": model}
+
     async def models(request: Request, rid: str) -> Response:
-        return JSONResponse({"object": "list", "data": [await model_card()]})
+        base = await model_card()
+        cards = [base] + [adapter_card(a, base) for a in await adapters.refresh()]
+        return JSONResponse({"object": "list", "data": cards})
 
     async def retrieve_model(request: Request, rid: str) -> Response:
         name = request.path_params["model_id"]
-        if name != model:
+        if name == model:
+            return JSONResponse(await model_card())
+        lora = await adapters.resolve(name)
+        if lora is None:
             raise HTTPError(404, f"The model `{name}` does not exist.", "NotFoundError", "model")
-        return JSONResponse(await model_card())
+        return JSONResponse(adapter_card(lora, await model_card()))
+
+    async def load_lora_adapter(request: Request, rid: str) -> Response:
+        body = await _body(request, LoadLoRAAdapterRequest)
+        try:
+            await adapters.load(body.lora_name, body.lora_path)
+        except Exception as exc:  # a name taken, or an engine refused it (it says why)
+            cause = _cause(exc)
+            if isinstance(cause, (ValueError, UtilityCallError)):
+                raise HTTPError(400, str(cause), "BadRequestError", "lora_path") from None
+            raise
+        return JSONResponse({"success": True,
+                             "message": f"LoRA adapter {body.lora_name!r} loaded"})
+
+    async def unload_lora_adapter(request: Request, rid: str) -> Response:
+        body = await _body(request, UnloadLoRAAdapterRequest)
+        if not await adapters.unload(body.lora_name):
+            raise HTTPError(404, f"The LoRA adapter `{body.lora_name}` is not loaded.",
+                            "NotFoundError", "lora_name")
+        return JSONResponse({"success": True,
+                             "message": f"LoRA adapter {body.lora_name!r} unloaded"})
 
     async def version(request: Request, rid: str) -> Response:
         from engine import __version__
@@ -558,6 +606,10 @@ def build_openai_app(get_client: Callable[[], Awaitable[EngineClient]],
         Route("/v1/embeddings", endpoint(embeddings), methods=["POST"]),
         Route("/v1/models", endpoint(models), methods=["GET"]),
         Route("/v1/models/{model_id:path}", endpoint(retrieve_model), methods=["GET"]),
+        Route("/v1/load_lora_adapter", endpoint(load_lora_adapter, admin=True),
+              methods=["POST"]),
+        Route("/v1/unload_lora_adapter", endpoint(unload_lora_adapter, admin=True),
+              methods=["POST"]),
         Route("/version", endpoint(version, auth=False), methods=["GET"]),
         Route("/openapi.json", endpoint(openapi, auth=False), methods=["GET"]),
         Route("/tokenize", endpoint(tokenize), methods=["POST"]),

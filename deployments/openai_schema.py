@@ -20,7 +20,9 @@ from deployments.openai_protocol import (
     CompletionRequest,
     DetokenizeRequest,
     EmbeddingRequest,
+    LoadLoRAAdapterRequest,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
 )
 
 
@@ -185,11 +187,15 @@ class EmbeddingResponse(BaseModel):
 
 
 class ModelCard(BaseModel):
+    """The base model, or a LoRA adapter on it (root: its path, parent: the base)."""
+
     id: str
     object: Literal["model"]
     created: int
     owned_by: str
     max_model_len: int
+    root: str | None = None
+    parent: str | None = None
 
 
 class ModelList(BaseModel):
@@ -219,6 +225,11 @@ class ResetPrefixCacheResponse(BaseModel):
     success: bool
 
 
+class LoRAAdapterResponse(BaseModel):
+    success: bool
+    message: str
+
+
 @dataclass(frozen=True)
 class RouteDoc:
     path: str
@@ -238,8 +249,14 @@ ROUTES: tuple[RouteDoc, ...] = (
              ChatCompletionRequest, ChatCompletionResponse, ChatCompletionChunk),
     RouteDoc("/v1/embeddings", "post", "Create embeddings", EmbeddingRequest,
              EmbeddingResponse),
-    RouteDoc("/v1/models", "get", "List the served model", None, ModelList),
-    RouteDoc("/v1/models/{model_id}", "get", "Retrieve the served model", None, ModelCard),
+    RouteDoc("/v1/models", "get", "List the served model and its LoRA adapters", None,
+             ModelList),
+    RouteDoc("/v1/models/{model_id}", "get", "Retrieve the served model or an adapter", None,
+             ModelCard),
+    RouteDoc("/v1/load_lora_adapter", "post", "Load a LoRA adapter on every engine",
+             LoadLoRAAdapterRequest, LoRAAdapterResponse, auth="admin"),
+    RouteDoc("/v1/unload_lora_adapter", "post", "Unload a LoRA adapter (requests running "
+             "with it finish)", UnloadLoRAAdapterRequest, LoRAAdapterResponse, auth="admin"),
     RouteDoc("/tokenize", "post", "Tokenize a prompt or chat messages", TokenizeRequest,
              TokenizeResponse),
     RouteDoc("/detokenize", "post", "Token ids to text", DetokenizeRequest,

@@ -9,7 +9,9 @@ from safetensors.torch import load_file, save_file
 
 from engine import LLM, LoRARequest, SamplingParams
 from engine.errors import InvalidRequestError
+from engine.lora.request import adapter_id
 from tests.conftest import hf_greedy
+from tests.test_openai_app import tokenizer  # noqa: F401
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PROMPTS = [[1, 50, 300, 2000, 77], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19,
@@ -172,9 +174,90 @@ def test_default_model_with_an_adapter_equals_hf_peft(default_model_dir, tmp_pat
     llm = LLM("default", dtype="float32", enable_lora=True, max_lora_rank=8,
               lora_modules={"smol": str(tmp_path / "smol")})
     try:
-        lora = LoRARequest("smol", 1, str(tmp_path / "smol"))
-        assert llm.llm_engine.engine_core.list_loras() == [1]
+        lora = LoRARequest("smol", adapter_id("smol"), str(tmp_path / "smol"))
+        assert llm.llm_engine.engine_core.list_loras() == [lora]
         assert _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False,
                                     lora_request=lora)) == ref
     finally:
         llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def lora_server(tiny_llama, adapters):
+    """The real engine with enable_lora and the "qv" adapter loaded at start."""
+    from engine.config import EngineConfig
+    from engine.core.engine_core import EngineCore
+    from engine.wire.core_server import EngineCoreServer
+    from tests.test_core_client import free_address
+    core = EngineCore(EngineConfig(model=str(tiny_llama), dtype="float32", enable_lora=True,
+                                   max_loras=2, max_lora_rank=16,
+                                   lora_modules={"qv": adapters["qv"][0].lora_path}))
+    address = free_address()
+    server = EngineCoreServer(core, address).start()
+    yield address
+    server.shutdown()
+
+
+def test_adapters_over_http_listed_loaded_served_unloaded(lora_server, tiny_llama, adapters):
+    from engine.model.loader import load_tokenizer
+    from tests.test_openai_app import MODEL, _Real, serve
+    tok = load_tokenizer(tiny_llama)
+    real = _Real(lora_server, tok)
+    greedy = {"prompt": PROMPTS[0], "max_tokens": NEW, "temperature": 0}
+    oai_greedy = {**greedy, "extra_body": {"ignore_eos": True}}
+    greedy["ignore_eos"] = True
+
+    async def test(http, oai):
+        r = {"models": await oai.models.list()}
+        r["qv"] = await oai.completions.create(model="qv", **oai_greedy)
+        r["base"] = await oai.completions.create(model=MODEL, **oai_greedy)
+        r["unknown"] = await http.post("/v1/completions", json={**greedy, "model": "nope"})
+        r["load"] = await http.post("/v1/load_lora_adapter", json={
+            "lora_name": "all", "lora_path": adapters["all"][0].lora_path})
+        r["again"] = await http.post("/v1/load_lora_adapter", json={
+            "lora_name": "all", "lora_path": adapters["all"][0].lora_path})
+        r["bad"] = await http.post("/v1/load_lora_adapter", json={
+            "lora_name": "bad", "lora_path": "/nonexistent"})
+        r["all"] = await oai.completions.create(model="all", **oai_greedy)
+        r["card"] = await oai.models.retrieve("all")
+        r["chat"] = await http.post("/v1/chat/completions", json={
+            "model": "all", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        r["unload"] = await http.post("/v1/unload_lora_adapter", json={"lora_name": "all"})
+        r["gone"] = await http.post("/v1/completions", json={**greedy, "model": "all"})
+        r["unload_again"] = await http.post("/v1/unload_lora_adapter",
+                                            json={"lora_name": "all"})
+        r["after"] = await oai.models.list()
+        return r
+
+    r = serve(real, test, dev_mode=True)
+    listed = {m.id: m for m in r["models"].data}
+    assert set(listed) == {MODEL, "qv"} and listed["qv"].parent == MODEL
+    assert r["qv"].choices[0].text == tok.decode(adapters["qv"][1][0])
+    assert r["base"].choices[0].text == tok.decode(hf_greedy(tiny_llama, PROMPTS[:1], NEW)[0])
+    assert r["unknown"].status_code == 404 and r["unknown"].json()["error"]["param"] == "model"
+    assert r["load"].status_code == 200, r["load"].text
+    assert r["again"].status_code == 400 and "already" in r["again"].json()["error"]["message"]
+    assert r["bad"].status_code == 400 and "no LoRA adapter" in r["bad"].json()["error"][
+        "message"]
+    assert r["all"].choices[0].text == tok.decode(adapters["all"][1][0])
+    assert r["card"].id == "all" and r["card"].parent == MODEL
+    assert r["chat"].status_code == 200
+    assert r["unload"].status_code == 200
+    assert r["gone"].status_code == 404 and r["unload_again"].status_code == 404
+    assert {m.id for m in r["after"].data} == {MODEL, "qv"}
+
+
+def test_mock_engines_refuse_adapters(tokenizer):
+    from tests.test_core_client import Engines
+    from tests.test_openai_app import serve
+    engines = Engines(tokenizer)
+    try:
+        engines.add()
+
+        async def test(http, oai):
+            return await http.post("/v1/load_lora_adapter", json={"lora_name": "x",
+                                                                   "lora_path": "/tmp"})
+        response = serve(engines, test, dev_mode=True)
+        assert response.status_code == 400 and "LoRA" in response.json()["error"]["message"]
+    finally:
+        engines.stop()

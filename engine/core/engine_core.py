@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 
+import msgspec
 import torch
 
 from engine.config import EngineConfig
@@ -25,7 +26,7 @@ from engine.executor.model_runner import ModelRunner
 from engine.executor.sampler import Sampler, prompt_token_logprobs
 from engine.generation_defaults import sampling_defaults
 from engine.lora.manager import LoRAManager
-from engine.lora.request import LoRARequest
+from engine.lora.request import LoRARequest, adapter_id
 from engine.model.kernels import cpu_kernels
 from engine.model.llama import ModelShape
 from engine.model.loader import load_hf_config, resolve_model
@@ -82,8 +83,8 @@ class EngineCore:
             self.checkpoint, self.shape.vocab_size, self.eos_token_ids,
             fill_threads=config.cpu_threads() if self.device.type == "cpu" else 1)
         self.lora = LoRAManager(config.max_loras) if config.enable_lora else None
-        for i, (name, path) in enumerate((config.lora_modules or {}).items(), 1):
-            self.add_lora(LoRARequest(name, i, str(path)))
+        for name, path in (config.lora_modules or {}).items():
+            self.add_lora(LoRARequest(name, adapter_id(name), str(path)))
         self.requests: dict[str, Request] = {}
         self._aborted: list[EngineCoreOutput] = []
         self._sleep_level = 0  # 0 awake; 1 KV cache freed (weights off GPU); 2 weights freed
@@ -259,6 +260,8 @@ class EngineCore:
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Load an adapter by name (requests may then name it); raises if it cannot be
         served. Loading the same adapter again is a no-op."""
+        if not isinstance(lora_request, LoRARequest):  # a utility call's decoded argument
+            lora_request = msgspec.convert(lora_request, LoRARequest)
         self._check_lora(lora_request)
         self.lora.register(lora_request)
         return True
@@ -275,10 +278,10 @@ class EngineCore:
             self.runner.drop_lora(lora_id)
         return True
 
-    def list_loras(self) -> list[int]:
-        """Ids of the adapters loaded by name."""
-        return [] if self.lora is None else sorted(
-            r.lora_int_id for r in self.lora.registered.values())
+    def list_loras(self) -> list[LoRARequest]:
+        """The adapters loaded by name, by id."""
+        return [] if self.lora is None else sorted(self.lora.registered.values(),
+                                                   key=lambda r: r.lora_int_id)
 
     # ---- utilities --------------------------------------------------------------------
     def reset_prefix_cache(self, reset_running_requests: bool = False,

@@ -1,6 +1,8 @@
 """LoRARequest: which adapter a request runs with (vLLM's names and order)."""
 from __future__ import annotations
 
+import zlib
+
 import msgspec
 
 from engine.errors import InvalidRequestError
@@ -17,3 +19,9 @@ class LoRARequest(msgspec.Struct, array_like=True, frozen=True):
     def __post_init__(self) -> None:
         if not self.lora_name or self.lora_int_id < 1 or not self.lora_path:
             raise InvalidRequestError("a LoRARequest needs a name, an id >= 1 and a path")
+
+
+def adapter_id(name: str) -> int:
+    """The id an adapter loaded by name gets (lora_modules, /v1/load_lora_adapter): the
+    same on every engine and ingress replica without asking anyone."""
+    return zlib.crc32(name.encode()) % (2**31 - 1) + 1

@@ -21,7 +21,7 @@ import logging
 import time
 import uuid
 from collections import Counter, defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
 import msgspec
@@ -43,6 +43,7 @@ from engine.errors import (
 )
 from engine.frontend.output_processor import OutputProcessor
 from engine.frontend.processor import Processor, Prompt
+from engine.lora.request import LoRARequest
 from engine.outputs import OutputKind, RequestOutput
 from engine.pooling import PoolingParams
 from engine.sampling_params import SamplingParams
@@ -94,6 +95,7 @@ class _Engine:
     dead: bool = False
     draining: bool = False  # it refused a request because it is shutting down
     is_alive: Callable[[], bool] | None = None
+    adapters: set[int] = field(default_factory=set)  # LoRA ids this client sent it
 
 
 class _Stream:
@@ -230,10 +232,12 @@ class EngineClient:
     async def generate(self, request_id: str, prompt: Prompt, params: SamplingParams, *,
                        data_parallel_rank: int | None = None,
                        kind: OutputKind = OutputKind.DELTA,
-                       pooling_params: PoolingParams | None = None
+                       pooling_params: PoolingParams | None = None,
+                       lora_request: LoRARequest | None = None
                        ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; stopping the iteration early aborts it.
-        pooling_params: an embedding request, whose one output carries the vector."""
+        pooling_params: an embedding request, whose one output carries the vector;
+        lora_request: the adapter it runs with."""
         if self.dead_error is not None:
             raise self.dead_error
         if pooling_params is not None and "embed" not in self.supported_tasks:
@@ -244,10 +248,14 @@ class EngineClient:
         text, ids = self.processor.tokenize(prompt)
         requests = self.processor.make_requests(request_id, ids, params,
                                                 data_parallel_rank=data_parallel_rank,
-                                                pooling_params=pooling_params)
+                                                pooling_params=pooling_params,
+                                                lora_request=lora_request)
+        lora_id = None if lora_request is None else lora_request.lora_int_id
         finished = yielded = False
         while True:  # more than once only when a draining engine refuses the request
-            engine = self._pick(data_parallel_rank)
+            engine = self._pick(data_parallel_rank, lora_id)
+            if lora_id is not None:
+                engine.adapters.add(lora_id)
             stream = self._submit(request_id, text, requests, kind, engine)
             try:
                 for r in requests:
@@ -298,7 +306,11 @@ class EngineClient:
     def _others_than(self, engine: _Engine) -> bool:
         return any(e is not engine and not e.dead and not e.draining for e in self.engines)
 
-    def _pick(self, rank: int | None) -> _Engine:
+    def _pick(self, rank: int | None, lora_id: int | None = None) -> _Engine:
+        """The engine a request goes to: the named rank, else the least loaded, except
+        that a request with an adapter goes to an engine it was sent to before (which
+        holds it in a slot or its host cache) unless that one is overloaded: more than
+        max(2, a quarter of the least load) requests above the least loaded."""
         alive = [e for e in self.engines if not e.dead and not e.draining] or \
             [e for e in self.engines if not e.dead]
         if rank is not None:
@@ -315,7 +327,15 @@ class EngineClient:
         def score(e: _Engine) -> tuple:
             waiting = e.stats.num_waiting_reqs if e.stats else 0
             return (e.in_flight + waiting, (e.index - turn) % len(self.engines))
-        return min(alive, key=score)
+        best = min(alive, key=score)
+        if lora_id is not None and lora_id not in best.adapters:
+            holders = [e for e in alive if lora_id in e.adapters]
+            if holders:
+                holder = min(holders, key=score)
+                least = score(best)[0]
+                if score(holder)[0] <= least + max(2, least // 4):
+                    return holder
+        return best
 
     def _forget(self, request_id: str, requests) -> None:
         self._streams.pop(request_id, None)
@@ -361,6 +381,23 @@ class EngineClient:
         if failures:
             raise UtilityCallError(f"{method} failed on " + "; ".join(failures))
         return list(done)
+
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        """Load an adapter on every engine; UtilityCallError names the engines that
+        failed (those that succeeded keep it, so a retry after a fix is harmless)."""
+        await self.call_utility("add_lora", lora_request)
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        """Unload an adapter everywhere; False if no engine had it."""
+        for e in self.engines:
+            e.adapters.discard(lora_id)
+        return any(await self.call_utility("remove_lora", lora_id))
+
+    async def list_loras(self) -> list[LoRARequest]:
+        """The adapters loaded by name, as the first live engine knows them (every
+        engine is given the same ones)."""
+        found = await self.call_utility("list_loras")
+        return [msgspec.convert(r, LoRARequest) for r in (found[0] if found else [])]
 
     async def get_stats(self) -> list[SchedulerStats]:
         """Every engine's scheduler stats, fresh (not the last ones seen with outputs)."""

@@ -49,7 +49,8 @@ logger = logging.getLogger(__name__)
 
 UTILITY_METHODS = frozenset({
     "get_supported_tasks", "is_sleeping", "sleep", "wake_up", "reset_prefix_cache",
-    "get_stats", "ready_response", "has_unfinished_requests", "get_memory_usage"})
+    "get_stats", "ready_response", "has_unfinished_requests", "get_memory_usage",
+    "add_lora", "remove_lora", "list_loras"})
 HEARTBEAT_INTERVAL_S = 1.0
 _STOP = object()
 

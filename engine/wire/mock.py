@@ -105,6 +105,9 @@ class MockConfig(MockTiming):
         ])
 
 
+_NO_LORA = "the mock engine serves no LoRA adapters (it has no model); use a real model"
+
+
 def _refuse_model_controls(params: SamplingParams) -> None:
     """The mock draws tokens without logits, so it cannot honour a request that
     restricts them: it says so rather than answer something else."""
@@ -171,6 +174,8 @@ class MockEngineCore:
             raise DuplicateRequestError(f"request id {rid!r} is already running")
         check_prompt(ids, self.max_model_len, self.config.vocab_size)
         _refuse_model_controls(req.sampling_params)
+        if req.lora_request is not None:
+            raise InvalidRequestError(_NO_LORA)
         room = self.max_model_len - len(ids)
         max_tokens = req.sampling_params.max_tokens
         limit = room if max_tokens is None else min(max_tokens, room)
@@ -319,6 +324,15 @@ class MockEngineCore:
 
     def get_memory_usage(self) -> dict[str, int]:
         return {"weights_bytes": 0, "kv_cache_bytes": 0}
+
+    def add_lora(self, lora_request) -> bool:
+        raise InvalidRequestError(_NO_LORA)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return False
+
+    def list_loras(self) -> list:
+        return []
 
     def get_stats(self) -> SchedulerStats:
         """Load snapshot; a running request holds ceil((prompt + output) / block_size) blocks."""
