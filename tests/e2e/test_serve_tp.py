@@ -29,7 +29,8 @@ def served(tiny_llama):
         serve.run(build_app({"model": str(tiny_llama), "dtype": "float32",
                              "data_parallel_size": 2, "tensor_parallel_size": 2,
                              "engine_num_cpus": 1, "num_threads": 1, "ingress_num_cpus": 0,
-                             "served_model_name": "tiny", "dev_mode": True}),
+                             "served_model_name": "tiny", "dev_mode": True,
+                             "enable_lora": True, "max_lora_rank": 16}),
                   name="flotilla", route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:
@@ -156,3 +157,41 @@ def test_embeddings_and_prompt_lists_through_dp2_tp2(served, tiny_llama):
     r = client.completions.create(model="tiny", prompt=texts, max_tokens=6, temperature=0,
                                   extra_body={"ignore_eos": True})
     assert [c.text for c in r.choices] == greedy
+
+
+def test_lora_adapter_loaded_at_run_time_served_and_unloaded(served, tiny_llama, tmp_path):
+    """DP=2 x TP=2: an adapter loaded over HTTP reaches both engines (each TP rank reads
+    its slice), eight concurrent requests with it give HF + peft's greedy tokens, the
+    listing shows it, unloading removes it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    from tests.test_lora import PROMPTS, make_adapter, peft_greedy
+    model = make_adapter(tiny_llama, tmp_path / "ad", 8, ["q_proj", "v_proj", "o_proj",
+                                                          "down_proj"], seed=3)
+    ref = peft_greedy(model, PROMPTS)
+    client = openai.OpenAI(base_url=f"{served}/v1", api_key="none", max_retries=0)
+    with httpx.Client(base_url=served, timeout=60) as http:
+        r = http.post("/v1/load_lora_adapter", json={"lora_name": "ad",
+                                                      "lora_path": str(tmp_path / "ad")})
+        assert r.status_code == 200, r.text
+        listed = {m.id: m for m in client.models.list().data}
+        assert listed["ad"].parent == "tiny"
+
+        def run(i):
+            out = client.completions.create(model="ad", prompt=PROMPTS[i % 2], max_tokens=8,
+                                            temperature=0, logprobs=0,
+                                            extra_body={"ignore_eos": True})
+            return out.choices[0].logprobs.tokens
+
+        with ThreadPoolExecutor(8) as pool:
+            got = list(pool.map(run, range(8)))
+        from engine.model.loader import load_tokenizer
+        tok = load_tokenizer(tiny_llama)
+        for i, tokens in enumerate(got):
+            assert tokens == [tok.decode([t]) for t in ref[i % 2]]
+        assert http.post("/v1/unload_lora_adapter", json={"lora_name": "ad"}).status_code == 200
+        assert "ad" not in {m.id for m in client.models.list().data}
+        gone = http.post("/v1/completions", json={"model": "ad", "prompt": "x"})
+        assert gone.status_code == 404
