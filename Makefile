@@ -26,7 +26,7 @@ generate: setup
 	$(VENV)/bin/flotilla generate "$(PROMPT)"
 
 test: setup
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=15 tests
 
 bench: setup
 	$(PY) bench/throughput.py --baseline hf
