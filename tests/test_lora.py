@@ -261,3 +261,43 @@ def test_mock_engines_refuse_adapters(tokenizer):
         assert response.status_code == 400 and "LoRA" in response.json()["error"]["message"]
     finally:
         engines.stop()
+
+
+def test_removing_an_adapter_lets_its_running_requests_finish(tiny_llama, adapters):
+    llm = LLM(str(tiny_llama), dtype="float32", enable_lora=True, max_lora_rank=16)
+    try:
+        lora, ref = adapters["all"]
+        engine = llm.llm_engine
+        core = engine.engine_core
+        assert core.add_lora(lora) and core.list_loras() == [lora]
+        engine.add_request("r", PROMPTS[0], GREEDY, lora_request=lora)
+        engine.step()
+        engine.step()  # running, with tokens out
+        assert core.remove_lora(lora.lora_int_id) and core.list_loras() == []
+        assert not core.remove_lora(lora.lora_int_id)
+        done = []
+        while engine.has_unfinished_requests():
+            done += [o for o in engine.step() if o.finished]
+        assert done[0].outputs[0].token_ids == ref[0]
+        assert core.kv.num_free_blocks == core.num_blocks
+    finally:
+        llm.shutdown()
+
+
+def test_router_prefers_an_engine_that_ran_the_adapter_unless_overloaded():
+    import itertools
+    from types import SimpleNamespace
+
+    from engine.wire.core_client import EngineClient
+    client = object.__new__(EngineClient)  # only the routing policy, no sockets
+    engines = [SimpleNamespace(index=i, dead=False, draining=False, stats=None, in_flight=0,
+                               adapters=set()) for i in range(2)]
+    client.engines, client._rr, client.dead_error = engines, itertools.count(), None
+    engines[1].adapters.add(7)
+    engines[1].in_flight = 2  # within max(2, 0 // 4) of the least loaded
+    assert client._pick(None, 7) is engines[1]
+    assert client._pick(None, None) is engines[0]  # no adapter: least loaded
+    engines[1].in_flight = 3  # overloaded: the least loaded engine loads it instead
+    assert client._pick(None, 7) is engines[0]
+    engines[0].in_flight, engines[1].in_flight = 40, 49  # a quarter of 40 is the slack
+    assert client._pick(None, 7) is engines[1]
