@@ -301,3 +301,29 @@ def test_router_prefers_an_engine_that_ran_the_adapter_unless_overloaded():
     assert client._pick(None, 7) is engines[0]
     engines[0].in_flight, engines[1].in_flight = 40, 49  # a quarter of 40 is the slack
     assert client._pick(None, 7) is engines[1]
+
+
+def test_an_adapter_gone_from_disk_fails_its_requests_not_the_engine(tiny_llama, adapters,
+                                                                     tmp_path):
+    import shutil
+    src = adapters["qv"][0].lora_path
+    shutil.copytree(src, tmp_path / "qv")
+    doomed = LoRARequest("doomed", 42, str(tmp_path / "qv"))
+    llm = LLM(str(tiny_llama), dtype="float32", enable_lora=True, max_lora_rank=16,
+              max_cpu_loras=1)
+    try:
+        engine = llm.llm_engine
+        engine.add_request("doomed", PROMPTS[0], GREEDY, lora_request=doomed)  # read: ok
+        engine.add_request("other", PROMPTS[0], GREEDY, lora_request=adapters["all"][0])
+        shutil.rmtree(tmp_path / "qv")  # the host cache (1) kept only "all"
+        engine.add_request("base", PROMPTS[1], GREEDY)
+        done = {}
+        while engine.has_unfinished_requests():
+            done.update({o.request_id: o for o in engine.step() if o.finished})
+        assert done["doomed"].outputs[0].finish_reason == "error"
+        assert done["other"].outputs[0].token_ids == adapters["all"][1][0]
+        assert done["base"].outputs[0].token_ids == hf_greedy(tiny_llama, PROMPTS[1:], NEW)[0]
+        core = engine.engine_core
+        assert core.kv.num_free_blocks == core.num_blocks
+    finally:
+        llm.shutdown()

@@ -159,7 +159,9 @@ class EngineCore:
                 self.structured.wait()  # only compiles are left: do not spin
             return outputs
         if self.lora is not None:
-            self._place_adapters(sched.requests)
+            outputs.extend(self._place_adapters(sched))
+            if not sched:
+                return outputs
         result = self.runner.execute(sched)
         logits, rows = result.logits, result.sample_rows
         for request, n in zip(sched.requests, sched.num_new_tokens):
@@ -245,17 +247,35 @@ class EngineCore:
                                       "or path")
         self.runner.check_lora(lora)  # reads it now, off the step: raises LoRAError
 
-    def _place_adapters(self, requests: list[Request]) -> None:
-        """Give the step's adapters device slots, loading those not resident."""
+    def _place_adapters(self, sched) -> list[EngineCoreOutput]:
+        """Give the step's adapters device slots, loading those not resident. An adapter
+        that can no longer be read (its folder gone since it was checked) fails its
+        requests, which leave this step; the others go on."""
+        requests = sched.requests
         adapters = {r.lora.lora_int_id: r.lora for r in requests if r.lora is not None}
         if not adapters:
-            return
+            return []
         slots, to_load = self.lora.assign(adapters)
+        broken: dict[int, str] = {}
         for slot, lora in to_load:
-            self.runner.load_lora(slot, lora)
-        for r in requests:
+            try:
+                self.runner.load_lora(slot, lora)
+            except InvalidRequestError as exc:
+                self.lora.release(lora.lora_int_id)
+                broken[lora.lora_int_id] = f"LoRA adapter {lora.lora_name!r}: {exc}"
+        failed: list[EngineCoreOutput] = []
+        keep = []
+        for r, n in zip(requests, sched.num_new_tokens):
+            if r.lora is not None and r.lora.lora_int_id in broken:
+                failed.append(self._fail(r, broken[r.lora.lora_int_id]))
+                continue
             if r.lora is not None:
                 r.lora_slot = slots[r.lora.lora_int_id]
+            keep.append((r, n))
+        if failed:
+            sched.requests = [r for r, _ in keep]
+            sched.num_new_tokens = [n for _, n in keep]
+        return failed
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Load an adapter by name (requests may then name it); raises if it cannot be
