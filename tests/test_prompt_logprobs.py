@@ -163,3 +163,15 @@ def test_mock_engines_refuse_prompt_logprobs(engines):
     response = serve(engines, test)
     assert response.status_code == 400
     assert "prompt_logprobs" in response.json()["error"]["message"]
+
+
+def test_a_prompt_longer_than_one_logit_slice(tiny_llama):
+    """300 positions in one chunk are scored 256 rows at a time."""
+    ids = [(i * 7919) % 40000 + 100 for i in range(300)]
+    llm = LLM(str(tiny_llama), dtype="float32")
+    try:
+        out = llm.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=1),
+                           use_tqdm=False)[0]
+        _check_against_hf(_offline(out), ids, _hf_logprobs(tiny_llama, ids), 1)
+    finally:
+        llm.shutdown()

@@ -23,7 +23,7 @@ from engine.errors import (
     InvalidRequestError,
 )
 from engine.executor.model_runner import ModelRunner
-from engine.executor.sampler import Sampler, prompt_token_logprobs
+from engine.executor.sampler import Sampler
 from engine.generation_defaults import sampling_defaults
 from engine.lora.manager import LoRAManager
 from engine.lora.request import LoRARequest, adapter_id
@@ -168,11 +168,8 @@ class EngineCore:
             request.num_computed_tokens += n
         for i, hidden in result.pooled:
             outputs.extend(self._pool(sched.requests[i], hidden))
-        for i, first, span_logits in result.prompt_logits:
-            request = sched.requests[i]
-            targets = request.prompt_token_ids[first + 1:first + 1 + span_logits.shape[0]]
-            request.prompt_logprobs.extend(prompt_token_logprobs(
-                span_logits, targets, request.params.prompt_logprobs))
+        for i, span_rows in result.prompt_logprobs:
+            sched.requests[i].prompt_logprobs.extend(span_rows)
         if not rows:
             return outputs
         sampled_requests = [sched.requests[i] for i in rows]

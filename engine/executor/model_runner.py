@@ -19,6 +19,7 @@ from engine.config import CPU_DEFAULT_KV_CACHE_BYTES, EngineConfig
 from engine.core.scheduler import SchedulerOutput
 from engine.errors import InvalidRequestError
 from engine.executor.parallel import ShardPlan, TPGroup
+from engine.executor.sampler import prompt_token_logprobs
 from engine.lora.adapter import load_adapter
 from engine.lora.manager import AdapterCache
 from engine.lora.request import LoRARequest
@@ -36,6 +37,9 @@ from engine.model.llama import LlamaForCausalLM, ModelShape
 from engine.model.loader import iter_weights
 
 logger = logging.getLogger(__name__)
+
+# Prompt-logprob rows computed at once: 256 x a 128k vocabulary is 128 MiB of logits.
+_PROMPT_LOGIT_ROWS = 256
 
 # Room left on the GPU for activations of one max-size batch (beyond weights and KV).
 _GPU_ACTIVATION_RESERVE_BYTES = 1 << 30
@@ -55,8 +59,9 @@ class StepInput(msgspec.Struct, array_like=True, gc=False):
     block_tables: list[list[int]]  # its blocks covering seq_lens
     logit_positions: list[int]  # flat token index of each sampling row
     pool_spans: list[list[int]] = []  # [start, end) flat tokens of each embedding request
-    # [start, end) flat tokens whose logits give prompt logprobs (after the sampling rows)
+    # [start, end, top) flat tokens whose logits give prompt logprobs, with top-k each
     prompt_spans: list[list[int]] = []
+    prompt_targets: list[int] = []  # the prompt token each of those positions scores
     lora_segments: list[list[int]] = []  # [start, end, slot) runs of one adapter's tokens
 
 
@@ -74,20 +79,19 @@ class StepResult:
     logits: torch.Tensor | None  # [S, V] for the sampling rows
     sample_rows: list[int]  # index into the step's requests, one per logits row
     pooled: list[tuple[int, torch.Tensor]]  # (request index, hidden states [n, H]) per span
-    # (request index, first prompt position p, logits [n, V] of positions p..p+n-1)
-    prompt_logits: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)
+    # (request index, (ids, logprobs, ranks) of each prompt position of its span)
+    prompt_logprobs: list[tuple[int, list]] = field(default_factory=list)
 
     @classmethod
     def build(cls, step: StepInput, rows: StepRows, logits: torch.Tensor | None,
-              pooled: list[torch.Tensor]) -> "StepResult":
-        """Split run()'s logits into the sampling rows and each prompt span's rows."""
+              pooled: list[torch.Tensor], prompt_rows: list | None) -> "StepResult":
+        """Split run()'s flat prompt logprobs per span."""
         spans = []
-        if logits is not None and step.prompt_spans:
-            at = len(step.logit_positions)
-            for (i, first), (start, end) in zip(rows.prompt, step.prompt_spans):
-                spans.append((i, first, logits[at:at + end - start]))
+        if prompt_rows is not None:
+            at = 0
+            for (i, _), (start, end, _) in zip(rows.prompt, step.prompt_spans):
+                spans.append((i, prompt_rows[at:at + end - start]))
                 at += end - start
-            logits = logits[:len(step.logit_positions)]
         return cls(logits, rows.sample, list(zip(rows.pool, pooled)), spans)
 
 
@@ -283,17 +287,20 @@ class ModelRunner:
                 last = min(end, request.num_prompt_tokens - 1)
                 if last > first:
                     rows.prompt.append((i, first))
-                    step.prompt_spans.append([base + first - start, base + last - start])
+                    step.prompt_spans.append([base + first - start, base + last - start,
+                                              request.params.prompt_logprobs])
+                    step.prompt_targets.extend(request.prompt_token_ids[first + 1:last + 1])
             if end == request.num_tokens:
                 rows.sample.append(i)
                 step.logit_positions.append(len(ids) - 1)
         return step, rows
 
     @torch.inference_mode()
-    def run(self, step: StepInput) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
-        """Forward pass of one step: logits [S + P, V] of its sampling rows then of its
-        prompt spans' positions (None on TP ranks other than 0), and the final hidden
-        states (float32) of each pool span."""
+    def run(self, step: StepInput) -> tuple[torch.Tensor | None, list[torch.Tensor],
+                                             list | None]:
+        """Forward pass of one step: logits [S, V] of its sampling rows, the final hidden
+        states (float32) of each pool span, and the (ids, logprobs, ranks) of every
+        prompt-span position (logits and logprobs are None on TP ranks other than 0)."""
         dev = self.device
         if self.lora_slots is not None:
             self.lora_slots.segments = [tuple(run) for run in step.lora_segments]
@@ -302,13 +309,32 @@ class ModelRunner:
         pos = torch.tensor(step.positions, dtype=torch.long, device=dev)
         hidden = self.model(input_ids, pos, self.layer_caches, meta)
         pooled = [hidden[start:end].float() for start, end in step.pool_spans]
-        positions = list(step.logit_positions)
-        for start, end in step.prompt_spans:
+        prompt_rows = self._prompt_logprobs(hidden, step) if step.prompt_spans else []
+        if not step.logit_positions:
+            empty = hidden.new_empty((0, self.shape.vocab_size), dtype=torch.float32)
+            return empty, pooled, prompt_rows
+        index = torch.tensor(step.logit_positions, dtype=torch.long, device=dev)
+        return self.model.compute_logits(hidden.index_select(0, index)), pooled, prompt_rows
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, step: StepInput) -> list | None:
+        """Prompt logprobs of the step's prompt spans, a slice of rows at a time, so a
+        long prompt never holds [prompt, vocabulary] logits (None off TP rank 0)."""
+        positions: list[int] = []
+        tops: list[int] = []
+        for start, end, top in step.prompt_spans:
             positions.extend(range(start, end))
-        if not positions:
-            return hidden.new_empty((0, self.shape.vocab_size), dtype=torch.float32), pooled
-        index = torch.tensor(positions, dtype=torch.long, device=dev)
-        return self.model.compute_logits(hidden.index_select(0, index)), pooled
+            tops.extend([top] * (end - start))
+        out: list | None = []
+        for at in range(0, len(positions), _PROMPT_LOGIT_ROWS):
+            index = torch.tensor(positions[at:at + _PROMPT_LOGIT_ROWS], dtype=torch.long,
+                                 device=self.device)
+            logits = self.model.compute_logits(hidden.index_select(0, index))
+            if logits is None:  # a TP worker: it only takes part in the gather
+                out = None
+                continue
+            out.extend(prompt_token_logprobs(
+                logits, step.prompt_targets[at:at + len(index)], tops[at:at + len(index)]))
+        return out
 
     def _attention_metadata(self, step: StepInput) -> AttentionMetadata:
         dev = self.device

@@ -163,14 +163,14 @@ class Sampler:
         return token_logprobs(logprobs, tokens, [p.logprobs for p in params])
 
 
-def prompt_token_logprobs(logits: torch.Tensor, targets: list[int], top: int
+def prompt_token_logprobs(logits: torch.Tensor, targets: list[int], tops: list[int]
                           ) -> list[tuple[list[int], list[float], list[int]]]:
-    """Prompt logprobs of a span: row j of `logits` scores targets[j] (the prompt token
-    after it), with its rank and the `top` best alternatives (the model's raw
-    log-softmax, as for sampled tokens)."""
+    """Prompt logprobs: row j of `logits` scores targets[j] (the prompt token after it),
+    with its rank and the tops[j] best alternatives (the model's raw log-softmax, as
+    for sampled tokens)."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     tokens = torch.tensor(targets, dtype=torch.long, device=logits.device)
-    return token_logprobs(logprobs, tokens, [top] * len(targets))
+    return token_logprobs(logprobs, tokens, tops)
 
 
 def token_logprobs(logprobs: torch.Tensor, tokens: torch.Tensor, counts: list[int | None]
