@@ -217,11 +217,19 @@ def build_openai_app(get_client: Callable[[], Awaitable[EngineClient]],
         unsupported = getattr(body, "unsupported_param", None)
         if unsupported is not None and (err := unsupported()) is not None:
             raise err
+        await _adapter(body)  # an unknown model is a 404 before anything else
+        return body
+
+    async def _adapter(body) -> LoRARequest | None:
+        """The LoRA adapter the request's `model` names; None for the base model."""
         name = getattr(body, "model", None)
-        if name not in (None, model) and await adapters.resolve(name) is None:
+        if name in (None, model):
+            return None
+        lora = await adapters.resolve(name)
+        if lora is None:
             raise HTTPError(404, f"The model `{name}` does not exist.", "NotFoundError",
                             "model")
-        return body
+        return lora
 
     def _check_key(request: Request, key: str | None) -> None:
         if key is None:
@@ -263,7 +271,7 @@ def build_openai_app(get_client: Callable[[], Awaitable[EngineClient]],
                                       client.sampling_defaults, body.engine_prompt_logprobs())
         request_id = f"cmpl-{rid}-{uuid.uuid4().hex[:8]}"
         prompts = body.prompts()
-        lora = adapters.cached(body.model)
+        lora = await _adapter(body)
         if len(prompts) == 1 and not body.echo:
             return await _generate(request_id, prompts[0], params, body, chat=False, lora=lora)
         streams = []
@@ -292,7 +300,7 @@ def build_openai_app(get_client: Callable[[], Awaitable[EngineClient]],
         return await _generate(f"chatcmpl-{rid}-{uuid.uuid4().hex[:8]}",
                                {"prompt": text, "prompt_token_ids": ids}, params, body, chat=True,
                                tools=plan if plan.parser is not None else None,
-                               lora=adapters.cached(body.model))
+                               lora=await _adapter(body))
 
     async def _generate(request_id: str, prompt, params, body, chat: bool,
                         tools=None, lora=None) -> Response:
@@ -459,12 +467,13 @@ def build_openai_app(get_client: Callable[[], Awaitable[EngineClient]],
         body = await _body(request, EmbeddingRequest)
         client = await get_client()
         pooling = PoolingParams(dimensions=body.dimensions)
+        lora = await _adapter(body)
         request_id = f"embd-{rid}-{uuid.uuid4().hex[:8]}"
 
         async def one(i: int, prompt) -> RequestOutput:
             stream = client.generate(f"{request_id}-{i}", prompt, SamplingParams(),
                                      kind=OutputKind.FINAL_ONLY, pooling_params=pooling,
-                                     lora_request=adapters.cached(body.model))
+                                     lora_request=lora)
             try:
                 async for out in stream:
                     if out.finished:

@@ -147,6 +147,21 @@ def test_bad_adapters_are_refused_by_name(tiny_llama, adapters, tmp_path):
         with pytest.raises(InvalidRequestError, match="no LoRA adapter"):
             llm.generate("hi", GREEDY, use_tqdm=False,
                          lora_request=LoRARequest("gone", 10, str(tmp_path / "none")))
+        other = tmp_path / "other"  # an adapter of a model with another hidden size
+        other.mkdir()
+        (other / "adapter_config.json").write_text(json.dumps(config))
+        tensors = load_file(f"{src}/adapter_model.safetensors")
+        key = next(k for k in tensors if "q_proj.lora_A" in k)
+        tensors[key] = torch.ones(8, 32)
+        save_file(tensors, other / "adapter_model.safetensors")
+        with pytest.raises(InvalidRequestError, match="another model"):
+            llm.generate("hi", GREEDY, use_tqdm=False,
+                         lora_request=LoRARequest("other", 11, str(other)))
+        core = llm.llm_engine.engine_core
+        core.add_lora(LoRARequest("first", 12, src))
+        with pytest.raises(InvalidRequestError, match="already stands for"):
+            llm.generate("hi", GREEDY, use_tqdm=False,
+                         lora_request=LoRARequest("second", 12, str(head)))
         ok = llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=lora)
         assert _tokens(ok) == adapters["all"][1]  # the engine still serves
     finally:
@@ -325,5 +340,24 @@ def test_an_adapter_gone_from_disk_fails_its_requests_not_the_engine(tiny_llama,
         assert done["base"].outputs[0].token_ids == hf_greedy(tiny_llama, PROMPTS[1:], NEW)[0]
         core = engine.engine_core
         assert core.kv.num_free_blocks == core.num_blocks
+    finally:
+        llm.shutdown()
+
+
+def test_a_waiting_adapter_is_not_starved_by_newcomers_of_the_running_one(tiny_llama,
+                                                                        adapters):
+    """max_loras=1: A runs; B waits for the slot; a later A request waits behind B."""
+    llm = LLM(str(tiny_llama), dtype="float32", enable_lora=True, max_lora_rank=16)
+    try:
+        engine = llm.llm_engine
+        a, b = adapters["qv"][0], adapters["all"][0]
+        engine.add_request("a1", PROMPTS[0], GREEDY, lora_request=a)
+        engine.step()
+        engine.add_request("b", PROMPTS[0], GREEDY, lora_request=b)
+        engine.add_request("a2", PROMPTS[0], GREEDY, lora_request=a)
+        finished = []
+        while engine.has_unfinished_requests():
+            finished += [o.request_id for o in engine.step() if o.finished]
+        assert finished == ["a1", "b", "a2"]
     finally:
         llm.shutdown()

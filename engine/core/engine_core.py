@@ -83,9 +83,10 @@ class EngineCore:
             self.checkpoint, self.shape.vocab_size, self.eos_token_ids,
             fill_threads=config.cpu_threads() if self.device.type == "cpu" else 1)
         self.lora = LoRAManager(config.max_loras) if config.enable_lora else None
+        self._checked_loras: set[LoRARequest] = set()  # adapters read once already
+        self.requests: dict[str, Request] = {}
         for name, path in (config.lora_modules or {}).items():
             self.add_lora(LoRARequest(name, adapter_id(name), str(path)))
-        self.requests: dict[str, Request] = {}
         self._aborted: list[EngineCoreOutput] = []
         self._sleep_level = 0  # 0 awake; 1 KV cache freed (weights off GPU); 2 weights freed
         logger.info("engine ready: %s on %s/%s, %d KV blocks of %d tokens, max_model_len %d, "
@@ -235,6 +236,9 @@ class EngineCore:
 
     # ---- LoRA -------------------------------------------------------------------------
     def _check_lora(self, lora: LoRARequest) -> None:
+        """Refuse an adapter this engine cannot serve: LoRA off, an id or name that
+        stands for another adapter (by name, or in a request still running), or files
+        that do not read (read now, off the step, once per adapter)."""
         if self.lora is None:
             raise InvalidRequestError("this engine serves no LoRA adapters (start it with "
                                       "enable_lora)")
@@ -242,7 +246,21 @@ class EngineCore:
         if known is not None and known != lora:
             raise InvalidRequestError(f"adapter {lora.lora_name!r} is loaded with another id "
                                       "or path")
-        self.runner.check_lora(lora)  # reads it now, off the step: raises LoRAError
+        clash = next((other for other in self._adapters_in_use()
+                      if other.lora_int_id == lora.lora_int_id and other != lora), None)
+        if clash is not None:
+            raise InvalidRequestError(
+                f"adapter id {lora.lora_int_id} already stands for {clash.lora_name!r} at "
+                f"{clash.lora_path!r}; give this adapter another id")
+        if lora not in self._checked_loras:
+            self.runner.check_lora(lora)  # raises LoRAError
+            self._checked_loras.add(lora)
+
+    def _adapters_in_use(self):
+        yield from self.lora.registered.values()
+        for r in self.requests.values():
+            if r.lora is not None:
+                yield r.lora
 
     def _place_adapters(self, sched) -> list[EngineCoreOutput]:
         """Give the step's adapters device slots, loading those not resident. An adapter
@@ -257,7 +275,7 @@ class EngineCore:
         for slot, lora in to_load:
             try:
                 self.runner.load_lora(slot, lora)
-            except InvalidRequestError as exc:
+            except Exception as exc:  # noqa: BLE001 - fails this adapter's requests only
                 self.lora.release(lora.lora_int_id)
                 broken[lora.lora_int_id] = f"LoRA adapter {lora.lora_name!r}: {exc}"
         failed: list[EngineCoreOutput] = []
@@ -289,6 +307,7 @@ class EngineCore:
         do (least recently used). False if no adapter has that id."""
         if self.lora is None or not self.lora.unregister(lora_id):
             return False
+        self._checked_loras = {r for r in self._checked_loras if r.lora_int_id != lora_id}
         if not any(r.lora is not None and r.lora.lora_int_id == lora_id
                    for r in self.requests.values()):
             self.lora.release(lora_id)

@@ -77,10 +77,11 @@ class Request:
         return len(self.output_token_ids)
 
     @property
-    def cache_root(self) -> tuple[str, int] | None:
+    def cache_root(self) -> tuple[str, int, str] | None:
         """What the prefix cache keys this request's blocks under besides the tokens: KV
         computed under one adapter is never reused under another or the base model."""
-        return None if self.lora is None else ("lora", self.lora.lora_int_id)
+        return None if self.lora is None else ("lora", self.lora.lora_int_id,
+                                               self.lora.lora_path)
 
     @property
     def waiting_for_grammar(self) -> bool:

@@ -75,12 +75,18 @@ class Scheduler:
             # adapter that would put more than max_loras adapters in the batch
             passed: list[Request] = []
             adapters = {r.lora.lora_int_id for r in self.running if r.lora is not None}
+            # once an adapter request waits for room, adapter requests behind it wait too,
+            # so the running adapters drain and it is not starved by their newcomers
+            lora_blocked = False
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 request = self.waiting[0]
-                if request.waiting_for_grammar or (
-                        request.lora is not None
-                        and request.lora.lora_int_id not in adapters
-                        and len(adapters) >= self.config.max_loras):
+                if request.lora is not None and (lora_blocked or (
+                        request.lora.lora_int_id not in adapters
+                        and len(adapters) >= self.config.max_loras)):
+                    lora_blocked = True
+                    passed.append(self.waiting.popleft())
+                    continue
+                if request.waiting_for_grammar:
                     passed.append(self.waiting.popleft())
                     continue
                 # an embedding request computes every token (mean pooling needs them all),

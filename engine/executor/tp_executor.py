@@ -31,6 +31,7 @@ from engine.core.scheduler import SchedulerOutput
 from engine.errors import EngineDeadError, InvalidRequestError
 from engine.executor.model_runner import ModelRunner, StepInput, StepResult
 from engine.executor.parallel import ShardPlan, TPGroup, check_divisible
+from engine.lora.adapter import LoRAError
 from engine.lora.request import LoRARequest
 from engine.wire.core_server import free_port
 
@@ -218,8 +219,19 @@ class TPExecutor:
         self.runner.check_lora(request)  # rank 0 validates; each rank reads its slice
 
     def load_lora(self, slot: int, request: LoRARequest) -> None:
+        """Every rank reads its slice into the slot; a rank that cannot is named in a
+        LoRAError (the ranks stay in step: each reports, none raises alone)."""
         self._send(Command("lora", value=slot, lora=request))
-        self.runner.load_lora(slot, request)
+        error = None
+        try:
+            self.runner.load_lora(slot, request)
+        except Exception as exc:  # noqa: BLE001 - reported below, after the gather
+            error = exc
+        oks = self._call(self.tp.gather_ints, [0 if error else 1])
+        failed = [rank for rank, ok in enumerate(oks) if not ok[0]]
+        if failed:
+            raise LoRAError(f"TP ranks {failed} could not load the adapter "
+                            f"{request.lora_name!r}" + (f": {error}" if error else ""))
 
     def drop_lora(self, lora_id: int) -> None:
         self._send(Command("drop_lora", value=lora_id))
@@ -267,7 +279,14 @@ def serve_commands(runner: ModelRunner, tp: TPGroup) -> None:
             usage = runner.memory_usage()
             tp.gather_ints([usage["weights_bytes"], usage["kv_cache_bytes"]])
         elif kind == "lora":
-            runner.load_lora(command.value, command.lora)
+            try:
+                runner.load_lora(command.value, command.lora)
+                ok = 1
+            except Exception:  # noqa: BLE001 - rank 0 names this rank and fails the requests
+                logger.exception("rank %d: loading LoRA adapter %r failed", tp.rank,
+                                 command.lora.lora_name)
+                ok = 0
+            tp.gather_ints([ok])
         elif kind == "drop_lora":
             runner.drop_lora(command.value)
         elif kind == "stop":

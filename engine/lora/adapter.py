@@ -77,7 +77,19 @@ def read_config(path: str | Path, max_rank: int) -> dict:
 
 def load_adapter(name: str, path: str | Path, shape, plan, max_rank: int,
                  dtype: torch.dtype = torch.float32) -> LoRAAdapter:
-    """Read the adapter at path into this rank's (plan's) fused layout."""
+    """Read the adapter at path into this rank's (plan's) fused layout. Whatever goes
+    wrong (a file that cannot be read, shapes of another model) is a LoRAError."""
+    try:
+        return _load(name, path, shape, plan, max_rank, dtype)
+    except LoRAError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - I/O, safetensors, torch: one typed error
+        raise LoRAError(f"cannot read the LoRA adapter at {str(path)!r}: "
+                        f"{type(exc).__name__}: {exc}") from exc
+
+
+def _load(name: str, path: str | Path, shape, plan, max_rank: int,
+          dtype: torch.dtype) -> LoRAAdapter:
     from safetensors import safe_open
     config = read_config(path, max_rank)
     rank = int(config["r"])
@@ -114,11 +126,15 @@ def load_adapter(name: str, path: str | Path, shape, plan, max_rank: int,
                     torch.zeros(layout.in_size(fused), subs * max_rank, dtype=dtype),
                     torch.zeros(subs * max_rank, layout.out_size(fused), dtype=dtype))
             a_t, b_t = weights[(layer, fused)]
+            b_lazy = pieces[(layer, module, "B")]
+            want = (rank, layout.full_in(module)), (layout.full_out(module), rank)
+            got = tuple(lazy.get_shape()), tuple(b_lazy.get_shape())
+            if got != want:
+                raise LoRAError(f"adapter tensors of layer {layer} {module} have shapes "
+                                f"{got[0]} and {got[1]}; this model needs {want[0]} and "
+                                f"{want[1]} (an adapter of another model?)")
             a = layout.slice_a(module, lazy).to(dtype)  # [r, in shard]
-            b = layout.slice_b(module, pieces[(layer, module, "B")]).to(dtype)  # [out, r]
-            if a.shape[0] != rank or b.shape[1] != rank:
-                raise LoRAError(f"adapter tensors of layer {layer} {module} do not have rank "
-                                f"{rank}")
+            b = layout.slice_b(module, b_lazy).to(dtype)  # [out shard, r]
             cols = slice(sub * max_rank, sub * max_rank + rank)
             row0, rows = layout.out_rows(module)
             a_t[:, cols] = a.t()
@@ -143,6 +159,18 @@ class _Layout:
         # the checkpoint input columns of each row-parallel module that this rank holds
         self.src_cols = {"o_proj": (plan.head_start * d, self.q),
                          "down_proj": (plan.rank * self.inter, self.inter)}
+
+    def full_in(self, module: str) -> int:
+        """The checkpoint's input width of a module (before any TP split)."""
+        s = self.shape
+        return {"o_proj": s.num_heads * s.head_dim,
+                "down_proj": s.intermediate_size}.get(module, s.hidden_size)
+
+    def full_out(self, module: str) -> int:
+        s = self.shape
+        return {"q_proj": s.num_heads * s.head_dim, "k_proj": s.num_kv_heads * s.head_dim,
+                "v_proj": s.num_kv_heads * s.head_dim, "gate_proj": s.intermediate_size,
+                "up_proj": s.intermediate_size}.get(module, s.hidden_size)
 
     def in_size(self, fused: str) -> int:
         return {"qkv_proj": self.shape.hidden_size, "gate_up_proj": self.shape.hidden_size,

@@ -51,6 +51,7 @@ class LoRAManager:
         self.registered: dict[str, LoRARequest] = {}  # by name: add_lora / lora_modules
         self._slot_of: OrderedDict[int, int] = OrderedDict()  # id -> slot, LRU first
         self._free = list(range(max_loras))
+        self._resident: dict[int, LoRARequest] = {}  # what each slotted id holds
 
     def register(self, request: LoRARequest) -> None:
         known = self.registered.get(request.lora_name)
@@ -75,6 +76,7 @@ class LoRAManager:
     def release(self, lora_id: int) -> None:
         """Give the adapter's slot back (it was removed and nothing runs with it)."""
         slot = self._slot_of.pop(lora_id, None)
+        self._resident.pop(lora_id, None)
         if slot is not None:
             self._free.append(slot)
 
@@ -88,8 +90,10 @@ class LoRAManager:
             slot = self._slot_of.get(lora_id)
             if slot is None:
                 slot = self._take_slot(set(adapters))
-                to_load.append((slot, request))
                 self._slot_of[lora_id] = slot
+            if self._resident.get(lora_id) != request:  # not there, or an older version
+                to_load.append((slot, request))
+                self._resident[lora_id] = request
             self._slot_of.move_to_end(lora_id)
             slots[lora_id] = slot
         return slots, to_load
@@ -98,6 +102,7 @@ class LoRAManager:
         if self._free:
             return self._free.pop(0)
         victim = next(i for i in self._slot_of if i not in in_step)  # LRU outside the step
+        self._resident.pop(victim, None)
         return self._slot_of.pop(victim)
 
     def resident(self) -> list[int]:

@@ -394,10 +394,13 @@ class EngineClient:
         return any(await self.call_utility("remove_lora", lora_id))
 
     async def list_loras(self) -> list[LoRARequest]:
-        """The adapters loaded by name, as the first live engine knows them (every
-        engine is given the same ones)."""
-        found = await self.call_utility("list_loras")
-        return [msgspec.convert(r, LoRARequest) for r in (found[0] if found else [])]
+        """The adapters loaded by name on every live engine (one that some engine
+        lacks, after a partly failed load, is not listed, so loading it again is
+        allowed and fills the gap)."""
+        found = [{msgspec.convert(r, LoRARequest) for r in rs}
+                 for rs in await self.call_utility("list_loras")]
+        common = set.intersection(*found) if found else set()
+        return sorted(common, key=lambda r: r.lora_int_id)
 
     async def get_stats(self) -> list[SchedulerStats]:
         """Every engine's scheduler stats, fresh (not the last ones seen with outputs)."""
