@@ -95,6 +95,10 @@ class AppArgs(BaseModel):
     tool_call_parser: str = Field(
         "hermes", description="how tool calls are read from the model's text when "
         "tool_choice is auto", json_schema_extra={"enum": list(TOOL_PARSERS)})
+    request_timeout_s: float | None = Field(
+        None, gt=0, description="seconds a request may take from arrival when it names no "
+        "timeout of its own; past it the request is aborted and answered with 408 (none: "
+        "no deadline)")
     mock_force_is_sleeping_rank: int | None = Field(
         None, description="test knob: the mock engine of this rank reports it is asleep")
     mock_force_reset_false_rank: int | None = Field(

@@ -125,7 +125,8 @@ class OpenAIIngress:
         options = IngressOptions(a.model_name, api_key=api_key, admin_key=admin_key,
                                  dev_mode=a.dev_mode, max_body_bytes=a.max_body_bytes,
                                  chat_template=a.chat_template_text(),
-                                 tool_call_parser=a.tool_call_parser)
+                                 tool_call_parser=a.tool_call_parser,
+                                 request_timeout_s=a.request_timeout_s)
         return build_openai_app(self.get_client, options, CoordinatorControl(self.coordinator))
 
     async def check_health(self) -> None:

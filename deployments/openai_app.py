@@ -59,6 +59,7 @@ from engine.errors import (
     InconsistentUtilityResults,
     InvalidRequestError,
     NoEnginesError,
+    RequestTimeoutError,
     UtilityCallError,
 )
 from engine.lora.request import LoRARequest
@@ -79,20 +80,37 @@ class IngressOptions:
     max_body_bytes: int = 1 << 20
     chat_template: str | None = None  # Jinja text; None: the tokenizer's
     tool_call_parser: str = "hermes"  # how tool_choice "auto" reads calls (tool_calls.py)
+    request_timeout_s: float | None = None  # a request's deadline when it names none
 
 
 class HTTPError(Exception):
-    def __init__(self, status: int, message: str, err_type: str, param: str | None = None):
+    """usage: what a request that failed part way used (a timed-out one's tokens)."""
+
+    def __init__(self, status: int, message: str, err_type: str, param: str | None = None,
+                 usage: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.err_type, self.param = status, message, err_type, param
+        self.usage = usage
 
 
 def error_response(status: int, message: str, err_type: str, param: str | None = None,
-                   extra: dict | None = None) -> JSONResponse:
-    body = {"error": {"message": message, "type": err_type, "param": param, "code": status}}
+                   extra: dict | None = None, usage: dict | None = None) -> JSONResponse:
+    body: dict[str, Any] = {"error": {"message": message, "type": err_type, "param": param,
+                                      "code": status}}
     if extra:
         body["error"].update(extra)
+    if usage is not None:
+        body["usage"] = usage
     return JSONResponse(body, status_code=status)
+
+
+def _usage(prompt: int, completion: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
+
+
+TIMEOUT_MESSAGE = ("the request passed its deadline (timeout, or the server's "
+                   "request_timeout_s) and was aborted; usage counts what it used")
 
 
 def _cause(exc: BaseException) -> BaseException:
@@ -120,6 +138,9 @@ def _map_error(exc: BaseException) -> HTTPError:
         return HTTPError(503, str(exc), "ServiceUnavailableError")
     if isinstance(exc, (EngineDeadError, NoEnginesError)):
         return HTTPError(503, str(exc), "ServiceUnavailableError")
+    if isinstance(exc, RequestTimeoutError):  # before any token: only the prompt was used
+        return HTTPError(408, TIMEOUT_MESSAGE, "TimeoutError",
+                         usage=_usage(exc.prompt_tokens, 0))
     if isinstance(exc, FlotillaError):
         return HTTPError(500, str(exc), "InternalServerError")
     return HTTPError(500, f"internal error: {type(exc).__name__}", "InternalServerError")
@@ -257,7 +278,8 @@ def build_openai_app(get_client: Callable[[], Awaitable[EngineClient]],
             except Exception as exc:  # noqa: BLE001 - every error becomes OpenAI JSON
                 err = _map_error(exc)
                 extra = _inconsistent_values(exc)
-                response = error_response(err.status, err.message, err.err_type, err.param, extra)
+                response = error_response(err.status, err.message, err.err_type, err.param, extra,
+                                          err.usage)
             response.headers["x-request-id"] = rid
             return response
         return wrapped
@@ -265,6 +287,7 @@ def build_openai_app(get_client: Callable[[], Awaitable[EngineClient]],
     # ---- generation ---------------------------------------------------------------------------
     async def completions(request: Request, rid: str) -> Response:
         body = await _body(request, CompletionRequest)
+        scheduling = _scheduling(body)
         client = await get_client()
         params = body.sampling_params(body.max_tokens, body.logprobs,
                                       body.structured_outputs_params(),
@@ -273,10 +296,12 @@ def build_openai_app(get_client: Callable[[], Awaitable[EngineClient]],
         prompts = body.prompts()
         lora = await _adapter(body)
         if len(prompts) == 1 and not body.echo:
-            return await _generate(request_id, prompts[0], params, body, chat=False, lora=lora)
+            return await _generate(request_id, prompts[0], params, body, chat=False, lora=lora,
+                                   scheduling=scheduling)
         streams = []
         for i, prompt in enumerate(prompts):
-            stream = client.generate(f"{request_id}-{i}", prompt, params, lora_request=lora)
+            stream = client.generate(f"{request_id}-{i}", prompt, params, lora_request=lora,
+                                     **scheduling)
             if body.echo:
                 text = prompt if isinstance(prompt, str) else \
                     client.processor.tokenizer.decode(prompt)
@@ -288,6 +313,7 @@ def build_openai_app(get_client: Callable[[], Awaitable[EngineClient]],
 
     async def chat_completions(request: Request, rid: str) -> Response:
         body = await _body(request, ChatCompletionRequest)
+        scheduling = _scheduling(body)
         plan = plan_tools(body, options.tool_call_parser)
         structured = body.structured_outputs_params(plan.forced, "tool_choice")
         client = await get_client()
@@ -300,14 +326,23 @@ def build_openai_app(get_client: Callable[[], Awaitable[EngineClient]],
         return await _generate(f"chatcmpl-{rid}-{uuid.uuid4().hex[:8]}",
                                {"prompt": text, "prompt_token_ids": ids}, params, body, chat=True,
                                tools=plan if plan.parser is not None else None,
-                               lora=await _adapter(body))
+                               lora=await _adapter(body), scheduling=scheduling)
 
     async def _generate(request_id: str, prompt, params, body, chat: bool,
-                        tools=None, lora=None) -> Response:
+                        tools=None, lora=None, scheduling: dict[str, Any] | None = None
+                        ) -> Response:
         client = await get_client()
-        stream = client.generate(request_id, prompt, params, lora_request=lora)
+        stream = client.generate(request_id, prompt, params, lora_request=lora,
+                                 **(scheduling or {}))
         return await _respond(stream, request_id, params, body, chat, tools, params.n,
                               client.processor.tokenizer.decode)
+
+    def _scheduling(body) -> dict[str, Any]:
+        """The request's priority and deadline, counted from now (call it as soon as
+        the body is read: tokenizing and templating count against the deadline)."""
+        timeout = body.timeout or options.request_timeout_s
+        return {"priority": body.priority,
+                "deadline": None if timeout is None else time.monotonic() + timeout}
 
     async def _respond(stream, request_id: str, params, body, chat: bool, tools,
                        choices: int, decode) -> Response:
@@ -358,6 +393,10 @@ def build_openai_app(get_client: Callable[[], Awaitable[EngineClient]],
                     if c.logprobs:
                         logprobs[c.index] += completion_entries(c, shape.top_k)
                     finish[c.index] = c.finish_reason or finish[c.index]
+        except RequestTimeoutError as exc:
+            prompt_tokens.setdefault(exc.request_id, exc.prompt_tokens)
+            raise HTTPError(408, TIMEOUT_MESSAGE, "TimeoutError",
+                            usage=_usage(sum(prompt_tokens.values()), sum(tokens))) from None
         finally:
             await stream.aclose()
         choices = []
@@ -380,8 +419,7 @@ def build_openai_app(get_client: Callable[[], Awaitable[EngineClient]],
         completion, prompt = sum(tokens), sum(prompt_tokens.values())
         response = {"id": request_id, "object": "chat.completion" if chat else "text_completion",
                     "created": created, "model": model, "choices": choices,
-                    "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
-                              "total_tokens": prompt + completion}}
+                    "usage": _usage(prompt, completion)}
         if chat and shape.show_prompt_logprobs:  # vLLM: once per chat response
             response["prompt_logprobs"] = shape.prompt_json(prompt_lps[0])
         return response
@@ -457,14 +495,19 @@ def build_openai_app(get_client: Callable[[], Awaitable[EngineClient]],
                                  "total_tokens": sum(prompt_tokens.values()) + completion}})
         except Exception as exc:  # noqa: BLE001 - reported in-band: the status is already sent
             err = _map_error(exc)
-            yield event({"error": {"message": err.message, "type": err.err_type,
-                                   "code": err.status}})
+            payload: dict[str, Any] = {"error": {"message": err.message, "type": err.err_type,
+                                                 "code": err.status}}
+            if isinstance(exc, RequestTimeoutError):
+                prompt_tokens.setdefault(exc.request_id, exc.prompt_tokens)
+                payload["usage"] = _usage(sum(prompt_tokens.values()), completion)
+            yield event(payload)
         finally:
             await stream.aclose()
         yield b"data: [DONE]\n\n"
 
     async def embeddings(request: Request, rid: str) -> Response:
         body = await _body(request, EmbeddingRequest)
+        scheduling = _scheduling(body)  # one deadline for every input
         client = await get_client()
         pooling = PoolingParams(dimensions=body.dimensions)
         lora = await _adapter(body)
@@ -473,7 +516,7 @@ def build_openai_app(get_client: Callable[[], Awaitable[EngineClient]],
         async def one(i: int, prompt) -> RequestOutput:
             stream = client.generate(f"{request_id}-{i}", prompt, SamplingParams(),
                                      kind=OutputKind.FINAL_ONLY, pooling_params=pooling,
-                                     lora_request=lora)
+                                     lora_request=lora, **scheduling)
             try:
                 async for out in stream:
                     if out.finished:

@@ -92,7 +92,18 @@ _UNSUPPORTED_COMPLETION: dict[str, Any] = {"suffix": None}
 MAX_PROMPTS = 256  # prompts in one /v1/completions request
 
 
-class _SamplingFields(_Strict):
+class _SchedulingFields(_Strict):
+    """When a request runs and how long it may take (Flotilla / vLLM extensions)."""
+
+    # vLLM's extension: lower runs first; needs the engines' scheduling_policy "priority"
+    priority: int = Field(0, ge=-(1 << 31), lt=1 << 31)
+    # seconds from arrival after which the request is aborted and answered with 408 (a
+    # final error event when streaming), with the usage so far; none: the server's
+    # request_timeout_s
+    timeout: float | None = Field(None, gt=0)
+
+
+class _SamplingFields(_SchedulingFields):
     model: str | None = None
     n: int = Field(1, ge=1, le=128)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
@@ -352,7 +363,7 @@ class ChatCompletionRequest(_SamplingFields):
         return self.top_logprobs or 0
 
 
-class EmbeddingRequest(_Strict):
+class EmbeddingRequest(_SchedulingFields):
     """POST /v1/embeddings: one embedding per input, in order."""
 
     model: str | None = None

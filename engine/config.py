@@ -47,6 +47,10 @@ class EngineConfig:
     num_threads: int | None = option(None, "torch CPU threads; none: OMP_NUM_THREADS, else "
                                            "every core this process may run on")
     seed: int = option(0, "base seed of sampling (a request's own seed overrides it)")
+    scheduling_policy: str = option(
+        "fcfs", "order of waiting requests: fcfs (arrival) or priority (a request's "
+        "priority, lower first, ties by arrival; a request that does not fit preempts "
+        "running ones of lower priority)", choices=("fcfs", "priority"))
     tensor_parallel_size: int = option(1, "ranks the model is split over (heads, MLP, vocab)")
     max_logprobs: int = option(20, "the most logprobs a request may ask for per token")
     generation_config: str = option(
@@ -80,6 +84,8 @@ class EngineConfig:
             (self.num_gpu_blocks_override is None or self.num_gpu_blocks_override >= 1,
              "num_gpu_blocks_override must be >= 1"),
             (self.num_threads is None or self.num_threads >= 1, "num_threads must be >= 1"),
+            (self.scheduling_policy in ("fcfs", "priority"),
+             f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}"),
             (self.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1"),
             (self.max_loras >= 1, "max_loras must be >= 1"),
             (self.max_lora_rank >= 1, "max_lora_rank must be >= 1"),

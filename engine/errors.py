@@ -59,3 +59,16 @@ class InconsistentUtilityResults(FlotillaError):
 
     def __reduce__(self):  # picklable with its fields, so it survives Ray calls
         return type(self), (self.method, self.values)
+
+
+class RequestTimeoutError(FlotillaError):
+    """A request passed its deadline: it was aborted at its engine (KV freed). Carries
+    what a caller needs to report partial usage: the request and its prompt's length."""
+
+    def __init__(self, message: str, request_id: str = "", prompt_tokens: int = 0) -> None:
+        super().__init__(message)
+        self.request_id = request_id
+        self.prompt_tokens = prompt_tokens
+
+    def __reduce__(self):
+        return type(self), (str(self), self.request_id, self.prompt_tokens)

@@ -25,7 +25,7 @@ SAMPLES = {
     "max_body_bytes": "4096", "mock_output_chunk_size": "4",
     "tool_call_parser": "llama3_json", "chat_template": "{{ messages }}",
     "generation_config": "vllm", "override_generation_config": '{"temperature": 0.5}',
-    "lora_modules": json.dumps({"ad": "/adapters/ad"}),
+    "lora_modules": json.dumps({"ad": "/adapters/ad"}), "scheduling_policy": "priority",
 }
 BY_KIND = {int: "7", float: "0.125", str: "text"}
 

@@ -124,6 +124,10 @@ class EngineCore:
         spare = 1 if req.pooling_params is not None else 0
         check_prompt(req.prompt_token_ids, self.max_model_len + spare, self.shape.vocab_size)
         check_params(req.sampling_params, self.config.max_logprobs, self.shape.vocab_size)
+        if req.priority != 0 and self.config.scheduling_policy != "priority":
+            raise InvalidRequestError(
+                f"priority {req.priority} needs scheduling_policy 'priority' (this engine "
+                f"schedules {self.config.scheduling_policy}, where every priority is 0)")
         if req.pooling_params is not None:
             self.pooler.check(req.pooling_params)
         if req.lora_request is not None:

@@ -10,15 +10,21 @@ and it goes back to the front of the waiting queue, to be recomputed later
 admitted with what budget and max_num_seqs leave; one whose structured-outputs
 grammar is still compiling is passed over until it is ready, and so is one whose
 LoRA adapter would make the running batch hold more than max_loras adapters.
+
+Under scheduling_policy "priority" the waiting queue is ordered by (priority,
+arrival) (engine.core.request_queue), running requests are served in that order
+and preempted lowest first, and a waiting request that does not fit (no free
+sequence slot or too few free blocks for its first chunk) preempts running
+requests of a strictly lower priority (a higher value) until it does.
 """
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request, RequestStatus
+from engine.core.request_queue import PriorityQueue, make_queue
 
 
 @dataclass
@@ -38,12 +44,12 @@ class Scheduler:
         self.config = config
         self.kv = kv
         self.max_model_len = max_model_len
-        self.waiting: deque[Request] = deque()
+        self.waiting = make_queue(config.scheduling_policy)
         self.running: list[Request] = []
         self.num_preemptions = 0
 
     def add(self, request: Request) -> None:
-        self.waiting.append(request)
+        self.waiting.add(request)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -52,6 +58,10 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         scheduled: list[Request] = []
+        if isinstance(self.waiting, PriorityQueue):
+            self.running.sort(key=self.waiting.key)  # served first, preempted last
+            self._make_room_for_head(out, budget)
+        made_room = len(out.preempted)
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -70,7 +80,7 @@ class Scheduler:
                 continue
             break  # the request preempted itself: nothing after it can run either
 
-        if not out.preempted:
+        if len(out.preempted) == made_room:  # no running request had to give way
             # skipped, not blocking those behind them: a grammar still compiling, or an
             # adapter that would put more than max_loras adapters in the batch
             passed: list[Request] = []
@@ -79,15 +89,15 @@ class Scheduler:
             # so the running adapters drain and it is not starved by their newcomers
             lora_blocked = False
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-                request = self.waiting[0]
+                request = self.waiting.peek()
                 if request.lora is not None and (lora_blocked or (
                         request.lora.lora_int_id not in adapters
                         and len(adapters) >= self.config.max_loras)):
                     lora_blocked = True
-                    passed.append(self.waiting.popleft())
+                    passed.append(self.waiting.pop())
                     continue
                 if request.waiting_for_grammar:
-                    passed.append(self.waiting.popleft())
+                    passed.append(self.waiting.pop())
                     continue
                 # an embedding request computes every token (mean pooling needs them all),
                 # and so does one that asks for prompt logprobs (they need the logits)
@@ -97,7 +107,7 @@ class Scheduler:
                 n = min(request.num_tokens - computed, budget)
                 if not self.kv.allocate(request, n, hits):
                     break
-                self.waiting.popleft()
+                self.waiting.pop()
                 request.num_computed_tokens = computed
                 if request.num_cached_tokens < 0:
                     request.num_cached_tokens = computed
@@ -108,7 +118,7 @@ class Scheduler:
                 scheduled.append(request)
                 out.num_new_tokens.append(n)
                 budget -= n
-            self.waiting.extendleft(reversed(passed))
+            self.waiting.put_back(passed)
         out.requests = scheduled
         return out
 
@@ -119,7 +129,24 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self.waiting.add_preempted(request)
+
+    def _make_room_for_head(self, out: SchedulerOutput, budget: int) -> None:
+        """Priority policy: preempt running requests of a strictly lower priority while
+        the first waiting request that could run has no sequence slot or too few free
+        blocks for its first chunk (counted without prefix-cache hits, so it may free
+        a little more than needed; equal priorities never preempt each other here)."""
+        head = next((r for r in self.waiting if not r.waiting_for_grammar), None)
+        if head is None:
+            return
+        need = self.kv.blocks_needed(min(head.num_tokens, budget))
+        while self.running and self.running[-1].priority > head.priority:
+            if (len(self.running) < self.config.max_num_seqs
+                    and need <= self.kv.num_free_blocks):
+                return
+            victim = self.running.pop()
+            self._preempt(victim)
+            out.preempted.append(victim)
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """Remove a request that stopped or was aborted and release its blocks."""
@@ -127,10 +154,9 @@ class Scheduler:
         if request in self.running:
             self.running.remove(request)
         else:
-            try:
-                self.waiting.remove(request)
-            except ValueError:
-                pass
+            self.waiting.remove(request)
+        if isinstance(self.waiting, PriorityQueue):
+            self.waiting.forget(request)
         self.kv.free_request(request)
 
     def preempt_all(self) -> None:

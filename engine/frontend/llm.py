@@ -38,11 +38,12 @@ class LLM:
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True,
-                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
-                 ) -> list[RequestOutput]:
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Generate for every prompt; results come back in prompt order. lora_request:
         the adapter every prompt runs with, or one per prompt (None: the base model);
-        the engine needs enable_lora."""
+        the engine needs enable_lora. priority: one per prompt, lower first (the engine
+        needs scheduling_policy "priority")."""
         if isinstance(prompts, (str, dict)) or (
                 isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -53,11 +54,16 @@ class LLM:
         if len(loras) != len(prompts):
             raise InvalidRequestError(f"got {len(loras)} LoRA requests for {len(prompts)} "
                                       "prompts")
+        priorities = [0] * len(prompts) if priority is None else list(priority)
+        if len(priorities) != len(prompts):
+            raise InvalidRequestError(f"got {len(priorities)} priorities for {len(prompts)} "
+                                      "prompts")
         ids = []
         try:
-            for prompt, p, lora in zip(prompts, params, loras):
+            for prompt, p, lora, rank in zip(prompts, params, loras, priorities):
                 request_id = str(next(self._counter))
-                self.llm_engine.add_request(request_id, prompt, p, lora_request=lora)
+                self.llm_engine.add_request(request_id, prompt, p, lora_request=lora,
+                                            priority=rank)
                 ids.append(request_id)
         except Exception:
             self.llm_engine.abort_request(ids)

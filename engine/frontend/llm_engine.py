@@ -33,11 +33,13 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
                     kind: OutputKind = OutputKind.FINAL_ONLY,
                     pooling_params: PoolingParams | None = None,
-                    lora_request: LoRARequest | None = None) -> None:
+                    lora_request: LoRARequest | None = None, priority: int = 0) -> None:
         """pooling_params: an embedding request (params are then not used);
-        lora_request: the adapter it runs with."""
+        lora_request: the adapter it runs with; priority: its place under
+        scheduling_policy "priority" (lower first; must be 0 under fcfs)."""
         text, token_ids = self.processor.tokenize(prompt)
         requests = self.processor.make_requests(request_id, token_ids, params,
+                                                priority=priority,
                                                 pooling_params=pooling_params,
                                                 lora_request=lora_request)
         if self.output_processor.has_request(request_id):

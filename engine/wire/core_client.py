@@ -39,6 +39,7 @@ from engine.errors import (
     InvalidRequestError,
     NoEnginesError,
     PromptTooLongError,
+    RequestTimeoutError,
     UtilityCallError,
 )
 from engine.frontend.output_processor import OutputProcessor
@@ -68,6 +69,19 @@ logger = logging.getLogger(__name__)
 ABORT_BATCH = 1024
 READ_BATCH = 64  # messages read without yielding to the event loop (fairness cap)
 DISCONNECT_GRACE_S = 3.0  # after a TCP disconnect: time to hear from the engine again
+
+
+async def _wait_until(event: asyncio.Event, deadline: float) -> bool:
+    """Wait for the event until the time.monotonic() deadline; False if the deadline
+    came first. (Relative: a loop's own clock, uvloop's say, need not be monotonic's.)"""
+    if event.is_set():
+        return True
+    try:
+        async with asyncio.timeout(deadline - time.monotonic()):
+            await event.wait()
+    except TimeoutError:
+        return event.is_set()
+    return True
 
 
 def _typed_error(message: str) -> FlotillaError:
@@ -233,11 +247,15 @@ class EngineClient:
                        data_parallel_rank: int | None = None,
                        kind: OutputKind = OutputKind.DELTA,
                        pooling_params: PoolingParams | None = None,
-                       lora_request: LoRARequest | None = None
+                       lora_request: LoRARequest | None = None,
+                       priority: int = 0, deadline: float | None = None
                        ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; stopping the iteration early aborts it.
         pooling_params: an embedding request, whose one output carries the vector;
-        lora_request: the adapter it runs with."""
+        lora_request: the adapter it runs with; priority: its place in the engine's
+        queue under scheduling_policy "priority"; deadline: a time.monotonic() value
+        after which the request is aborted at its engine and RequestTimeoutError is
+        raised (what was streamed before stays delivered)."""
         if self.dead_error is not None:
             raise self.dead_error
         if pooling_params is not None and "embed" not in self.supported_tasks:
@@ -246,12 +264,13 @@ class EngineClient:
         if request_id in self._streams:
             raise EngineRequestError(f"request id {request_id!r} is already running")
         text, ids = self.processor.tokenize(prompt)
-        requests = self.processor.make_requests(request_id, ids, params,
+        requests = self.processor.make_requests(request_id, ids, params, priority=priority,
                                                 data_parallel_rank=data_parallel_rank,
                                                 pooling_params=pooling_params,
                                                 lora_request=lora_request)
         lora_id = None if lora_request is None else lora_request.lora_int_id
         finished = yielded = False
+        abort_cause = "client_disconnect"
         while True:  # more than once only when a draining engine refuses the request
             engine = self._pick(data_parallel_rank, lora_id)
             if lora_id is not None:
@@ -264,7 +283,14 @@ class EngineClient:
                 if metrics is not None:
                     metrics.engine_submit_time = time.time()
                 while True:
-                    await stream.wake.wait()
+                    if deadline is None:
+                        await stream.wake.wait()
+                    elif (time.monotonic() >= deadline
+                          or not await _wait_until(stream.wake, deadline)):
+                        abort_cause = "deadline"
+                        raise RequestTimeoutError(
+                            f"request {request_id} passed its deadline and was aborted",
+                            request_id, len(ids))
                     stream.wake.clear()
                     if stream.pending:  # what arrived first is delivered before an error
                         stream.pending = False
@@ -288,7 +314,7 @@ class EngineClient:
                 unfinished = self.output_processor.abort_requests([request_id])
                 if not finished and (yielded or not engine.draining):
                     for engine_id in unfinished:
-                        self._queue_abort(engine_id, "client_disconnect")
+                        self._queue_abort(engine_id, abort_cause)
                 self._forget(request_id, requests)
 
     def _submit(self, request_id: str, text, requests, kind: OutputKind,

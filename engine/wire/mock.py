@@ -176,6 +176,9 @@ class MockEngineCore:
         _refuse_model_controls(req.sampling_params)
         if req.lora_request is not None:
             raise InvalidRequestError(_NO_LORA)
+        if req.priority != 0:
+            raise InvalidRequestError(f"priority {req.priority} needs scheduling_policy "
+                                      "'priority'; the mock engine schedules fcfs")
         room = self.max_model_len - len(ids)
         max_tokens = req.sampling_params.max_tokens
         limit = room if max_tokens is None else min(max_tokens, room)

@@ -1,0 +1,150 @@
+"""Request deadlines and priority over HTTP: a request past its timeout is aborted at its
+engine (nothing left running, KV free) and answered with 408 and the usage so far (a
+final error event when streaming); a priority the engines cannot honour is a 400."""
+import asyncio
+import json
+import time
+
+import pytest
+
+from engine.wire.core_client import EngineClient
+from tests.test_openai_app import MODEL, engines, serve, tokenizer  # noqa: F401 - fixtures
+
+SLOW = {"max_tokens": 200, "ignore_eos": True}  # 200 tokens at 20 ms: about 4 s
+
+
+async def _engine_idle(core, timeout: float = 5.0) -> bool:
+    """The mock engine has nothing running or waiting and holds no KV blocks."""
+    stop = time.monotonic() + timeout
+    while time.monotonic() < stop:
+        stats = core.get_stats()
+        if stats.num_running_reqs == stats.num_waiting_reqs == 0 and stats.kv_cache_usage == 0:
+            return True
+        await asyncio.sleep(0.02)
+    return False
+
+
+def _clients(holder: list):
+    """Keep the app's EngineClient, to read its abort causes after the request."""
+    original = EngineClient.connect
+
+    async def connect(*args, **kwargs):
+        client = await original(*args, **kwargs)
+        holder.append(client)
+        return client
+    return connect
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_a_request_past_its_timeout_gets_408_with_partial_usage(engines, endpoint,  # noqa: F811
+                                                                 monkeypatch):
+    core = engines.add(itl_s=0.02)
+    clients: list = []
+    monkeypatch.setattr(EngineClient, "connect", _clients(clients))
+
+    async def test(http, oai):
+        if endpoint == "completions":
+            body = {"model": MODEL, "prompt": "Hello there", "timeout": 0.3, **SLOW}
+        else:
+            body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
+                    "timeout": 0.3, **SLOW}
+        path = "/v1/completions" if endpoint == "completions" else "/v1/chat/completions"
+        started = time.monotonic()
+        response = await http.post(path, json=body)
+        elapsed = time.monotonic() - started
+        return response, elapsed, await _engine_idle(core)
+
+    response, elapsed, idle = serve(engines, test)
+    assert response.status_code == 408, response.text
+    body = response.json()
+    assert body["error"]["type"] == "TimeoutError" and body["error"]["code"] == 408
+    usage = body["usage"]
+    assert 0 < usage["completion_tokens"] < 200 and usage["prompt_tokens"] > 0
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    assert elapsed < 3.0  # answered at the deadline, long before the 200 tokens (~4 s)
+    assert idle  # aborted at the engine: nothing runs, no KV held
+    assert clients[0].abort_causes["deadline"] == 1
+
+
+def test_a_streamed_request_past_its_timeout_ends_with_an_error_event(engines):  # noqa: F811
+    core = engines.add(itl_s=0.02)
+
+    async def test(http, oai):
+        events = []
+        async with http.stream("POST", "/v1/completions", json={
+                "model": MODEL, "prompt": "Hello", "stream": True, "timeout": 0.3,
+                **SLOW}) as response:
+            async for line in response.aiter_lines():
+                if line.startswith("data: "):
+                    events.append(line[len("data: "):])
+        return response.status_code, events, await _engine_idle(core)
+
+    status, events, idle = serve(engines, test)
+    assert status == 200
+    assert events[-1] == "[DONE]"
+    last = json.loads(events[-2])
+    assert last["error"]["code"] == 408 and last["error"]["type"] == "TimeoutError"
+    chunks = [json.loads(e) for e in events[:-2]]
+    streamed = sum(1 for c in chunks if c["choices"] and c["choices"][0]["text"])
+    assert 0 < last["usage"]["completion_tokens"] < 200
+    assert last["usage"]["completion_tokens"] >= streamed > 0
+    assert idle
+
+
+def test_the_server_default_applies_and_a_request_may_name_its_own(engines):  # noqa: F811
+    core = engines.add(itl_s=0.02)
+
+    async def test(http, oai):
+        body = {"model": MODEL, "prompt": "Hello", **SLOW, "max_tokens": 30}
+        by_default = await http.post("/v1/completions", json=body)  # 30 x 20 ms > 0.2 s
+        longer = await http.post("/v1/completions", json={**body, "timeout": 30})
+        return by_default, longer, await _engine_idle(core)
+
+    by_default, longer, idle = serve(engines, test, request_timeout_s=0.2)
+    assert by_default.status_code == 408
+    assert longer.status_code == 200 and longer.json()["usage"]["completion_tokens"] == 30
+    assert idle
+
+
+def test_a_timeout_before_the_first_token_reports_the_prompt(engines):  # noqa: F811
+    core = engines.add(ttft_s=2.0)
+
+    async def test(http, oai):
+        streamed = await http.post("/v1/completions", json={
+            "model": MODEL, "prompt": [5, 6, 7, 8], "stream": True, "timeout": 0.2})
+        chat = await http.post("/v1/chat/completions", json={
+            "model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
+            "timeout": 0.2})
+        return streamed, chat, await _engine_idle(core)
+
+    streamed, chat, idle = serve(engines, test)
+    assert streamed.status_code == 408  # nothing was sent yet: a plain HTTP error
+    assert streamed.json()["usage"] == {"prompt_tokens": 4, "completion_tokens": 0,
+                                        "total_tokens": 4}
+    assert chat.status_code == 408 and chat.json()["usage"]["completion_tokens"] == 0
+    assert idle
+
+
+def test_bad_timeout_and_priority_values_are_400(engines):  # noqa: F811
+    engines.add()
+
+    async def test(http, oai):
+        out = []
+        for extra in ({"timeout": 0}, {"timeout": -1}, {"timeout": "soon"},
+                      {"priority": 1.5}, {"priority": 1 << 40}):
+            out.append(await http.post("/v1/completions", json={
+                "model": MODEL, "prompt": "Hi", "max_tokens": 2, **extra}))
+        # the mock engine schedules first come first served: a priority is refused
+        out.append(await http.post("/v1/completions", json={
+            "model": MODEL, "prompt": "Hi", "max_tokens": 2, "priority": 3}))
+        out.append(await http.post("/v1/completions", json={
+            "model": MODEL, "prompt": "Hi", "max_tokens": 2, "priority": 0}))
+        return out
+
+    *bad, refused, fine = serve(engines, test)
+    for response in bad:
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] in ("timeout", "priority")
+    assert refused.status_code == 400
+    assert "scheduling_policy 'priority'" in refused.json()["error"]["message"]
+    assert fine.status_code == 200
