@@ -148,3 +148,50 @@ def test_bad_timeout_and_priority_values_are_400(engines):  # noqa: F811
     assert refused.status_code == 400
     assert "scheduling_policy 'priority'" in refused.json()["error"]["message"]
     assert fine.status_code == 200
+
+
+def test_a_deadline_frees_the_real_engines_kv(tiny_llama):
+    """On the real engine (tiny model): a streamed request cut by its deadline leaves no
+    request and no KV block held; the engine serves the next request in full."""
+    from engine.config import EngineConfig
+    from engine.core.engine_core import EngineCore
+    from engine.model.loader import load_tokenizer
+    from engine.wire.core_server import EngineCoreServer
+    from tests.test_core_client import free_address
+    core = EngineCore(EngineConfig(model=str(tiny_llama), dtype="float32"))
+    address = free_address()
+    server = EngineCoreServer(core, address).start()
+
+    class Real:
+        async def client(self):
+            return await EngineClient.connect([address], load_tokenizer(tiny_llama),
+                                              handshake_timeout_s=10)
+
+    async def test(http, oai):
+        events, status = [], None
+        async with http.stream("POST", "/v1/completions", json={
+                "model": MODEL, "prompt": "Once upon a time", "stream": True,
+                "timeout": 0.2, "max_tokens": 480, "ignore_eos": True}) as response:
+            status = response.status_code
+            async for line in response.aiter_lines():
+                if line.startswith("data: "):
+                    events.append(line[len("data: "):])
+        stop = time.monotonic() + 5
+        while time.monotonic() < stop and (core.requests or core.kv.usage > 0):
+            await asyncio.sleep(0.02)
+        held = (len(core.requests), core.kv.usage)
+        after = await http.post("/v1/completions", json={
+            "model": MODEL, "prompt": "Hi", "max_tokens": 5, "ignore_eos": True})
+        return status, events, held, after
+
+    try:
+        status, events, held, after = serve(Real(), test)
+    finally:
+        server.shutdown()
+    if status == 200:  # tokens came first: the stream ends with the error event
+        assert events[-1] == "[DONE]"
+        assert json.loads(events[-2])["error"]["code"] == 408
+    else:  # the deadline came before the first token
+        assert status == 408
+    assert held == (0, 0.0)
+    assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] == 5
