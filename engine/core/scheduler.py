@@ -136,7 +136,13 @@ class Scheduler:
         the first waiting request that could run has no sequence slot or too few free
         blocks for its first chunk (counted without prefix-cache hits, so it may free
         a little more than needed; equal priorities never preempt each other here)."""
-        head = next((r for r in self.waiting if not r.waiting_for_grammar), None)
+        adapters = {r.lora.lora_int_id for r in self.running if r.lora is not None}
+
+        def could_run(r: Request) -> bool:  # else preempting for it would only churn
+            return not r.waiting_for_grammar and (
+                r.lora is None or r.lora.lora_int_id in adapters
+                or len(adapters) < self.config.max_loras)
+        head = next((r for r in self.waiting if could_run(r)), None)
         if head is None:
             return
         need = self.kv.blocks_needed(min(head.num_tokens, budget))
