@@ -57,3 +57,44 @@ def test_cached_prefix_matches_uncached_run(tiny_llama):
     a = [o.outputs[0].token_ids for o in with_cache.generate(shared, GREEDY, use_tqdm=False)]
     b = [o.outputs[0].token_ids for o in without.generate(shared, GREEDY, use_tqdm=False)]
     assert a == b
+
+
+def test_kv_events_match_the_kv_cache(tiny_llama):
+    """The events an engine publishes, applied to a router's index, always equal the set
+    of hashes its cache can hit: stored on register, removed when a cached block is
+    reused, cleared on reset; and they are the hashes a router computes for a prompt."""
+    from engine.core.block_hash import prefix_block_hashes
+    from engine.wire.prefix_index import PrefixIndex
+    llm = LLM(str(tiny_llama), dtype="float32", block_size=8, num_gpu_blocks_override=24)
+    core = llm.llm_engine.engine_core
+    index = PrefixIndex()
+
+    def sync() -> list:
+        events = core.take_kv_events()
+        if events is not None:
+            index.apply(0, events)
+        assert {h for h in core.kv.cached} == index._blocks.get(0, set())
+        return events
+
+    first = sync()
+    assert first.cleared and first.stored == []  # the first take is a snapshot
+    assert core.take_kv_events() is None  # nothing happened since
+    rng = random.Random(3)
+    prompt = [rng.randrange(100, 40000) for _ in range(43)]
+    llm.generate([prompt], GREEDY, use_tqdm=False)
+    stored = sync()
+    assert not stored.cleared and stored.removed == []
+    assert set(prefix_block_hashes(prompt, 8)) <= set(stored.stored)  # 5 prompt blocks
+    assert index.cached_prefix(0, prefix_block_hashes(prompt, 8)) == 5
+    removed = []
+    for i in range(4):  # 24 blocks: new prompts reuse the cached ones
+        other = [rng.randrange(100, 40000) for _ in range(60)]
+        llm.generate([other], GREEDY, use_tqdm=False)
+        removed += sync().removed
+    assert removed and index.cached_prefix(0, prefix_block_hashes(prompt, 8)) < 5
+    assert core.reset_prefix_cache() is True
+    cleared = sync()
+    assert cleared.cleared and index._blocks[0] == set() and not core.kv.cached
+    again = core.kv_cache_snapshot()
+    assert again.cleared and again.stored == []
+    llm.shutdown()

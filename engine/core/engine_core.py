@@ -39,6 +39,7 @@ from engine.wire.protocol import (
     EngineCoreOutput,
     EngineCoreReadyResponse,
     EngineCoreRequest,
+    KVEvents,
     SchedulerStats,
 )
 
@@ -332,6 +333,15 @@ class EngineCore:
         if reset_running_requests:
             self.scheduler.preempt_all()
         return self.kv.reset_prefix_cache()
+
+    def take_kv_events(self) -> KVEvents | None:
+        """Prefix-cache changes since the last call, for the server to publish to the
+        routers (the first call, and the first after sleep, answer a full snapshot)."""
+        return self.kv.take_events()
+
+    def kv_cache_snapshot(self) -> KVEvents:
+        """Every cached block hash, for a router that just connected."""
+        return self.kv.snapshot_events()
 
     # ---- sleep mode -------------------------------------------------------------------
     def is_sleeping(self) -> bool:

@@ -5,12 +5,19 @@ block's token ids) and stay findable after their request ends, until the pool
 needs them: free blocks are reused least-recently-freed first, and a block
 that is reused loses its hash. Token ids are kept beside the hash and compared
 on a hit, so a hash collision can never hand out the wrong KV.
+
+The hashes are the same in every process (engine/core/block_hash.py), so routers can
+compute them too; changes to the set of findable hashes are recorded as KV events
+(stored, removed, cleared) for the engine-core server to publish.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
 
+from engine.core.block_hash import block_hash, root_seed
+from engine.core.kv_events import KVEventLog
 from engine.core.request import Request
+from engine.wire.protocol import KVEvents
 
 
 class Block:
@@ -36,6 +43,7 @@ class KVCacheManager:
         self.cached: dict[int, int] = {}  # block hash -> block id
         self.prefix_queries = 0  # tokens looked up in the prefix cache
         self.prefix_hits = 0  # of which found
+        self.events = KVEventLog()  # changes to `cached`, for the routers
 
     # ---- accounting -------------------------------------------------------------------
     @property
@@ -62,10 +70,11 @@ class KVCacheManager:
         usable = (len(tokens) - 1) // self.block_size
         hits: list[int] = []
         root = request.cache_root
-        parent = root
+        parent = root_seed(request.lora)
         for i in range(usable):
-            chunk = _key(root, tokens[i * self.block_size:(i + 1) * self.block_size])
-            h = hash((parent, chunk))
+            block_tokens = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
+            chunk = _key(root, block_tokens)
+            h = block_hash(parent, block_tokens)
             block_id = self.cached.get(h)
             if block_id is None or self.blocks[block_id].token_ids != chunk:
                 break
@@ -80,6 +89,7 @@ class KVCacheManager:
         if len(self.free) != self.num_blocks:
             return False
         self.cached.clear()
+        self.events.cleared()
         for block in self.blocks:
             block.block_hash, block.token_ids = None, ()
         self.prefix_queries = self.prefix_hits = 0
@@ -109,6 +119,7 @@ class KVCacheManager:
             if block.block_hash is not None:
                 if self.cached.get(block.block_hash) == block_id:
                     del self.cached[block.block_hash]
+                    self.events.removed(block.block_hash)
                 block.block_hash, block.token_ids = None, ()
             block.ref_cnt = 1
             request.block_ids.append(block_id)
@@ -138,17 +149,28 @@ class KVCacheManager:
         tokens = request.all_token_ids
         root = request.cache_root
         for i in range(len(request.block_hashes), full):
-            parent = request.block_hashes[-1] if request.block_hashes else root
-            chunk = _key(root, tokens[i * self.block_size:(i + 1) * self.block_size])
-            h = hash((parent, chunk))
+            parent = request.block_hashes[-1] if request.block_hashes else root_seed(request.lora)
+            block_tokens = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
+            h = block_hash(parent, block_tokens)
             request.block_hashes.append(h)
             block = self.blocks[request.block_ids[i]]
             if block.block_hash is None:
-                block.block_hash, block.token_ids = h, chunk
-                self.cached.setdefault(h, block.block_id)
+                block.block_hash, block.token_ids = h, _key(root, block_tokens)
+                if h not in self.cached:
+                    self.cached[h] = block.block_id
+                    self.events.stored(h)
+
+    # ---- KV events (engine/core/kv_events.py) ------------------------------------------
+    def take_events(self) -> KVEvents | None:
+        """Changes to the findable hashes since the last call (the first: a snapshot)."""
+        return self.events.take(self.cached)
+
+    def snapshot_events(self) -> KVEvents:
+        """Every findable hash, as a cleared + stored batch (for a newly connected router)."""
+        return self.events.snapshot(self.cached)
 
 
-def _key(root, tokens: list[int]) -> tuple:
+def _key(root, tokens: tuple[int, ...]) -> tuple:
     """A block's identity beside its hash: its tokens, and the adapter it was computed
     under (compared on a hit, so not even a hash collision mixes adapters)."""
-    return tuple(tokens) if root is None else (root, tuple(tokens))
+    return tokens if root is None else (root, tokens)

@@ -10,6 +10,12 @@ Threads, so that socket work never runs on the model thread:
   queue, steps the core, routes each output to the client that sent the request.
   When idle it blocks on the input queue: no busy loop.
 
+KV events (the core's prefix-cache changes, engine/core/kv_events.py) go to every
+connected client at most every kv_events_interval_s, riding on that step's outputs
+(or alone); a client that says HELLO first gets a snapshot (cleared + every cached
+hash), so a router that connects late starts with the engine's whole cache. A core
+without take_kv_events (duck-typed) publishes nothing.
+
 A bad frame, an unknown type or a refused request is logged and, where a request
 id is known, answered with an error output; the server keeps serving.
 """
@@ -40,6 +46,7 @@ from engine.wire.protocol import (
     EngineCoreOutputs,
     EngineCoreRequest,
     Hello,
+    KVEvents,
     StartDPWave,
     UtilityOutput,
     UtilityRequest,
@@ -52,6 +59,7 @@ UTILITY_METHODS = frozenset({
     "get_stats", "ready_response", "has_unfinished_requests", "get_memory_usage",
     "add_lora", "remove_lora", "list_loras"})
 HEARTBEAT_INTERVAL_S = 1.0
+KV_EVENTS_INTERVAL_S = 0.1  # the most often KV events are sent (batched in between)
 _STOP = object()
 
 
@@ -79,7 +87,8 @@ class EngineCoreServer:
     """Serves `core` (an EngineCore or a MockEngineCore) at `address`."""
 
     def __init__(self, core: Any, address: str, engine_index: int = 0,
-                 heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S) -> None:
+                 heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S,
+                 kv_events_interval_s: float = KV_EVENTS_INTERVAL_S) -> None:
         self.core = core
         self.address = address
         self.engine_index = engine_index
@@ -98,6 +107,9 @@ class EngineCoreServer:
         self._bind_error: BaseException | None = None
         self._threads: list[threading.Thread] = []
         self._loop_thread: threading.Thread | None = None
+        self.kv_events_interval_s = kv_events_interval_s
+        self._kv_dirty = False  # the cache may have changed since the last batch was sent
+        self._kv_sent_at = 0.0  # time.monotonic() of the last batch
 
     # ---- life cycle ---------------------------------------------------------------------
     def start(self) -> "EngineCoreServer":
@@ -273,6 +285,9 @@ class EngineCoreServer:
         while not self._stopped.is_set():
             busy = core.has_unfinished_requests()
             delay = _next_delay(core) if busy else None
+            if self._kv_dirty:  # wake up when the pending KV events are due
+                due = max(0.0, self._kv_sent_at + self.kv_events_interval_s - time.monotonic())
+                delay = due if delay is None else min(delay, due)
             try:
                 item = self._inputs.get(timeout=delay) if delay != 0 else self._inputs.get_nowait()
             except queue.Empty:
@@ -281,11 +296,14 @@ class EngineCoreServer:
                 if item is _STOP:
                     return
                 self._handle(*item)
+                self._kv_dirty = True
                 try:
                     item = self._inputs.get_nowait()
                 except queue.Empty:
                     item = None
-            if core.has_unfinished_requests() and self._dead_error is None:
+            if not (core.has_unfinished_requests() and self._dead_error is None):
+                self._route([], self._due_kv_events())
+            else:
                 try:
                     outputs = core.step()
                 except EngineDeadError as exc:  # e.g. a tensor-parallel worker died
@@ -298,7 +316,8 @@ class EngineCoreServer:
                     logger.exception("engine %d: step failed; failing its requests",
                                      self.engine_index)
                     outputs = self._fail_all("engine step failed")
-                self._route(outputs)
+                self._kv_dirty = True
+                self._route(outputs, self._due_kv_events())
 
     def _handle(self, identity: bytes, kind: bytes, msg: Any) -> None:
         if kind == ADD:
@@ -325,8 +344,14 @@ class EngineCoreServer:
         elif kind == START_DP_WAVE:
             self._wave = max(self._wave, msg.wave)
         elif kind == HELLO:
+            # the clients there already get what happened before this client's snapshot
+            self._route([], self._due_kv_events(force=True))
             self._clients.add(identity)
             self._to_encode.put((identity, READY, self.core.ready_response(self.engine_index)))
+            snapshot = getattr(self.core, "kv_cache_snapshot", None)
+            if snapshot is not None:
+                self._send(identity, EngineCoreOutputs(self.engine_index, timestamp=time.time(),
+                                                       kv_events=snapshot()))
 
     def _call_utility(self, req: UtilityRequest) -> UtilityOutput:
         if req.method not in UTILITY_METHODS:
@@ -338,8 +363,28 @@ class EngineCoreServer:
             logger.warning("engine %d: utility %s failed: %s", self.engine_index, req.method, exc)
             return UtilityOutput(req.call_id, failure_message=f"{type(exc).__name__}: {exc}")
 
-    def _route(self, outputs: list[EngineCoreOutput]) -> None:
-        if not outputs:
+    def _due_kv_events(self, force: bool = False) -> KVEvents | None:
+        """The core's KV events when a batch is due (force: now), else None."""
+        if not self._kv_dirty:
+            return None
+        now = time.monotonic()
+        if not force and now - self._kv_sent_at < self.kv_events_interval_s:
+            return None
+        self._kv_dirty = False
+        take = getattr(self.core, "take_kv_events", None)
+        if take is None:
+            return None
+        self._kv_sent_at = now
+        try:
+            return take()
+        except Exception:  # events are an optimisation: never fail serving for them
+            logger.exception("engine %d: could not take KV events", self.engine_index)
+            return None
+
+    def _route(self, outputs: list[EngineCoreOutput], kv_events: KVEvents | None = None
+               ) -> None:
+        """Send each client its requests' outputs; KV events go to every client."""
+        if not outputs and kv_events is None:
             return
         per_client: dict[bytes, list[EngineCoreOutput]] = defaultdict(list)
         for out in outputs:
@@ -353,7 +398,12 @@ class EngineCoreServer:
         now = time.time()
         for identity, outs in per_client.items():
             self._send(identity, EngineCoreOutputs(self.engine_index, outs, timestamp=now,
-                                                   scheduler_stats=stats))
+                                                   scheduler_stats=stats, kv_events=kv_events))
+        if kv_events is not None:
+            for identity in [c for c in self._clients if c not in per_client]:
+                self._send(identity, EngineCoreOutputs(self.engine_index, timestamp=now,
+                                                       scheduler_stats=stats,
+                                                       kv_events=kv_events))
 
     def _fail_all(self, message: str, step: bool = True) -> list[EngineCoreOutput]:
         ids = list(self._owner_of)

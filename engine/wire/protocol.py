@@ -14,7 +14,7 @@ Frames (ZMQ multipart, after the ROUTER's routing id on the engine side):
     HELLO          Hello (first frame of every connection)
   engine -> client: [type byte, msgpack payload]
     READY          EngineCoreReadyResponse (answer to HELLO)
-    OUTPUTS        EngineCoreOutputs
+    OUTPUTS        EngineCoreOutputs (kv_events: prefix-cache changes, to every client)
 """
 from __future__ import annotations
 
@@ -142,6 +142,17 @@ class StartDPWave(msgspec.Struct, array_like=True):
     wave: int
 
 
+class KVEvents(msgspec.Struct, array_like=True, omit_defaults=True):
+    """Prefix-cache changes of one engine since its previous KVEvents, coalesced per
+    hash (engine/core/kv_events.py). Apply in this order: if cleared, forget every
+    hash of this engine; then drop `removed`, then add `stored`. A hash is in at most
+    one of the lists. Hashes are the engine's block hashes (engine/core/block_hash.py)."""
+
+    cleared: bool = False
+    stored: list[int] = []
+    removed: list[int] = []
+
+
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
     """Everything one engine sends one client after a step (or for a utility call)."""
 
@@ -151,3 +162,4 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
     timestamp: float = 0.0
     scheduler_stats: SchedulerStats | None = None
     wave_complete: int | None = None  # set when the engine went idle ending this wave
+    kv_events: KVEvents | None = None  # prefix-cache changes, batched (core_server)
