@@ -232,7 +232,7 @@ def test_requests_beyond_max_num_seqs_wait_and_stats_count_them():
     stats = engine.get_stats()
     assert (stats.num_running_reqs, stats.num_waiting_reqs) == (1, 0)
     out, = engine.step()
-    assert out.request_id == "c" and out.num_cached_tokens == 0  # the mock has no prefix cache
+    assert out.request_id == "c" and out.num_cached_tokens == 16  # the full block a cached
 
 
 def test_force_knobs_make_one_engine_disagree():

@@ -7,25 +7,35 @@ tokens are a pure function of (seed, engine index, request id, output position):
 a test can predict what a client must receive, whatever else runs in the batch.
 
 Time is simulated on an absolute schedule, never slept: a request's first token
-is due at admission + ttft_s + prefill_s_per_token * prompt length, then one
-token every itl_s. step() returns what is due now (at most one output per request,
+is due at admission + ttft_s + prefill_s_per_token * its uncached prompt tokens,
+then one token every itl_s (with serial_prefill, prefills run one after another, as
+on a compute-bound engine, so a queue of prompts delays the next one). step() returns what is due now (at most one output per request,
 as a real step); next_step_delay() says when the next output will be, so the
 server can block on its socket in between.
 
 Kept from a real engine: request validation and its typed errors, the stop rules
 (EOS, stop_token_ids, min_tokens masking both, max_tokens, max_model_len), at
 most max_num_seqs running requests (the rest wait, first come first served), KV
-block accounting for stats, sleep mode. Left out: the prefix cache
-(num_cached_tokens is 0), preemption, real logprobs (fake ones of the right shape).
+block accounting for stats, sleep mode, the prefix cache: full prompt blocks are
+named by the engine's own hash chain (engine/core/block_hash.py) and kept in an LRU
+index of num_blocks blocks; a request's longest cached prefix (one token is always
+computed) is its num_cached_tokens, skips prefill time, counts in the prefix-cache
+stats, and the index publishes KV events as EngineCore does, so prefix-aware routing
+is testable without a model. Left out: preemption, blocks held by running requests
+(the index only holds finished prompts' blocks, by LRU), real logprobs (fake ones of
+the right shape).
 """
 from __future__ import annotations
 
 import hashlib
 import math
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from engine.core.block_hash import cacheable_blocks, prefix_block_hashes
+from engine.core.kv_events import KVEventLog
 from engine.errors import (
     DuplicateRequestError,
     EngineSleepingError,
@@ -41,6 +51,7 @@ from engine.wire.protocol import (
     EngineCoreOutput,
     EngineCoreReadyResponse,
     EngineCoreRequest,
+    KVEvents,
     SchedulerStats,
     TokenLogprobs,
 )
@@ -90,6 +101,10 @@ class MockConfig(MockTiming):
     max_model_len: int = option(4096, "context length it enforces (prompt + output)")
     block_size: int = option(16, "tokens per KV block it accounts")
     max_num_seqs: int = option(256, "the most running requests (the rest wait)")
+    enable_prefix_caching: bool = option(True, "keep an LRU index of prompt blocks: cached "
+                                               "prefixes skip prefill time, KV events")
+    serial_prefill: bool = option(False, "prefills run one after another (a compute-bound "
+                                         "engine): queued prompts delay the next")
     force_is_sleeping: bool | None = None  # test knob: is_sleeping() answers this
     force_reset_prefix_cache: bool | None = None  # test knob: reset_prefix_cache() answers this
 
@@ -135,6 +150,8 @@ class _Request:
     params: SamplingParams
     limit: int  # most output tokens: max_tokens, and what max_model_len leaves
     arrival: float
+    block_hashes: list[int] = field(default_factory=list)  # of its prompt's full blocks
+    num_cached: int = 0  # prompt tokens found in the prefix cache at admission
     first_due: float = 0.0  # when output token 0 is due (set on admission)
     num_output: int = 0  # tokens already returned
     chunk: list[int] = field(default_factory=list)  # the next output's tokens, drawn ahead
@@ -163,6 +180,10 @@ class MockEngineCore:
         self._waiting: dict[str, _Request] = {}  # over max_num_seqs, in arrival order
         self._aborted: list[EngineCoreOutput] = []
         self._asleep: set[str] = set()  # the SLEEP_TAGS not woken up yet
+        self._cache: OrderedDict[int, None] = OrderedDict()  # block hashes, LRU first
+        self._events = KVEventLog()
+        self._prefix_queries = self._prefix_hits = 0  # prompt tokens looked up / found
+        self._prefill_free_at = 0.0  # serial_prefill: when the current prefills end
 
     # ---- requests ---------------------------------------------------------------------
     def add_request(self, req: EngineCoreRequest) -> None:
@@ -183,7 +204,8 @@ class MockEngineCore:
         max_tokens = req.sampling_params.max_tokens
         limit = room if max_tokens is None else min(max_tokens, room)
         now = self._clock()
-        self._waiting[rid] = _Request(rid, len(ids), req.sampling_params, limit, now)
+        self._waiting[rid] = _Request(rid, len(ids), req.sampling_params, limit, now,
+                                      self._block_hashes(ids))
         self._admit(now)
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -215,7 +237,8 @@ class MockEngineCore:
         for r in [r for r in self._running.values() if r.due <= now]:
             outputs.append(EngineCoreOutput(
                 r.request_id, r.chunk, r.finish_reason, r.stop_reason,
-                new_logprobs=self._logprobs(r.chunk, r.params.logprobs)))
+                new_logprobs=self._logprobs(r.chunk, r.params.logprobs),
+                num_cached_tokens=r.num_cached))
             r.num_output += len(r.chunk)
             if r.finish_reason is None:
                 self._draw_chunk(r)
@@ -230,9 +253,56 @@ class MockEngineCore:
         c = self.config
         while self._waiting and len(self._running) < c.max_num_seqs:
             r = self._waiting.pop(next(iter(self._waiting)))
-            r.first_due = max(at, r.arrival) + c.ttft_s + c.prefill_s_per_token * r.prompt_len
+            r.num_cached = self._use_prefix_cache(r)
+            start = max(at, r.arrival)
+            prefill = c.prefill_s_per_token * (r.prompt_len - r.num_cached)
+            if c.serial_prefill:
+                start = max(start, self._prefill_free_at)
+                self._prefill_free_at = start + prefill
+            r.first_due = start + c.ttft_s + prefill
             self._running[r.request_id] = r
             self._draw_chunk(r)
+
+    # ---- the prefix cache model ---------------------------------------------------------
+    def _block_hashes(self, ids: list[int]) -> list[int]:
+        return prefix_block_hashes(ids, self.block_size) if self.config.enable_prefix_caching \
+            else []
+
+    def _use_prefix_cache(self, r: _Request) -> int:
+        """Prompt tokens of r found cached (its longest cached prefix of full blocks, one
+        token always left to compute); then its blocks are the most recently used, the
+        first block last, so that a prefix is evicted from its tail as in EngineCore."""
+        if not self.config.enable_prefix_caching:
+            return 0
+        hits = 0
+        for h in r.block_hashes[:cacheable_blocks(r.prompt_len, self.block_size)]:
+            if h not in self._cache:
+                break
+            hits += 1
+        for h in reversed(r.block_hashes):
+            if h in self._cache:
+                self._cache.move_to_end(h)
+            else:
+                self._cache[h] = None
+                self._events.stored(h)
+        while len(self._cache) > self.num_blocks:
+            evicted, _ = self._cache.popitem(last=False)
+            self._events.removed(evicted)
+        self._prefix_queries += r.prompt_len
+        self._prefix_hits += hits * self.block_size
+        return hits * self.block_size
+
+    def _drop_prefix_cache(self) -> None:
+        self._cache.clear()
+        self._events.cleared()
+
+    def take_kv_events(self) -> KVEvents | None:
+        """As EngineCore: the index's changes since the last call (the first: a snapshot)."""
+        return self._events.take(self._cache)
+
+    def kv_cache_snapshot(self) -> KVEvents:
+        """As EngineCore: every cached hash, for a router that just connected."""
+        return self._events.snapshot(self._cache)
 
     def _draw_chunk(self, r: _Request) -> None:
         """Draw the next output's tokens, stopping where the request finishes."""
@@ -306,6 +376,7 @@ class MockEngineCore:
         if level not in (1, 2):
             raise InvalidRequestError(f"sleep level must be 1 or 2, got {level}")
         self.abort_requests(list(self._waiting) + list(self._running))
+        self._drop_prefix_cache()  # as EngineCore: sleeping discards the KV cache
         self._asleep = set(SLEEP_TAGS)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
@@ -319,11 +390,15 @@ class MockEngineCore:
     def reset_prefix_cache(self, reset_running_requests: bool = False,
                            reset_connector: bool = False) -> bool:
         """As EngineCore: refused (False) while requests hold blocks, unless told to
-        preempt them (the mock has no cache to drop, nor anything to preempt)."""
+        preempt them (the mock has nothing to preempt); drops the prefix index."""
         forced = self.config.force_reset_prefix_cache
         if forced is not None:
             return forced
-        return reset_running_requests or not self._running
+        if self._running and not reset_running_requests:
+            return False
+        self._drop_prefix_cache()
+        self._prefix_queries = self._prefix_hits = 0
+        return True
 
     def get_memory_usage(self) -> dict[str, int]:
         return {"weights_bytes": 0, "kv_cache_bytes": 0}
@@ -344,7 +419,9 @@ class MockEngineCore:
         return SchedulerStats(num_running_reqs=len(self._running),
                               num_waiting_reqs=len(self._waiting),
                               kv_cache_usage=min(1.0, used / self.num_blocks),
-                              num_free_blocks=max(0, self.num_blocks - used))
+                              num_free_blocks=max(0, self.num_blocks - used),
+                              prefix_cache_queries=self._prefix_queries,
+                              prefix_cache_hits=self._prefix_hits)
 
     def ready_response(self, engine_index: int) -> EngineCoreReadyResponse:
         from engine import __version__
