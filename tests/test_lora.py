@@ -304,18 +304,20 @@ def test_router_prefers_an_engine_that_ran_the_adapter_unless_overloaded():
     from types import SimpleNamespace
 
     from engine.wire.core_client import EngineClient
+    from engine.wire.routing import Router
     client = object.__new__(EngineClient)  # only the routing policy, no sockets
     engines = [SimpleNamespace(index=i, dead=False, draining=False, stats=None, in_flight=0,
                                adapters=set()) for i in range(2)]
     client.engines, client._rr, client.dead_error = engines, itertools.count(), None
+    client.router = Router()  # no prefix cached anywhere: the cost is the load
     engines[1].adapters.add(7)
     engines[1].in_flight = 2  # within max(2, 0 // 4) of the least loaded
-    assert client._pick(None, 7) is engines[1]
-    assert client._pick(None, None) is engines[0]  # no adapter: least loaded
+    assert client._pick(None, 7)[0] is engines[1]
+    assert client._pick(None, None)[0] is engines[0]  # no adapter: least loaded
     engines[1].in_flight = 3  # overloaded: the least loaded engine loads it instead
-    assert client._pick(None, 7) is engines[0]
+    assert client._pick(None, 7)[0] is engines[0]
     engines[0].in_flight, engines[1].in_flight = 40, 49  # a quarter of 40 is the slack
-    assert client._pick(None, 7) is engines[1]
+    assert client._pick(None, 7)[0] is engines[1]
 
 
 def test_an_adapter_gone_from_disk_fails_its_requests_not_the_engine(tiny_llama, adapters,

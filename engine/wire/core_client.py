@@ -62,6 +62,7 @@ from engine.wire.protocol import (
     SchedulerStats,
     UtilityRequest,
 )
+from engine.wire.routing import Router
 from engine.wire.utility_results import all_true, consensus
 
 logger = logging.getLogger(__name__)
@@ -154,6 +155,7 @@ class EngineClient:
         self.abort_messages_sent = 0
         self._tasks: list[asyncio.Task] = []
         self._rr = itertools.count()
+        self.router = Router()  # routing policy, prefix index, sessions (engine/wire/routing.py)
         self.dead_error: EngineDeadError | None = None
         self.heartbeat_timeout_s = 10.0
         self._encoder = msgspec.msgpack.Encoder()
@@ -164,11 +166,14 @@ class EngineClient:
     @classmethod
     async def connect(cls, addresses: list[str], tokenizer, *,
                       handshake_timeout_s: float = 30.0, heartbeat_timeout_s: float = 10.0,
-                      is_alive: list[Callable[[], bool]] | None = None) -> "EngineClient":
-        """Handshake with every engine; the READY values configure the client."""
+                      is_alive: list[Callable[[], bool]] | None = None,
+                      routing: str = "prefix") -> "EngineClient":
+        """Handshake with every engine; the READY values configure the client.
+        routing: "prefix" | "least_loaded" | "round_robin" (engine/wire/routing.py)."""
         if not addresses:
             raise NoEnginesError("no engine addresses given")
         self = cls()
+        self.router = Router(routing)
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self._ctx = zmq.asyncio.Context()
         try:
@@ -185,6 +190,7 @@ class EngineClient:
         if len(sizes) != 1:
             await self._close_sockets()
             raise HandshakeError(f"engines disagree on block_size: {sorted(sizes)}")
+        self.router.block_size = sizes.pop()
         vocab = len(tokenizer)
         self.processor = Processor(tokenizer, self.max_model_len, vocab,
                                    min(r.max_logprobs for _, r in readies))
@@ -248,14 +254,16 @@ class EngineClient:
                        kind: OutputKind = OutputKind.DELTA,
                        pooling_params: PoolingParams | None = None,
                        lora_request: LoRARequest | None = None,
-                       priority: int = 0, deadline: float | None = None
+                       priority: int = 0, deadline: float | None = None,
+                       session_id: str | None = None
                        ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; stopping the iteration early aborts it.
         pooling_params: an embedding request, whose one output carries the vector;
         lora_request: the adapter it runs with; priority: its place in the engine's
         queue under scheduling_policy "priority"; deadline: a time.monotonic() value
         after which the request is aborted at its engine and RequestTimeoutError is
-        raised (what was streamed before stays delivered)."""
+        raised (what was streamed before stays delivered); session_id: requests of one
+        session go to one engine while it is live (engine/wire/routing.py)."""
         if self.dead_error is not None:
             raise self.dead_error
         if pooling_params is not None and "embed" not in self.supported_tasks:
@@ -269,13 +277,16 @@ class EngineClient:
                                                 pooling_params=pooling_params,
                                                 lora_request=lora_request)
         lora_id = None if lora_request is None else lora_request.lora_int_id
+        hashes = self.router.block_hashes(ids, lora_request)
         finished = yielded = False
         abort_cause = "client_disconnect"
         while True:  # more than once only when a draining engine refuses the request
-            engine = self._pick(data_parallel_rank, lora_id)
+            engine, uncached = self._route(data_parallel_rank, lora_id, len(ids), hashes,
+                                           session_id)
             if lora_id is not None:
                 engine.adapters.add(lora_id)
             stream = self._submit(request_id, text, requests, kind, engine)
+            self.router.submitted(engine.index, requests[0].request_id, uncached)
             try:
                 for r in requests:
                     await engine.socket.send_multipart([ADD, self._encoder.encode(r)])
@@ -332,11 +343,32 @@ class EngineClient:
     def _others_than(self, engine: _Engine) -> bool:
         return any(e is not engine and not e.dead and not e.draining for e in self.engines)
 
-    def _pick(self, rank: int | None, lora_id: int | None = None) -> _Engine:
-        """The engine a request goes to: the named rank, else the least loaded, except
-        that a request with an adapter goes to an engine it was sent to before (which
-        holds it in a slot or its host cache) unless that one is overloaded: more than
-        max(2, a quarter of the least load) requests above the least loaded."""
+    def _route(self, rank: int | None, lora_id: int | None, num_tokens: int,
+               hashes: list[int], session_id: str | None) -> tuple[_Engine, int]:
+        """(engine, prompt tokens it will prefill, about) for a request: the named rank,
+        else the session's engine while it is live and staying, else the policy's
+        choice (then pinned to the session)."""
+        if rank is None and session_id is not None:
+            staying = [e for e in self.engines if not e.dead and not e.draining]
+            engine = self.router.session_engine(session_id, staying)
+            if engine is not None:
+                return engine, num_tokens - self.router.block_size * \
+                    self.router.index.cached_prefix(engine.index, hashes)
+        engine, uncached = self._pick(rank, lora_id, num_tokens, hashes)
+        if rank is None:
+            self.router.remember_session(session_id, engine)
+        return engine, uncached
+
+    def _pick(self, rank: int | None, lora_id: int | None = None, num_tokens: int = 0,
+              hashes: list[int] = ()) -> tuple[_Engine, int]:
+        """(engine, its prefill tokens) for a request: the named rank, else the routing
+        policy's choice (prefix-cache cost, least loaded or round robin), except that a
+        request with an adapter goes to an engine it was sent to before (which holds it
+        in a slot or its host cache) unless that one is overloaded: more than max(2, a
+        quarter of the least load) requests above the chosen one."""
+        def uncached(e: _Engine) -> int:
+            return num_tokens - self.router.block_size * self.router.index.cached_prefix(
+                e.index, hashes)
         alive = [e for e in self.engines if not e.dead and not e.draining] or \
             [e for e in self.engines if not e.dead]
         if rank is not None:
@@ -345,7 +377,7 @@ class EngineClient:
                     f"data_parallel_rank {rank} out of range [0, {len(self.engines)})")
             if self.engines[rank].dead:
                 raise self.dead_error or EngineDeadError(f"engine {rank} is dead")
-            return self.engines[rank]
+            return self.engines[rank], uncached(self.engines[rank])
         if not alive:
             raise self.dead_error or NoEnginesError("no live engine")
         turn = next(self._rr)
@@ -353,20 +385,22 @@ class EngineClient:
         def score(e: _Engine) -> tuple:
             waiting = e.stats.num_waiting_reqs if e.stats else 0
             return (e.in_flight + waiting, (e.index - turn) % len(self.engines))
-        best = min(alive, key=score)
+        best, best_uncached = self.router.choose(alive, lambda e: score(e)[0], num_tokens,
+                                                 hashes)
         if lora_id is not None and lora_id not in best.adapters:
             holders = [e for e in alive if lora_id in e.adapters]
             if holders:
                 holder = min(holders, key=score)
                 least = score(best)[0]
                 if score(holder)[0] <= least + max(2, least // 4):
-                    return holder
-        return best
+                    return holder, uncached(holder)
+        return best, best_uncached
 
     def _forget(self, request_id: str, requests) -> None:
         self._streams.pop(request_id, None)
         for r in requests:
             self._parent_of.pop(r.request_id, None)
+            self.router.forget(r.request_id)
             index = self._engine_of.pop(r.request_id, None)
             if index is not None:
                 self.engines[index].in_flight -= 1
@@ -473,7 +507,11 @@ class EngineClient:
             engine.stats = msg.scheduler_stats
         if msg.utility_output is not None:
             self._resolve_utility(msg.utility_output)
+        if msg.kv_events is not None and not engine.dead:
+            self.router.on_kv_events(engine.index, msg.kv_events)
         if msg.outputs:
+            for out in msg.outputs:  # its prefill is done: no longer queued there
+                self.router.on_output(out.request_id)
             self._dispatch(msg.outputs, msg.timestamp, engine.index)
 
     def _resolve_utility(self, out) -> None:
@@ -589,6 +627,7 @@ class EngineClient:
 
     def _mark_dead(self, engine: _Engine, why: str) -> None:
         engine.dead = True
+        self.router.engine_gone(engine.index)  # its prefix cache died with it
         error = EngineDeadError(f"engine {engine.index} at {engine.address} is dead: {why}")
         if self.dead_error is None:
             self.dead_error = error
