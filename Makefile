@@ -5,7 +5,11 @@ PIP    := $(PY) -m pip
 PROMPT ?= The three primary colors are
 PORT   ?= 8000
 
-.PHONY: setup run generate test bench clean
+IMAGE  ?= flotilla
+# the package's version (pyproject.toml), which is also the chart's appVersion
+VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+
+.PHONY: setup run generate test bench image clean
 
 setup: $(VENV)/.installed
 
@@ -30,6 +34,10 @@ test: setup
 
 bench: setup
 	$(PY) bench/throughput.py --baseline hf
+
+# The serving image that helm/flotilla and cluster.yaml run (Dockerfile).
+image:
+	docker build -t $(IMAGE):$(VERSION) .
 
 clean:
 	rm -rf $(VENV) build *.egg-info

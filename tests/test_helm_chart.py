@@ -226,7 +226,7 @@ def test_values_schema_rejects_bad_values(helm):
 
 def test_render_checks_catch_inconsistent_values(helm):
     cases = {
-        "image.repository is required": {},
+        "image.repository is required": {"image": {"repository": ""}},
         "min_replicas is larger than max_replicas": {
             **MINIMAL, "app": {"ingress_autoscaling": {"min_replicas": 5, "max_replicas": 2}}},
         # 1 GPU per engine: 4 small pods x 1 + 2 large pods x 4 = 12 engines at most
