@@ -17,6 +17,7 @@ from deployments.tool_calls import TOOL_PARSERS
 from engine.config import EngineConfig
 from engine.options import Option, dataclass_options, option_kind
 from engine.wire.mock import MockConfig, MockTiming
+from engine.wire.routing import ROUTING_POLICIES
 
 MOCK_MODEL = "mock"
 MOCK_MAX_MODEL_LEN = 4096  # the mock engine's context length when max_model_len is none
@@ -99,6 +100,10 @@ class AppArgs(BaseModel):
         None, gt=0, description="seconds a request may take from arrival when it names no "
         "timeout of its own; past it the request is aborted and answered with 408 (none: "
         "no deadline)")
+    routing: str = Field(
+        "prefix", description="how an ingress picks the engine of a request: prefix (least "
+        "uncached prefill plus queue, from the engines' KV events), least_loaded, or "
+        "round_robin", json_schema_extra={"enum": list(ROUTING_POLICIES)})
     mock_force_is_sleeping_rank: int | None = Field(
         None, description="test knob: the mock engine of this rank reports it is asleep")
     mock_force_reset_false_rank: int | None = Field(
@@ -134,6 +139,8 @@ class AppArgs(BaseModel):
     def _checks(self) -> "AppArgs":
         if self.tool_call_parser not in TOOL_PARSERS:
             raise ValueError("tool_call_parser must be " + ", ".join(TOOL_PARSERS))
+        if self.routing not in ROUTING_POLICIES:
+            raise ValueError("routing must be " + ", ".join(ROUTING_POLICIES))
         self.chat_template_text()  # a missing template file fails at build time
         if self.placement_strategy not in PLACEMENT_STRATEGIES:
             raise ValueError("placement_strategy must be " + ", ".join(PLACEMENT_STRATEGIES))
@@ -249,6 +256,7 @@ class AppArgs(BaseModel):
         return MockConfig(
             **dataclasses.asdict(self.mock), engine_index=rank, vocab_size=vocab_size,
             seed=engine.seed, block_size=engine.block_size, max_num_seqs=engine.max_num_seqs,
+            enable_prefix_caching=engine.enable_prefix_caching,
             max_model_len=engine.max_model_len or MOCK_MAX_MODEL_LEN,
             force_is_sleeping=True if rank == self.mock_force_is_sleeping_rank else None,
             force_reset_prefix_cache=False if rank == self.mock_force_reset_false_rank

@@ -100,7 +100,10 @@ class OpenAIIngress:
 
     async def _switch(self, version: int, addresses: list[str]) -> None:
         """Connect to a new engine set; the old client finishes its streams, then closes."""
-        client = await EngineClient.connect(addresses, tokenizer_for(self.args))
+        client = await EngineClient.connect(addresses, tokenizer_for(self.args),
+                                            routing=self.args.routing)
+        if self._client is not None:  # sessions stay on their engines when those stay
+            client.router.adopt_sessions(self._client.router)
         old, self._client = self._client, client
         self._version = version
         logger.info("ingress: %d engines (membership version %d)", len(addresses), version)

@@ -288,6 +288,7 @@ def build_openai_app(get_client: Callable[[], Awaitable[EngineClient]],
     async def completions(request: Request, rid: str) -> Response:
         body = await _body(request, CompletionRequest)
         scheduling = _scheduling(body)
+        scheduling["session_id"] = request.headers.get("x-session-id")  # same engine
         client = await get_client()
         params = body.sampling_params(body.max_tokens, body.logprobs,
                                       body.structured_outputs_params(),
@@ -314,6 +315,7 @@ def build_openai_app(get_client: Callable[[], Awaitable[EngineClient]],
     async def chat_completions(request: Request, rid: str) -> Response:
         body = await _body(request, ChatCompletionRequest)
         scheduling = _scheduling(body)
+        scheduling["session_id"] = request.headers.get("x-session-id")  # same engine
         plan = plan_tools(body, options.tool_call_parser)
         structured = body.structured_outputs_params(plan.forced, "tool_choice")
         client = await get_client()

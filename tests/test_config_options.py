@@ -26,6 +26,7 @@ SAMPLES = {
     "tool_call_parser": "llama3_json", "chat_template": "{{ messages }}",
     "generation_config": "vllm", "override_generation_config": '{"temperature": 0.5}',
     "lora_modules": json.dumps({"ad": "/adapters/ad"}), "scheduling_policy": "priority",
+    "routing": "round_robin",
 }
 BY_KIND = {int: "7", float: "0.125", str: "text"}
 

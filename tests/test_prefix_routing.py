@@ -307,3 +307,25 @@ def test_sessions_move_to_a_new_client_and_an_unknown_engine_reroutes():
     assert new.session_engine("s", [b]) is None  # its engine is gone: route anew
     assert new.session_engine(None, [a, b]) is None
 
+
+
+def test_the_x_session_id_header_keeps_a_conversation_on_one_engine(engines):
+    from tests.test_openai_app import MODEL, serve
+    engines.add()
+    engines.add()
+
+    async def test(http, oai):
+        for i in range(4):  # short prompts: no cache to follow, only the session
+            await oai.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": f"turn {i}"}], max_tokens=2,
+                extra_headers={"x-session-id": "conv-9"})
+            await oai.completions.create(model=MODEL, prompt=f"more {i}", max_tokens=2,
+                                         extra_headers={"x-session-id": "conv-9"})
+        sticky = _queries(engines)
+        for i in range(4):
+            await oai.completions.create(model=MODEL, prompt=f"free {i}", max_tokens=2)
+        return sticky, _queries(engines)
+
+    sticky, after = serve(engines, test)
+    assert sorted(q > 0 for q in sticky) == [False, True]  # all eight on one engine
+    assert all(q > 0 for q in after)  # without the header they spread
