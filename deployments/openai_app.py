@@ -69,6 +69,7 @@ from engine.sampling_params import SamplingParams
 from engine.wire.core_client import EngineClient
 
 _JSON = msgspec.json.Encoder()  # SSE chunks
+HEALTH_WAIT_S = 0.9  # /health answers within a second, connected or not
 
 
 @dataclass(frozen=True)
@@ -599,8 +600,21 @@ def build_openai_app(get_client: Callable[[], Awaitable[EngineClient]],
     async def metrics_endpoint(request: Request, rid: str) -> Response:
         return Response(metrics.exposition(), media_type="text/plain; version=0.0.4")
 
+    connecting: dict[str, asyncio.Task] = {}
+
     async def health(request: Request, rid: str) -> Response:
-        client = await get_client()
+        """Readiness: 200 once the engines are connected and healthy, else 503 within
+        HEALTH_WAIT_S. It never waits for engines to register (that can take minutes
+        while a cluster scales up): the connection attempt goes on in the background
+        and the next probe sees how it went."""
+        task = connecting.get("task")
+        if task is None or task.done():
+            task = connecting["task"] = asyncio.ensure_future(get_client())
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())  # seen here
+        done, _ = await asyncio.wait({task}, timeout=HEALTH_WAIT_S)
+        if not done:
+            raise HTTPError(503, "the engines are not connected yet", "ServiceUnavailableError")
+        client = task.result()  # a failed connection is its own (mapped) error
         if not client.healthy:
             raise HTTPError(503, str(client.dead_error or "unhealthy"), "ServiceUnavailableError")
         return Response(status_code=200)
