@@ -51,6 +51,9 @@ class EngineConfig:
         "fcfs", "order of waiting requests: fcfs (arrival) or priority (a request's "
         "priority, lower first, ties by arrival; a request that does not fit preempts "
         "running ones of lower priority)", choices=("fcfs", "priority"))
+    log_stats_interval_s: float = option(10.0, "seconds between the engine's status lines "
+                                                "while it is busy (throughput, queue, KV "
+                                                "usage, prefix hit rate); 0: none")
     tensor_parallel_size: int = option(1, "ranks the model is split over (heads, MLP, vocab)")
     max_logprobs: int = option(20, "the most logprobs a request may ask for per token")
     generation_config: str = option(
@@ -86,6 +89,7 @@ class EngineConfig:
             (self.num_threads is None or self.num_threads >= 1, "num_threads must be >= 1"),
             (self.scheduling_policy in ("fcfs", "priority"),
              f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}"),
+            (self.log_stats_interval_s >= 0, "log_stats_interval_s must be >= 0"),
             (self.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1"),
             (self.max_loras >= 1, "max_loras must be >= 1"),
             (self.max_lora_rank >= 1, "max_lora_rank must be >= 1"),

@@ -17,6 +17,7 @@ from engine.config import EngineConfig
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
+from engine.core.stats_logger import StatsLogger
 from engine.errors import (
     DuplicateRequestError,
     EngineSleepingError,
@@ -89,6 +90,7 @@ class EngineCore:
         for name, path in (config.lora_modules or {}).items():
             self.add_lora(LoRARequest(name, adapter_id(name), str(path)))
         self._aborted: list[EngineCoreOutput] = []
+        self.stats_logger = StatsLogger(config.log_stats_interval_s)
         self._sleep_level = 0  # 0 awake; 1 KV cache freed (weights off GPU); 2 weights freed
         logger.info("engine ready: %s on %s/%s, %d KV blocks of %d tokens, max_model_len %d, "
                     "sampling defaults %s (generation_config=%s)", self.shape.architecture,
@@ -156,6 +158,12 @@ class EngineCore:
 
     def step(self) -> list[EngineCoreOutput]:
         """Run one scheduling step; return the outputs it produced (possibly none)."""
+        outputs = self._step()
+        if self.stats_logger.enabled:
+            self.stats_logger.maybe_log(self.get_stats)
+        return outputs
+
+    def _step(self) -> list[EngineCoreOutput]:
         outputs, self._aborted = self._aborted, []
         for request, why in self.structured.poll():
             outputs.append(self._fail(request, why))
@@ -170,8 +178,12 @@ class EngineCore:
                 return outputs
         result = self.runner.execute(sched)
         logits, rows = result.logits, result.sample_rows
+        prompt_tokens = 0
         for request, n in zip(sched.requests, sched.num_new_tokens):
+            prompt_tokens += max(0, min(n, request.num_prompt_tokens
+                                        - request.num_computed_tokens))
             request.num_computed_tokens += n
+        self.stats_logger.count(prompt_tokens, len(rows))
         for i, hidden in result.pooled:
             outputs.extend(self._pool(sched.requests[i], hidden))
         for i, span_rows in result.prompt_logprobs:

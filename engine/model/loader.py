@@ -12,6 +12,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -91,21 +92,33 @@ def _gguf_to_checkpoint(gguf: Path) -> Path:
 
 
 def _convert_gguf(gguf: Path, out: Path) -> None:
+    """Write an HF checkpoint of a GGUF file. A first start waits on this (a minute for
+    large files), so each stage logs when it is done, with the time so far."""
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     folder, name = str(gguf.parent), gguf.name
+    started = time.monotonic()
+
+    def done(stage: int, what: str) -> None:
+        logger.info("converting %s: %d/4 %s (%.1f s)", name, stage, what,
+                    time.monotonic() - started)
     config = AutoConfig.from_pretrained(folder, gguf_file=name)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    done(1, "config and tokenizer read")
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    done(2, f"{len(state)} tensors dequantized to float32")
     if getattr(config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)
     config.architectures = [type(model).__name__]
     config.save_pretrained(out)
     tokenizer.save_pretrained(out)
     GenerationConfig.from_model_config(config).save_pretrained(out)
+    done(3, "config, tokenizer and generation config written")
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    size = sum(t.numel() * t.element_size() for t in state.values())
+    done(4, f"weights written ({size / 2**20:.0f} MiB)")
 
 
 def load_hf_config(path: Path) -> PretrainedConfig:
