@@ -55,7 +55,7 @@ def _ready(port: int) -> bool:
         return False
 
 
-def _start(server: Server, port: int, log_path: Path) -> subprocess.Popen:
+def start_server(server: Server, port: int, log_path: Path) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update(server.env)
     with open(log_path, "wb") as log:
@@ -70,11 +70,11 @@ def _start(server: Server, port: int, log_path: Path) -> subprocess.Popen:
         if text_ok and _ready(port):
             return proc
         time.sleep(1)
-    _stop(proc)
+    stop_server(proc)
     raise RuntimeError(f"{server.name} did not become ready; see {log_path}")
 
 
-def _stop(proc: subprocess.Popen) -> None:
+def stop_server(proc: subprocess.Popen) -> None:
     """SIGTERM to the server (it shuts its own children down), then the whole group."""
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
@@ -199,7 +199,7 @@ def main() -> int:
             continue
         log = work / (server.name.split()[0] + f"-{len(rows)}.log")
         print(f"== {server.name}: starting (log {log})", flush=True)
-        proc = _start(server, port, log)
+        proc = start_server(server, port, log)
         try:
             _bench(args, port, server.model, 4, 8, work, f"warmup-{len(rows)}")
             for c in concurrencies:
@@ -213,7 +213,7 @@ def main() -> int:
                       f"{result['median_tpot_ms']:.1f} ms, failed {result.get('failed', 0)}",
                       flush=True)
         finally:
-            _stop(proc)
+            stop_server(proc)
     _print_table(args, rows)
     shutil.rmtree(work, ignore_errors=True)
     return 0

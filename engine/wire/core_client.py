@@ -286,7 +286,7 @@ class EngineClient:
             if lora_id is not None:
                 engine.adapters.add(lora_id)
             stream = self._submit(request_id, text, requests, kind, engine)
-            self.router.submitted(engine.index, requests[0].request_id, uncached)
+            self.router.submitted(engine.index, requests[0].request_id, uncached, hashes)
             try:
                 for r in requests:
                     await engine.socket.send_multipart([ADD, self._encoder.encode(r)])
