@@ -306,8 +306,9 @@ def run_served(args) -> None:
                     async def worker() -> None:
                         nonlocal tokens
                         while queue:
-                            tokens += await _served_request(http, port, queue.pop(),
-                                                            args.max_tokens, ttfts)
+                            n = await _served_request(http, port, queue.pop(),
+                                                      args.max_tokens, ttfts)
+                            tokens += n  # not `tokens += await ...`: that reads before
                     start = time.perf_counter()
                     await asyncio.gather(*(worker() for _ in range(args.concurrency)))
                     return time.perf_counter() - start

@@ -10,6 +10,8 @@
 - Fans utility calls out to every engine over its own EngineClient, with the
   aggregation rules of docs/architecture.md (is_sleeping must agree, reset is an AND,
   sleep / wake_up must succeed everywhere and failures name the rank).
+- Sums the ingress replicas' request metrics, so that /metrics never goes backwards
+  whichever replica a scrape reaches.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import msgspec
 from ray import serve
 
 from deployments.config import AppArgs
+from deployments.metrics_sum import MetricsSum
 from deployments.tokenizers import tokenizer_for
 from engine.errors import NoEnginesError
 from engine.wire.core_client import EngineClient
@@ -70,6 +73,7 @@ class Coordinator:
         self._client: EngineClient | None = None
         self._client_addresses: list[str] = []
         self._lock = asyncio.Lock()
+        self._metrics = MetricsSum()
 
     # ---- ranks and registry ------------------------------------------------------------------
     async def assign_rank(self, replica_id: str) -> int:
@@ -167,6 +171,11 @@ class Coordinator:
                                  reset_external: bool = False) -> bool:
         return await (await self._engine_client()).reset_prefix_cache(
             reset_running_requests, reset_external)
+
+    def report_metrics(self, replica_id: str, snapshot: list) -> list:
+        """An ingress replica's request metrics in; the sum over all replicas out
+        (deployments/metrics_sum.py)."""
+        return self._metrics.report(replica_id, snapshot)
 
     async def stats(self) -> list[dict]:
         client = await self._engine_client()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 
 from ray import serve
 
@@ -19,6 +20,8 @@ from engine.wire.core_client import EngineClient
 logger = logging.getLogger(__name__)
 ENGINE_WAIT_S = 300.0
 MEMBERSHIP_POLL_S = 0.5  # how fast a replica follows engines joining or leaving
+METRICS_PUSH_S = 5.0  # how often a replica reports its request metrics to the coordinator
+METRICS_TIMEOUT_S = 2.0  # a scrape waits this long for the sum, then serves its own
 RETIRE_WAIT_S = 600.0
 
 
@@ -35,6 +38,7 @@ class CoordinatorControl:
 
     def __init__(self, coordinator) -> None:
         self.coordinator = coordinator
+        self.replica_id = uuid.uuid4().hex  # names this replica's share of the metrics
 
     async def is_sleeping(self) -> bool:
         return await self.coordinator.is_sleeping.remote()
@@ -58,6 +62,17 @@ class CoordinatorControl:
     async def list_loras(self) -> list:
         return await self.coordinator.list_loras.remote()
 
+    async def sum_metrics(self, snapshot) -> list | None:
+        """Report this replica's request metrics; the sum over every replica (None if
+        the coordinator does not answer in time: this replica's own are served)."""
+        try:
+            return await asyncio.wait_for(
+                self.coordinator.report_metrics.remote(self.replica_id, snapshot),
+                METRICS_TIMEOUT_S)
+        except Exception as exc:
+            logger.warning("ingress: metrics not summed over the replicas: %s", exc)
+            return None
+
 
 @serve.deployment
 @serve.ingress()
@@ -70,6 +85,8 @@ class OpenAIIngress:
         self._version = -1
         self._follower: asyncio.Task | None = None
         self._lock = asyncio.Lock()
+        self._app = None  # the ASGI app, once Serve built it
+        self._control: CoordinatorControl | None = None
 
     async def get_client(self) -> EngineClient:
         """The client for the current engines. The first call waits for them; a
@@ -111,8 +128,12 @@ class OpenAIIngress:
             asyncio.get_running_loop().create_task(_retire(old))
 
     async def _follow(self) -> None:
+        pushed = time.monotonic()
         while True:
             await asyncio.sleep(MEMBERSHIP_POLL_S)
+            if time.monotonic() - pushed >= METRICS_PUSH_S and self._app is not None:
+                pushed = time.monotonic()  # keep the coordinator's sum current between scrapes
+                await self._control.sum_metrics(self._app.state.metrics.snapshot())
             try:
                 version, addresses = await self.coordinator.membership.remote()
                 if addresses and version != self._version:
@@ -130,7 +151,9 @@ class OpenAIIngress:
                                  chat_template=a.chat_template_text(),
                                  tool_call_parser=a.tool_call_parser,
                                  request_timeout_s=a.request_timeout_s)
-        return build_openai_app(self.get_client, options, CoordinatorControl(self.coordinator))
+        self._control = CoordinatorControl(self.coordinator)
+        self._app = build_openai_app(self.get_client, options, self._control)
+        return self._app
 
     async def check_health(self) -> None:
         if self._client is not None and not self._client.healthy:

@@ -1,22 +1,47 @@
-"""Prometheus metrics of an ingress replica, under vLLM's names (existing vLLM
-dashboards work) plus flotilla:* for the time-to-first-token split.
+"""Prometheus metrics of an ingress replica, under vLLM's names, types and buckets
+(existing vLLM dashboards work) plus flotilla:* for the time-to-first-token split.
 
-Request metrics are recorded as requests finish; engine gauges and counters are
-read from the EngineClient at scrape time (the engines' last reported stats and
-their READY values), labelled by engine rank.
+Request metrics are recorded as requests finish, and summed over the ingress replicas
+at scrape time (deployments/metrics_sum.py); engine gauges and counters are read from
+the EngineClient at scrape time (the engines' last reported stats, which ride on every
+output, and their READY values), labelled by engine rank.
 """
 from __future__ import annotations
 
+import itertools
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+)
 
+from deployments.metrics_sum import Snapshot, SnapshotCollector, snapshot_of
 from engine.outputs import RequestMetrics
 from engine.wire.core_client import EngineClient
+from engine.wire.protocol import ITERATION_TOKENS_BUCKETS
 
-_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
-                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+# vLLM's bucket boundaries, so that its dashboards and alerts read the same quantiles
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+INTER_TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+                       2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+                           40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+PARAMS_N_BUCKETS = (1, 2, 5, 10, 20)
+
+
+def buckets_1_2_5(cap: int) -> list[float]:
+    """1, 2, 5, 10, 20, 50, ... up to cap (vLLM's token-count buckets, cap = context)."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > cap:
+                return out
+            out.append(float(m * scale))
+        scale *= 10
 
 
 class _EngineCollector:
@@ -44,6 +69,9 @@ class _EngineCollector:
                          for name, (doc, _) in counters.items()})
         info = GaugeMetricFamily("vllm:cache_config_info", "KV cache configuration of the engine",
                                  labels=["model_name", "engine", "block_size", "num_gpu_blocks"])
+        iterations = HistogramMetricFamily("vllm:iteration_tokens_total",
+                                           "Tokens computed per engine step (engine's count)",
+                                           labels=labels)
         for e in client.engines:
             values = [self.model, str(e.index)]
             info.add_metric(values + [str(e.ready.block_size), str(e.ready.num_gpu_blocks)], 1)
@@ -51,36 +79,87 @@ class _EngineCollector:
                 continue
             for name, (_, field) in {**gauges, **counters}.items():
                 families[name].add_metric(values, float(getattr(e.stats, field)))
+            counts = e.stats.iteration_tokens_counts
+            if counts:
+                bounds = [str(float(b)) for b in ITERATION_TOKENS_BUCKETS] + ["+Inf"]
+                iterations.add_metric(values, list(zip(bounds, itertools.accumulate(counts))),
+                                      float(e.stats.iteration_tokens_sum))
         yield from families.values()
+        yield iterations
         yield info
 
 
 class IngressMetrics:
+    """The ingress replica's request metrics (recorded as requests finish) and the
+    engines' values (read at scrape time by _EngineCollector)."""
+
     def __init__(self, model: str, get_client: Callable[[], EngineClient | None]) -> None:
         self.model = model
+        self.get_client = get_client
         self.registry = CollectorRegistry()
         r = self.registry
-        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens", ["model_name"],
+        labels = ["model_name"]
+
+        def histogram(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets, registry=r)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens", labels,
                                      registry=r)
         self.generation_tokens = Counter("vllm:generation_tokens", "Generated tokens",
-                                         ["model_name"], registry=r)
+                                         labels, registry=r)
         self.request_success = Counter("vllm:request_success", "Finished requests",
-                                       ["model_name", "finished_reason"], registry=r)
-        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token",
-                              ["model_name"], buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("vllm:inter_token_latency_seconds", "Mean time between tokens",
-                             ["model_name"], buckets=_LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Request latency",
-                             ["model_name"], buckets=_LATENCY_BUCKETS, registry=r)
-        self.ttft_frontend = Histogram(
+                                       labels + ["finished_reason"], registry=r)
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token",
+                              TTFT_BUCKETS)
+        self.itl = histogram("vllm:inter_token_latency_seconds",
+                             "Time between two outputs of a request, each interval",
+                             INTER_TOKEN_BUCKETS)
+        self.tpot = histogram("vllm:request_time_per_output_token_seconds",
+                              "A request's decode time over its output tokens after the "
+                              "first", INTER_TOKEN_BUCKETS)
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Request latency",
+                             REQUEST_LATENCY_BUCKETS)
+        self.queue_time = histogram("vllm:request_queue_time_seconds",
+                                    "Time in the engine's waiting queue (engine clock)",
+                                    REQUEST_LATENCY_BUCKETS)
+        self.prefill_time = histogram("vllm:request_prefill_time_seconds",
+                                      "From first scheduled to the first token (engine clock)",
+                                      REQUEST_LATENCY_BUCKETS)
+        self.decode_time = histogram("vllm:request_decode_time_seconds",
+                                     "From the first token to the last (engine clock)",
+                                     REQUEST_LATENCY_BUCKETS)
+        self.inference_time = histogram("vllm:request_inference_time_seconds",
+                                        "From first scheduled to the last token (engine "
+                                        "clock)", REQUEST_LATENCY_BUCKETS)
+        self.params_n = histogram("vllm:request_params_n", "The n request parameter",
+                                  PARAMS_N_BUCKETS)
+        self._token_histograms: dict[str, Histogram] | None = None  # once the context is known
+        self.ttft_frontend = histogram(
             "flotilla:time_to_first_token_frontend_seconds",
             "Part of the time to first token spent in the frontend (ingress, transport)",
-            ["model_name"], buckets=_LATENCY_BUCKETS, registry=r)
-        self.ttft_engine = Histogram(
+            TTFT_BUCKETS)
+        self.ttft_engine = histogram(
             "flotilla:time_to_first_token_engine_seconds",
             "Part of the time to first token spent in the engine (queue, prefill)",
-            ["model_name"], buckets=_LATENCY_BUCKETS, registry=r)
-        r.register(_EngineCollector(model, get_client))
+            TTFT_BUCKETS)
+        self.engine_registry = CollectorRegistry()
+        self.engine_registry.register(_EngineCollector(model, get_client))
+
+    def _tokens(self) -> dict[str, Histogram]:
+        """The token-count histograms, bucketed 1-2-5 up to the engines' context length
+        (as vLLM), made on the first request: the engines report it when they connect."""
+        if self._token_histograms is None:
+            client = self.get_client()
+            cap = client.max_model_len if client is not None and client.engines else 1 << 20
+            buckets = buckets_1_2_5(cap)
+            docs = {"vllm:request_prompt_tokens": "Prompt tokens of a request",
+                    "vllm:request_generation_tokens": "Generated tokens of a request",
+                    "vllm:request_max_num_generation_tokens":
+                        "Generated tokens of a request's longest sequence",
+                    "vllm:request_params_max_tokens": "The max_tokens request parameter"}
+            self._token_histograms = {
+                name: Histogram(name, doc, ["model_name"], buckets=buckets,
+                                registry=self.registry) for name, doc in docs.items()}
+        return self._token_histograms
 
     def record(self, m: RequestMetrics | None, prompt_tokens: int,
                finish_reasons: list[str | None]) -> None:
@@ -91,6 +170,14 @@ class IngressMetrics:
             self.request_success.labels(label, reason or "abort").inc()
         if m is None:
             return
+        tokens = self._tokens()
+        tokens["vllm:request_prompt_tokens"].labels(label).observe(prompt_tokens)
+        tokens["vllm:request_generation_tokens"].labels(label).observe(m.num_generation_tokens)
+        tokens["vllm:request_max_num_generation_tokens"].labels(label).observe(
+            m.max_num_generation_tokens)
+        if m.max_tokens is not None:
+            tokens["vllm:request_params_max_tokens"].labels(label).observe(m.max_tokens)
+        self.params_n.labels(label).observe(m.n)
         self.generation_tokens.labels(label).inc(m.num_generation_tokens)
         if m.first_token_time is not None:
             ttft = m.first_token_time - m.arrival_time
@@ -99,12 +186,32 @@ class IngressMetrics:
                 engine = max(0.0, m.engine_first_token_time - m.engine_submit_time)
                 self.ttft_engine.labels(label).observe(engine)
                 self.ttft_frontend.labels(label).observe(max(0.0, ttft - engine))
-            if m.last_token_time and m.num_generation_tokens > 1:
-                self.itl.labels(label).observe(
-                    (m.last_token_time - m.first_token_time) / (m.num_generation_tokens - 1))
+        itl = self.itl.labels(label)
+        for interval in m.inter_token_latencies:
+            itl.observe(interval)
+        if m.queue_time is not None:
+            self.queue_time.labels(label).observe(m.queue_time)
+            self.prefill_time.labels(label).observe(m.prefill_time)
+            self.decode_time.labels(label).observe(m.decode_time)
+            self.inference_time.labels(label).observe(m.prefill_time + m.decode_time)
+            if m.max_num_generation_tokens > 1:
+                self.tpot.labels(label).observe(
+                    m.decode_time / (m.max_num_generation_tokens - 1))
         end = m.finished_time or m.last_token_time
         if end is not None:
             self.e2e.labels(label).observe(end - m.arrival_time)
 
-    def exposition(self) -> bytes:
-        return generate_latest(self.registry)
+    def snapshot(self) -> Snapshot:
+        """This replica's request counters and histograms, for MetricsSum."""
+        return snapshot_of(self.registry)
+
+    def exposition(self, summed: Snapshot | None = None) -> bytes:
+        """The scrape: the request metrics (summed over the ingress replicas when
+        `summed` is given, else this replica's), then the engines' values."""
+        if summed is None:
+            requests = generate_latest(self.registry)
+        else:
+            registry = CollectorRegistry()
+            registry.register(SnapshotCollector(summed))
+            requests = generate_latest(registry)
+        return requests + generate_latest(self.engine_registry)

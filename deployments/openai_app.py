@@ -39,6 +39,7 @@ from deployments.logprob_format import (
 )
 from deployments.lora_admin import AdapterDirectory
 from deployments.metrics import IngressMetrics
+from deployments.metrics_sum import Snapshot
 from deployments.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -196,6 +197,10 @@ class ClientControl:
 
     async def list_loras(self) -> list[LoRARequest]:
         return await (await self.get_client()).list_loras()
+
+    async def sum_metrics(self, snapshot: Snapshot) -> Snapshot | None:
+        """The request metrics over every ingress replica: this one is the only one."""
+        return None
 
 
 def build_openai_app(get_client: Callable[[], Awaitable[EngineClient]],
@@ -598,7 +603,8 @@ def build_openai_app(get_client: Callable[[], Awaitable[EngineClient]],
         return JSONResponse(openapi_document(__version__))
 
     async def metrics_endpoint(request: Request, rid: str) -> Response:
-        return Response(metrics.exposition(), media_type="text/plain; version=0.0.4")
+        return Response(metrics.exposition(await control.sum_metrics(metrics.snapshot())),
+                        media_type="text/plain; version=0.0.4")
 
     connecting: dict[str, asyncio.Task] = {}
 
@@ -689,4 +695,6 @@ def build_openai_app(get_client: Callable[[], Awaitable[EngineClient]],
         Route("/wake_up", endpoint(wake_up, admin=True), methods=["POST"]),
         Route("/reset_prefix_cache", endpoint(reset_prefix_cache, admin=True), methods=["POST"]),
     ]
-    return Starlette(routes=routes)
+    app = Starlette(routes=routes)
+    app.state.metrics = metrics  # the ingress reports its snapshot from here too
+    return app

@@ -44,6 +44,17 @@ class RequestMetrics:
     engine_submit_time: float | None = None  # served path: when the ADD left the frontend
     engine_first_token_time: float | None = None  # engine clock when it sent the first token
     num_generation_tokens: int = 0
+    max_num_generation_tokens: int = 0  # the longest of its sequences
+    n: int = 1  # sequences asked for
+    max_tokens: int | None = None  # as asked (None: up to the context length)
+    # seconds between successive outputs with tokens, as they arrive here: one
+    # inter-token latency per output, as vLLM records them
+    inter_token_latencies: list[float] = field(default_factory=list)
+    # the engine's phases of the request (its last sequence to finish), engine clock:
+    # waiting until scheduled, scheduled until the first token, first token until last
+    queue_time: float | None = None
+    prefill_time: float | None = None
+    decode_time: float | None = None
 
     @property
     def time_to_first_token(self) -> float | None:

@@ -40,6 +40,7 @@ FULL = {
     "ingress": {"enabled": True, "className": "nginx",
                 "tls": [{"hosts": ["flotilla.example.com"], "secretName": "flotilla-tls"}]},
     "serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}},
+    "grafanaDashboard": {"enabled": True},
 }
 MINIMAL = {"image": {"repository": "registry.example.com/flotilla"}}
 
@@ -107,10 +108,12 @@ def test_chart_lints_strict(helm, tmp_path):
 
 def test_builtin_kinds_pass_kubernetes_schemas(helm):
     objects = helm.render(FULL)
-    assert sorted(o["kind"] for o in objects) == ["Ingress", "RayService", "ServiceMonitor"]
+    assert sorted(o["kind"] for o in objects) == ["ConfigMap", "Ingress", "RayService",
+                                                  "ServiceMonitor"]
     (rayservice,) = by_kind(objects, "RayService")
     service = {"apiVersion": "v1", "kind": "Service", **rayservice["spec"]["serveService"]}
-    builtins = by_kind(objects, "Ingress") + [service] + list(_pods(rayservice).values())
+    builtins = (by_kind(objects, "Ingress") + by_kind(objects, "ConfigMap") + [service]
+                + list(_pods(rayservice).values()))
     for obj in builtins:
         kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
     # the strict schemas do reject what the API server would (an unknown container field)
@@ -278,3 +281,14 @@ def test_notes_tell_how_to_reach_the_api(helm, tmp_path):
     result = helm.run("install", "rel", str(CHART), "--dry-run=client", "--namespace",
                       NAMESPACE, "--values", _write_values(tmp_path, FULL))
     assert "WARNING" not in result.stdout.split("NOTES:", 1)[1]
+
+
+def test_grafana_dashboard_ships_as_a_sidecar_configmap(helm):
+    import json
+    (configmap,) = [o for o in by_kind(helm.render(FULL), "ConfigMap")
+                    if o["metadata"]["name"].endswith("-dashboard")]
+    assert configmap["metadata"]["labels"]["grafana_dashboard"] == "1"
+    shipped = json.loads(configmap["data"]["flotilla.json"])
+    assert shipped == json.loads((CHART / "dashboards" / "flotilla.json").read_text())
+    assert not by_kind(helm.render(MINIMAL), "ConfigMap")  # off by default
+

@@ -221,6 +221,60 @@ def test_disagreeing_engines_give_500_with_values(engines):
     assert reset == {"success": False} and denied == 401
 
 
+def _samples(text: str) -> dict[tuple[str, tuple], float]:
+    """(sample name, sorted labels) -> value, from a Prometheus exposition."""
+    from prometheus_client.parser import text_string_to_metric_families
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def _value(samples, name: str, **labels) -> float:
+    want = {"model_name": MODEL, **labels}
+    return sum(v for (n, ls), v in samples.items()
+               if n == name and all(dict(ls).get(k) == val for k, val in want.items()))
+
+
+def test_vllm_request_metrics_with_engine_measured_phases(engines):
+    # the mock's phases are exact on its clock: prefill = ttft_s, decode = 4 x itl_s
+    engines.add(ttft_s=0.05, itl_s=0.02)
+
+    async def test(http, oai):
+        await oai.completions.create(model=MODEL, prompt="Hello there", max_tokens=5, n=2,
+                                     extra_body={"ignore_eos": True})
+        async for _ in await oai.completions.create(model=MODEL, prompt="Hi", max_tokens=5,
+                                                    stream=True,
+                                                    extra_body={"ignore_eos": True}):
+            pass
+        return _samples((await http.get("/metrics")).text)
+
+    m = serve(engines, test)
+    assert _value(m, "vllm:request_params_n_count") == 2
+    assert _value(m, "vllm:request_params_n_bucket", le="1.0") == 1  # n=1 and n=2
+    assert _value(m, "vllm:request_params_max_tokens_sum") == 10
+    assert _value(m, "vllm:request_generation_tokens_sum") == 15  # 2 x 5 + 5
+    assert _value(m, "vllm:request_max_num_generation_tokens_sum") == 10  # 5 + 5
+    prompt_sum = _value(m, "vllm:request_prompt_tokens_sum")
+    assert prompt_sum == _value(m, "vllm:prompt_tokens_total") > 0
+    # buckets 1-2-5 up to the engines' context length, as vLLM
+    assert _value(m, "vllm:request_prompt_tokens_bucket", le="+Inf") == 2
+    assert ("vllm:request_prompt_tokens_bucket",
+            (("le", "2000.0"), ("model_name", MODEL))) in m
+    for phase in ("queue", "prefill", "decode", "inference"):
+        assert _value(m, f"vllm:request_{phase}_time_seconds_count") == 2, phase
+    assert _value(m, "vllm:request_queue_time_seconds_sum") == pytest.approx(0, abs=1e-6)
+    assert _value(m, "vllm:request_prefill_time_seconds_sum") == pytest.approx(0.10)
+    assert _value(m, "vllm:request_decode_time_seconds_sum") == pytest.approx(0.16)
+    assert _value(m, "vllm:request_inference_time_seconds_sum") == pytest.approx(0.26)
+    assert _value(m, "vllm:request_time_per_output_token_seconds_sum") == pytest.approx(0.04)
+    # one inter-token latency per output after a sequence's first: 3 sequences x 4
+    assert _value(m, "vllm:inter_token_latency_seconds_count") == 12
+    # the engine counts its steps' tokens: every token it emitted, in steps
+    assert _value(m, "vllm:iteration_tokens_total_sum", engine="0") == 15
+    steps = _value(m, "vllm:iteration_tokens_total_count", engine="0")
+    assert 5 <= steps <= 15
+    assert _value(m, "vllm:iteration_tokens_total_bucket", engine="0", le="+Inf") == steps
+
+
 def test_metrics_use_vllm_names_and_engine_values(engines):
     engines.add(block_size=32, num_blocks=77)
 

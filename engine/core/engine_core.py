@@ -9,6 +9,7 @@ server loop.
 from __future__ import annotations
 
 import logging
+import time
 
 import msgspec
 import torch
@@ -37,11 +38,14 @@ from engine.structured.manager import StructuredOutputManager
 from engine.wire.protocol import (
     FINISH_ABORT,
     FINISH_ERROR,
+    ITERATION_TOKENS_BUCKETS,
     EngineCoreOutput,
     EngineCoreReadyResponse,
     EngineCoreRequest,
     KVEvents,
+    RequestTimings,
     SchedulerStats,
+    count_iteration,
 )
 
 logger = logging.getLogger(__name__)
@@ -91,6 +95,8 @@ class EngineCore:
             self.add_lora(LoRARequest(name, adapter_id(name), str(path)))
         self._aborted: list[EngineCoreOutput] = []
         self.stats_logger = StatsLogger(config.log_stats_interval_s)
+        self._iteration_counts = [0] * (len(ITERATION_TOKENS_BUCKETS) + 1)
+        self._iteration_sum = 0
         self._sleep_level = 0  # 0 awake; 1 KV cache freed (weights off GPU); 2 weights freed
         logger.info("engine ready: %s on %s/%s, %d KV blocks of %d tokens, max_model_len %d, "
                     "sampling defaults %s (generation_config=%s)", self.shape.architecture,
@@ -184,6 +190,9 @@ class EngineCore:
                                         - request.num_computed_tokens))
             request.num_computed_tokens += n
         self.stats_logger.count(prompt_tokens, len(rows))
+        step_tokens = sum(sched.num_new_tokens)
+        count_iteration(self._iteration_counts, step_tokens)
+        self._iteration_sum += step_tokens
         for i, hidden in result.pooled:
             outputs.extend(self._pool(sched.requests[i], hidden))
         for i, span_rows in result.prompt_logprobs:
@@ -192,6 +201,7 @@ class EngineCore:
             return outputs
         sampled_requests = [sched.requests[i] for i in rows]
         result = self.sampler(logits, sampled_requests, self.structured.bitmask(sampled_requests))
+        now = time.monotonic()
         for i, (request, token, lp) in enumerate(zip(sampled_requests, result.token_ids,
                                                      result.logprobs)):
             if i in result.blocked:
@@ -200,6 +210,8 @@ class EngineCore:
                                           "bad_words, logit_bias, structured outputs)"))
                 continue
             request.append_token(token)
+            if request.first_token_at is None:
+                request.first_token_at = now
             if request.grammar is not None and not self.structured.accept(request, token):
                 outputs.append(self._fail(request, f"token {token} broke the request's "
                                           "structured-outputs grammar"))
@@ -213,6 +225,7 @@ class EngineCore:
             if status is not None:
                 out.finish_reason = status.value
                 out.stop_reason = request.stop_reason
+                out.timings = _timings(request, now)
                 self.scheduler.finish(request, status)
                 del self.requests[request.request_id]
             outputs.append(out)
@@ -432,7 +445,9 @@ class EngineCore:
             prefix_cache_queries=self.kv.prefix_queries,
             prefix_cache_hits=self.kv.prefix_hits,
             num_preemptions=self.scheduler.num_preemptions,
-            num_free_blocks=self.kv.num_free_blocks)
+            num_free_blocks=self.kv.num_free_blocks,
+            iteration_tokens_counts=list(self._iteration_counts),
+            iteration_tokens_sum=self._iteration_sum)
 
 
 def _eos_ids(checkpoint, hf_config) -> tuple[int, ...]:
@@ -445,3 +460,11 @@ def _eos_ids(checkpoint, hf_config) -> tuple[int, ...]:
     if ids is None:
         return ()
     return tuple(ids) if isinstance(ids, (list, tuple)) else (int(ids),)
+
+
+def _timings(request: Request, now: float) -> RequestTimings:
+    """A finished request's phases on the engine clock (EngineCoreOutput.timings)."""
+    scheduled = request.scheduled_at if request.scheduled_at is not None else now
+    first = request.first_token_at if request.first_token_at is not None else now
+    return RequestTimings(queue_s=scheduled - request.queued_at, prefill_s=first - scheduled,
+                          decode_s=now - first)

@@ -50,6 +50,11 @@ class Request:
         self.block_hashes: list[int] = []  # hash chain of the full blocks registered so far
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
+        # engine clock (monotonic): in the queue, first scheduled, first token sampled;
+        # they become the request's RequestTimings when it finishes
+        self.queued_at = time.monotonic()
+        self.scheduled_at: float | None = None
+        self.first_token_at: float | None = None
         self.generator: torch.Generator | None = None
         self.grammar = None  # GrammarState of a structured-outputs request (engine.structured)
         self.pooling = pooling  # an embedding request: pools its prompt, samples nothing

@@ -19,6 +19,7 @@ requests of a strictly lower priority (a higher value) until it does.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
@@ -111,6 +112,8 @@ class Scheduler:
                 request.num_computed_tokens = computed
                 if request.num_cached_tokens < 0:
                     request.num_cached_tokens = computed
+                if request.scheduled_at is None:
+                    request.scheduled_at = time.monotonic()
                 request.status = RequestStatus.RUNNING
                 self.running.append(request)
                 if request.lora is not None:

@@ -40,6 +40,7 @@ class _Child:
     sent_logprobs: int = 0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    last_output_at: float | None = None  # when its last output with tokens arrived
     embedding: list[float] | None = None
 
 
@@ -102,7 +103,8 @@ class OutputProcessor:
                 cumulative_logprob=0.0 if params.logprobs is not None else None)
             for i, r in enumerate(engine_requests)]
         parent = _Parent(request_id, prompt, first.prompt_token_ids, params, kind, children,
-                         RequestMetrics(first.arrival_time or time.time()))
+                         RequestMetrics(first.arrival_time or time.time(),
+                                        n=len(engine_requests), max_tokens=params.max_tokens))
         self._parents[request_id] = parent
         for child in children:
             self._by_engine_id[child.engine_id] = (parent, child)
@@ -192,11 +194,17 @@ class OutputProcessor:
     def _add_tokens(self, parent: _Parent, child: _Child, out: EngineCoreOutput,
                     now: float) -> None:
         m = parent.metrics
-        if out.new_token_ids and m.first_token_time is None:
-            m.first_token_time = now
         if out.new_token_ids:
-            m.last_token_time = now
+            if m.first_token_time is None:
+                m.first_token_time = now
+            if child.last_output_at is not None:  # per sequence, as vLLM's per request
+                m.inter_token_latencies.append(max(0.0, now - child.last_output_at))
+            child.last_output_at = m.last_token_time = now
             m.num_generation_tokens += len(out.new_token_ids)
+        if out.timings is not None:
+            m.queue_time = out.timings.queue_s
+            m.prefill_time = out.timings.prefill_s
+            m.decode_time = out.timings.decode_s
         parent.num_cached_tokens = out.num_cached_tokens
         if out.pooled is not None:
             child.embedding = out.pooled
@@ -204,6 +212,7 @@ class OutputProcessor:
             parent.prompt_logprobs = [None] + [self._logprob_entry(*row)
                                                for row in out.prompt_logprobs]
         child.token_ids.extend(out.new_token_ids)
+        m.max_num_generation_tokens = max(m.max_num_generation_tokens, len(child.token_ids))
         if child.logprobs is not None and out.new_logprobs:
             for ids, vals, ranks in out.new_logprobs:
                 child.logprobs.append(self._logprob_entry(ids, vals, ranks))

@@ -48,12 +48,15 @@ from engine.wire.protocol import (
     FINISH_ABORT,
     FINISH_LENGTH,
     FINISH_STOP,
+    ITERATION_TOKENS_BUCKETS,
     EngineCoreOutput,
     EngineCoreReadyResponse,
     EngineCoreRequest,
     KVEvents,
+    RequestTimings,
     SchedulerStats,
     TokenLogprobs,
+    count_iteration,
 )
 
 # Drawn token ids lie in [FIRST_TOKEN_ID, vocab_size): ids below are specials (pad, bos, eos).
@@ -152,6 +155,7 @@ class _Request:
     arrival: float
     block_hashes: list[int] = field(default_factory=list)  # of its prompt's full blocks
     num_cached: int = 0  # prompt tokens found in the prefix cache at admission
+    started: float = 0.0  # when its prefill starts (set on admission)
     first_due: float = 0.0  # when output token 0 is due (set on admission)
     num_output: int = 0  # tokens already returned
     chunk: list[int] = field(default_factory=list)  # the next output's tokens, drawn ahead
@@ -184,6 +188,8 @@ class MockEngineCore:
         self._events = KVEventLog()
         self._prefix_queries = self._prefix_hits = 0  # prompt tokens looked up / found
         self._prefill_free_at = 0.0  # serial_prefill: when the current prefills end
+        self._iteration_counts = [0] * (len(ITERATION_TOKENS_BUCKETS) + 1)
+        self._iteration_sum = 0  # a step's tokens: those it outputs (no prefill modelled)
 
     # ---- requests ---------------------------------------------------------------------
     def add_request(self, req: EngineCoreRequest) -> None:
@@ -238,13 +244,19 @@ class MockEngineCore:
             outputs.append(EngineCoreOutput(
                 r.request_id, r.chunk, r.finish_reason, r.stop_reason,
                 new_logprobs=self._logprobs(r.chunk, r.params.logprobs),
-                num_cached_tokens=r.num_cached))
+                num_cached_tokens=r.num_cached,
+                timings=None if r.finish_reason is None else RequestTimings(
+                    r.started - r.arrival, r.first_due - r.started, r.due - r.first_due)))
             r.num_output += len(r.chunk)
             if r.finish_reason is None:
                 self._draw_chunk(r)
             else:
                 del self._running[r.request_id]
                 self._admit(r.due)  # the slot was free from then on
+        tokens = sum(len(o.new_token_ids) for o in outputs)
+        if tokens:
+            count_iteration(self._iteration_counts, tokens)
+            self._iteration_sum += tokens
         return outputs
 
     # ---- the simulated model ----------------------------------------------------------
@@ -259,6 +271,7 @@ class MockEngineCore:
             if c.serial_prefill:
                 start = max(start, self._prefill_free_at)
                 self._prefill_free_at = start + prefill
+            r.started = start
             r.first_due = start + c.ttft_s + prefill
             self._running[r.request_id] = r
             self._draw_chunk(r)
@@ -421,7 +434,9 @@ class MockEngineCore:
                               kv_cache_usage=min(1.0, used / self.num_blocks),
                               num_free_blocks=max(0, self.num_blocks - used),
                               prefix_cache_queries=self._prefix_queries,
-                              prefix_cache_hits=self._prefix_hits)
+                              prefix_cache_hits=self._prefix_hits,
+                              iteration_tokens_counts=list(self._iteration_counts),
+                              iteration_tokens_sum=self._iteration_sum)
 
     def ready_response(self, engine_index: int) -> EngineCoreReadyResponse:
         from engine import __version__

@@ -18,6 +18,7 @@ Frames (ZMQ multipart, after the ROUTER's routing id on the engine side):
 """
 from __future__ import annotations
 
+import bisect
 from typing import Any
 
 import msgspec
@@ -63,6 +64,16 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     lora_request: LoRARequest | None = None  # the adapter it runs with (None: base model)
 
 
+class RequestTimings(msgspec.Struct, array_like=True, omit_defaults=True):
+    """Where a finished request's time went inside the engine, measured on its clock
+    (vLLM's phases): waiting until first scheduled, scheduled until its first token
+    (prefill), first token until the last (decode)."""
+
+    queue_s: float = 0.0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+
+
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     """New tokens of one request since its previous output (in generation order)."""
 
@@ -76,14 +87,26 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     pooled: list[float] | None = None  # an embedding request's vector (with finish "stop")
     # prompt positions 1.. (position 0 has no logprob), sent once with the first token
     prompt_logprobs: list[TokenLogprobs] | None = None
+    timings: RequestTimings | None = None  # with the final output of a generation
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
 
+# Upper bounds of the tokens-per-step histogram (vLLM's vllm:iteration_tokens_total)
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+def count_iteration(counts: list[int], tokens: int) -> None:
+    """Count one engine step of `tokens` tokens into per-bucket counts (one more slot
+    than ITERATION_TOKENS_BUCKETS: the last is above them all)."""
+    counts[bisect.bisect_left(ITERATION_TOKENS_BUCKETS, tokens)] += 1
+
+
 class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
-    """A snapshot of one engine's load, sent with outputs and on request."""
+    """A snapshot of one engine's load, sent with outputs and on request. Counters
+    (prefix cache, preemptions, iteration tokens) count from the engine's start."""
 
     num_running_reqs: int = 0
     num_waiting_reqs: int = 0
@@ -92,6 +115,10 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
     num_free_blocks: int = 0
+    # steps by tokens computed (prompt and decode), per bucket of ITERATION_TOKENS_BUCKETS
+    # and one above them; and their tokens in all
+    iteration_tokens_counts: list[int] = []
+    iteration_tokens_sum: int = 0
 
 
 class Hello(msgspec.Struct, omit_defaults=True):

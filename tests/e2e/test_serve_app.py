@@ -169,3 +169,28 @@ def test_killed_engine_replica_is_replaced_and_serving_resumes(base_url):
             else:
                 time.sleep(0.5)
     assert ok == 8, (before, coordinator.engines.remote().result())
+
+
+def test_metrics_scrape_reports_to_the_coordinator_sum(base_url):
+    from ray import serve
+    coordinator = serve.get_deployment_handle("Coordinator", app_name="flotilla")
+    with httpx.Client(base_url=base_url, timeout=60) as http:
+        r = http.post("/v1/completions", json={"prompt": "sum", "max_tokens": 3,
+                                               "ignore_eos": True})
+        assert r.status_code == 200
+        text = http.get("/metrics").text
+
+    def successes(snapshot) -> float:
+        return sum(v for name, _, _, samples in snapshot if name == "vllm:request_success"
+                   for _, _, v in samples)
+    # the scrape reported the ingress's counts: the coordinator's sum holds them, and
+    # another replica's report (here an empty one) is answered with that sum
+    summed = asyncio.run(_remote(coordinator.report_metrics.remote("probe-replica", [])))
+    assert successes(summed) >= 1
+    served = [line for line in text.splitlines()
+              if line.startswith("vllm:request_success_total{")]
+    assert sum(float(line.rsplit(" ", 1)[1]) for line in served) == successes(summed)
+
+
+async def _remote(response):
+    return await response
