@@ -37,6 +37,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
+from frontend import free_port_block  # bench/ is on the path when run as a script
+
 from engine import SamplingParams
 from engine.core.block_hash import cacheable_blocks, prefix_block_hashes
 from engine.model.loader import load_tokenizer, resolve_model
@@ -48,16 +50,6 @@ POLICIES = ("round_robin", "least_loaded", "prefix")
 SERVED_DEFAULTS = {"engines": 2, "prompts": 16, "requests": 128, "concurrency": 4,
                    "max_tokens": 4, "policies": "least_loaded,prefix"}
 BLOCK = 16
-
-
-def free_port_block(count: int) -> int:
-    import socket
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + count < 65535:
-            return base
 
 
 def _tokens(rng: random.Random, n: int) -> list[int]:

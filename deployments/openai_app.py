@@ -51,6 +51,7 @@ from deployments.openai_protocol import (
     UnloadLoRAAdapterRequest,
 )
 from deployments.prompt_batch import echo_prompt, merge_prompt_streams
+from engine import tracing
 from engine.errors import (
     EngineDeadError,
     EngineDrainingError,
@@ -203,6 +204,34 @@ class ClientControl:
         return None
 
 
+def _http_span(request: Request, rid: str):
+    """A traced POST's SERVER span (the caller's child); None for other methods."""
+    if request.method != "POST":
+        return None
+    span = tracing.start_http_span(f"POST {request.url.path}", request.headers, {
+        "http.request.method": "POST", "url.path": request.url.path,
+        "http.request.header.x_request_id": rid})
+    request.state.trace_span = span  # _scheduling sends its context to the engine
+    return span
+
+
+def _end_with(span, response: Response) -> None:
+    """End the HTTP span with the response: a stream's when its last event is sent."""
+    span.set_attribute("http.response.status_code", response.status_code)
+    if not isinstance(response, StreamingResponse):
+        span.end()
+        return
+    events = response.body_iterator
+
+    async def ending():
+        try:
+            async for event in events:
+                yield event
+        finally:
+            span.end()
+    response.body_iterator = ending()
+
+
 def build_openai_app(get_client: Callable[[], Awaitable[EngineClient]],
                      options: IngressOptions, control=None) -> Starlette:
     """Routes of the OpenAI API (+ tokenize, health, control) over the engines.
@@ -221,6 +250,7 @@ def build_openai_app(get_client: Callable[[], Awaitable[EngineClient]],
     control = control or ClientControl(get_client)
     adapters = AdapterDirectory(control)
     metrics = IngressMetrics(model, lambda: seen.get("client"))
+    traced = tracing.enabled()  # read once: off costs one check per request
 
     async def _body(request: Request, schema):
         length = request.headers.get("content-length")
@@ -275,6 +305,7 @@ def build_openai_app(get_client: Callable[[], Awaitable[EngineClient]],
     def endpoint(handler, *, auth: bool = True, admin: bool = False):
         async def wrapped(request: Request) -> Response:
             rid = request.headers.get("x-request-id") or uuid.uuid4().hex
+            span = _http_span(request, rid) if traced else None
             try:
                 if admin:
                     _check_admin(request)
@@ -287,13 +318,15 @@ def build_openai_app(get_client: Callable[[], Awaitable[EngineClient]],
                 response = error_response(err.status, err.message, err.err_type, err.param, extra,
                                           err.usage)
             response.headers["x-request-id"] = rid
+            if span is not None:
+                _end_with(span, response)
             return response
         return wrapped
 
     # ---- generation ---------------------------------------------------------------------------
     async def completions(request: Request, rid: str) -> Response:
         body = await _body(request, CompletionRequest)
-        scheduling = _scheduling(body)
+        scheduling = _scheduling(body, request)
         scheduling["session_id"] = request.headers.get("x-session-id")  # same engine
         client = await get_client()
         params = body.sampling_params(body.max_tokens, body.logprobs,
@@ -320,7 +353,7 @@ def build_openai_app(get_client: Callable[[], Awaitable[EngineClient]],
 
     async def chat_completions(request: Request, rid: str) -> Response:
         body = await _body(request, ChatCompletionRequest)
-        scheduling = _scheduling(body)
+        scheduling = _scheduling(body, request)
         scheduling["session_id"] = request.headers.get("x-session-id")  # same engine
         plan = plan_tools(body, options.tool_call_parser)
         structured = body.structured_outputs_params(plan.forced, "tool_choice")
@@ -345,12 +378,17 @@ def build_openai_app(get_client: Callable[[], Awaitable[EngineClient]],
         return await _respond(stream, request_id, params, body, chat, tools, params.n,
                               client.processor.tokenizer.decode)
 
-    def _scheduling(body) -> dict[str, Any]:
+    def _scheduling(body, request: Request) -> dict[str, Any]:
         """The request's priority and deadline, counted from now (call it as soon as
-        the body is read: tokenizing and templating count against the deadline)."""
+        the body is read: tokenizing and templating count against the deadline), and
+        its trace context when traced."""
         timeout = body.timeout or options.request_timeout_s
-        return {"priority": body.priority,
-                "deadline": None if timeout is None else time.monotonic() + timeout}
+        out = {"priority": body.priority,
+               "deadline": None if timeout is None else time.monotonic() + timeout}
+        span = getattr(request.state, "trace_span", None)
+        if span is not None:
+            out["trace_headers"] = tracing.headers_of(span)
+        return out
 
     async def _respond(stream, request_id: str, params, body, chat: bool, tools,
                        choices: int, decode) -> Response:
@@ -515,7 +553,7 @@ def build_openai_app(get_client: Callable[[], Awaitable[EngineClient]],
 
     async def embeddings(request: Request, rid: str) -> Response:
         body = await _body(request, EmbeddingRequest)
-        scheduling = _scheduling(body)  # one deadline for every input
+        scheduling = _scheduling(body, request)  # one deadline for every input
         client = await get_client()
         pooling = PoolingParams(dimensions=body.dimensions)
         lora = await _adapter(body)

@@ -70,3 +70,18 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) ->
                              eos_token_id=None, pad_token_id=0)
         results.append(out[0, len(ids):].tolist())
     return results
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model_dir):
+    """The default model's tokenizer (the mock engines' frontends use it)."""
+    return load_tokenizer(default_model_dir)
+
+
+@pytest.fixture
+def engines(tokenizer):
+    """Mock engine-core servers started in this process (tests/test_core_client.py)."""
+    from tests.test_core_client import Engines
+    e = Engines(tokenizer)
+    yield e
+    e.stop()

@@ -4,27 +4,11 @@ import json
 import re
 from pathlib import Path
 
-import pytest
-
-from tests.test_core_client import Engines
 from tests.test_openai_app import MODEL, serve
 
 DASHBOARD = Path(__file__).resolve().parent.parent / "helm" / "flotilla" / "dashboards" / \
     "flotilla.json"
 METRIC = re.compile(r"\b((?:vllm|flotilla):[a-z0-9_]+)")
-
-
-@pytest.fixture
-def engines(tokenizer):
-    e = Engines(tokenizer)
-    yield e
-    e.stop()
-
-
-@pytest.fixture(scope="module")
-def tokenizer(default_model_dir):
-    from engine.model.loader import load_tokenizer
-    return load_tokenizer(default_model_dir)
 
 
 def _queried() -> set[str]:

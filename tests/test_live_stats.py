@@ -5,25 +5,9 @@ import asyncio
 import re
 import time
 
-import pytest
-
-from tests.test_core_client import Engines
 from tests.test_openai_app import MODEL, serve
 
 STREAMS = 128
-
-
-@pytest.fixture
-def engines(tokenizer):
-    e = Engines(tokenizer)
-    yield e
-    e.stop()
-
-
-@pytest.fixture(scope="module")
-def tokenizer(default_model_dir):
-    from engine.model.loader import load_tokenizer
-    return load_tokenizer(default_model_dir)
 
 
 def _running(text: str) -> float:

@@ -4,26 +4,11 @@ never go backwards, also when a replica goes away."""
 import asyncio
 
 import httpx
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from deployments.metrics_sum import RETIRE_AFTER_S, MetricsSum
 from deployments.openai_app import ClientControl, IngressOptions, build_openai_app
-from tests.test_core_client import Engines
 from tests.test_openai_app import MODEL
-
-
-@pytest.fixture
-def engines(tokenizer):
-    e = Engines(tokenizer)
-    yield e
-    e.stop()
-
-
-@pytest.fixture(scope="module")
-def tokenizer(default_model_dir):
-    from engine.model.loader import load_tokenizer
-    return load_tokenizer(default_model_dir)
 
 
 class Clock:

@@ -17,24 +17,10 @@ from engine.wire.mock import MockConfig, MockEngineCore
 from engine.wire.prefix_index import RECENT_S, PrefixIndex
 from engine.wire.protocol import EngineCoreRequest, KVEvents
 from engine.wire.routing import MISS_WEIGHT, RUNNING_COST_BLOCKS, Router, check_routing
-from tests.test_core_client import Engines
 
 PARAMS = SamplingParams(max_tokens=2, ignore_eos=True)
 PREFIX = list(range(1000, 1064))  # 4 full blocks of 16
 LORA = LoRARequest("ad", 7, "/adapters/ad")
-
-
-@pytest.fixture
-def engines(tokenizer):
-    e = Engines(tokenizer)
-    yield e
-    e.stop()
-
-
-@pytest.fixture(scope="module")
-def tokenizer(default_model_dir):
-    from engine.model.loader import load_tokenizer
-    return load_tokenizer(default_model_dir)
 
 
 # ---- hashes ------------------------------------------------------------------------------
@@ -199,6 +185,18 @@ def test_requests_sharing_a_prefix_land_on_the_engine_that_cached_it(engines):
     asyncio.run(main())
 
 
+def _starter(client, engines, tasks: list):
+    """start(rid, ids, **kw): run a request in the background until an engine runs it;
+    returns that engine's index."""
+    async def start(rid, ids, **kw):
+        task = asyncio.create_task(_run(client, rid, ids, **kw))
+        tasks.append(task)
+        while not any(rid in c._running for c in engines.cores):
+            await asyncio.sleep(0.01)
+        return next(i for i, c in enumerate(engines.cores) if rid in c._running)
+    return start
+
+
 def test_a_hot_prefix_spreads_when_its_engine_queue_outgrows_recomputing_it(engines):
     # requests decode for a long time: each one queued on the hot engine raises its cost
     engines.add(itl_s=30.0)
@@ -208,13 +206,7 @@ def test_a_hot_prefix_spreads_when_its_engine_queue_outgrows_recomputing_it(engi
         client = await engines.client()
         tasks = []
         try:
-            async def start(rid, ids):
-                task = asyncio.create_task(_run(client, rid, ids))
-                tasks.append(task)
-                while not any(rid in c._running for c in engines.cores):
-                    await asyncio.sleep(0.01)
-                return next(i for i, c in enumerate(engines.cores) if rid in c._running)
-
+            start = _starter(client, engines, tasks)
             home = await start("h0", PREFIX + [1])
             await _index_has(client, home, prefix_block_hashes(PREFIX, 16))
             placed = [await start(f"h{i}", PREFIX + [i, i]) for i in range(1, 12)]
@@ -288,13 +280,7 @@ def test_a_session_sticks_to_its_engine_until_it_leaves(engines):
         client = await engines.client()
         tasks = []
         try:
-            async def start(rid, ids, **kw):
-                task = asyncio.create_task(_run(client, rid, ids, **kw))
-                tasks.append(task)
-                while not any(rid in c._running for c in engines.cores):
-                    await asyncio.sleep(0.01)
-                return next(i for i, c in enumerate(engines.cores) if rid in c._running)
-
+            start = _starter(client, engines, tasks)
             home = await start("s0", list(range(4000, 4010)), session_id="chat-1")
             # load the session's engine: least load and the cache both point elsewhere
             for i in range(3):

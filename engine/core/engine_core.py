@@ -35,6 +35,7 @@ from engine.model.loader import load_hf_config, resolve_model
 from engine.pooling import Pooler, pooling_method
 from engine.request_checks import check_params, check_prompt
 from engine.structured.manager import StructuredOutputManager
+from engine.tracing import record_request
 from engine.wire.protocol import (
     FINISH_ABORT,
     FINISH_ERROR,
@@ -144,6 +145,7 @@ class EngineCore:
         request = Request(req.request_id, req.prompt_token_ids, req.sampling_params,
                           self.eos_token_ids, req.arrival_time or None, req.priority,
                           req.pooling_params, req.lora_request)
+        request.trace_headers = req.trace_headers
         self.requests[req.request_id] = request
         self.structured.add(request)
         self.scheduler.add(request)
@@ -226,10 +228,38 @@ class EngineCore:
                 out.finish_reason = status.value
                 out.stop_reason = request.stop_reason
                 out.timings = _timings(request, now)
+                if request.trace_headers:
+                    self._trace(request, out.timings, now)
                 self.scheduler.finish(request, status)
                 del self.requests[request.request_id]
             outputs.append(out)
         return outputs
+
+    def _trace(self, request: Request, t: RequestTimings, now: float) -> None:
+        """Record a traced request's span (vLLM's llm_request and gen_ai attributes)."""
+        p = request.params
+        attributes = {
+            "gen_ai.request.id": request.request_id,
+            "gen_ai.response.model": self.config.model,
+            "gen_ai.usage.prompt_tokens": request.num_prompt_tokens,
+            "gen_ai.usage.completion_tokens": request.num_output_tokens,
+            "gen_ai.request.temperature": p.temperature,
+            "gen_ai.request.top_p": p.top_p,
+            "gen_ai.latency.time_in_queue": t.queue_s,
+            "gen_ai.latency.time_to_first_token": t.queue_s + t.prefill_s,
+            "gen_ai.latency.time_in_model_prefill": t.prefill_s,
+            "gen_ai.latency.time_in_model_decode": t.decode_s,
+            "gen_ai.latency.time_in_model_inference": t.prefill_s + t.decode_s,
+            "gen_ai.latency.e2e": now - request.queued_at,
+        }
+        if p.max_tokens is not None:
+            attributes["gen_ai.request.max_tokens"] = p.max_tokens
+        scheduled = request.queued_at + t.queue_s
+        try:
+            record_request(request.trace_headers, attributes, request.queued_at, scheduled,
+                           scheduled + t.prefill_s, now)
+        except Exception:  # tracing must never fail a request
+            logger.exception("could not record the trace of %s", request.request_id)
 
     def _pool(self, request: Request, hidden: torch.Tensor) -> list[EngineCoreOutput]:
         """Fold an embedding request's hidden states in; its output once all are in."""

@@ -55,6 +55,7 @@ class Request:
         self.queued_at = time.monotonic()
         self.scheduled_at: float | None = None
         self.first_token_at: float | None = None
+        self.trace_headers: dict[str, str] | None = None  # traced: its caller's context
         self.generator: torch.Generator | None = None
         self.grammar = None  # GrammarState of a structured-outputs request (engine.structured)
         self.pooling = pooling  # an embedding request: pools its prompt, samples nothing

@@ -255,7 +255,8 @@ class EngineClient:
                        pooling_params: PoolingParams | None = None,
                        lora_request: LoRARequest | None = None,
                        priority: int = 0, deadline: float | None = None,
-                       session_id: str | None = None
+                       session_id: str | None = None,
+                       trace_headers: dict[str, str] | None = None
                        ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; stopping the iteration early aborts it.
         pooling_params: an embedding request, whose one output carries the vector;
@@ -263,7 +264,8 @@ class EngineClient:
         queue under scheduling_policy "priority"; deadline: a time.monotonic() value
         after which the request is aborted at its engine and RequestTimeoutError is
         raised (what was streamed before stays delivered); session_id: requests of one
-        session go to one engine while it is live (engine/wire/routing.py)."""
+        session go to one engine while it is live (engine/wire/routing.py);
+        trace_headers: the W3C context whose child the engine's span is (engine/tracing.py)."""
         if self.dead_error is not None:
             raise self.dead_error
         if pooling_params is not None and "embed" not in self.supported_tasks:
@@ -276,6 +278,9 @@ class EngineClient:
                                                 data_parallel_rank=data_parallel_rank,
                                                 pooling_params=pooling_params,
                                                 lora_request=lora_request)
+        if trace_headers:
+            for r in requests:
+                r.trace_headers = trace_headers
         lora_id = None if lora_request is None else lora_request.lora_int_id
         hashes = self.router.block_hashes(ids, lora_request)
         finished = yielded = False

@@ -62,6 +62,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     data_parallel_rank: int | None = None
     pooling_params: PoolingParams | None = None  # set: an embedding request (no sampling)
     lora_request: LoRARequest | None = None  # the adapter it runs with (None: base model)
+    trace_headers: dict[str, str] | None = None  # W3C trace context (engine/tracing.py)
 
 
 class RequestTimings(msgspec.Struct, array_like=True, omit_defaults=True):
