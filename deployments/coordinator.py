@@ -172,7 +172,7 @@ class Coordinator:
         return await (await self._engine_client()).reset_prefix_cache(
             reset_running_requests, reset_external)
 
-    def report_metrics(self, replica_id: str, snapshot: list) -> list:
+    async def report_metrics(self, replica_id: str, snapshot: list) -> list:
         """An ingress replica's request metrics in; the sum over all replicas out
         (deployments/metrics_sum.py)."""
         return self._metrics.report(replica_id, snapshot)

@@ -18,7 +18,7 @@ from prometheus_client.core import (
     HistogramMetricFamily,
 )
 
-from deployments.metrics_sum import Snapshot, SnapshotCollector, snapshot_of
+from deployments.metrics_sum import Snapshot, SnapshotCollector, at_least, snapshot_of
 from engine.outputs import RequestMetrics
 from engine.wire.core_client import EngineClient
 from engine.wire.protocol import ITERATION_TOKENS_BUCKETS
@@ -141,6 +141,7 @@ class IngressMetrics:
             "flotilla:time_to_first_token_engine_seconds",
             "Part of the time to first token spent in the engine (queue, prefill)",
             TTFT_BUCKETS)
+        self._last_sum: Snapshot | None = None  # the coordinator's last answer
         self.engine_registry = CollectorRegistry()
         self.engine_registry.register(_EngineCollector(model, get_client))
 
@@ -206,9 +207,15 @@ class IngressMetrics:
         return snapshot_of(self.registry)
 
     def exposition(self, summed: Snapshot | None = None) -> bytes:
-        """The scrape: the request metrics (summed over the ingress replicas when
-        `summed` is given, else this replica's), then the engines' values."""
-        if summed is None:
+        """The scrape: the request metrics summed over the ingress replicas (`summed`:
+        the coordinator's answer; None when it did not answer: the last sum raised to
+        this replica's counts, so the scrape does not fall to this replica's alone),
+        then the engines' values."""
+        if summed is not None:
+            self._last_sum = summed
+        elif self._last_sum is not None:
+            summed = at_least(self._last_sum, self.snapshot())
+        if summed is None:  # no sum yet (or no coordinator): this replica is all of it
             requests = generate_latest(self.registry)
         else:
             registry = CollectorRegistry()

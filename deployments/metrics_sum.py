@@ -4,67 +4,82 @@ A Prometheus scrape of the Serve port lands on one ingress replica, and each rep
 counts only its own requests: with several replicas, successive scrapes would read
 different replicas' counters and see them fall. So every replica reports a snapshot of
 its request counters and histograms (when it is scraped, and every few seconds) to
-the coordinator, which keeps the latest snapshot per replica and answers with the sum.
-A replica that stops reporting (removed by downscaling, dead) is folded into a retired
-base after RETIRE_AFTER_S: what it counted stays in the totals.
+the coordinator, which keeps the latest counts of every replica it ever heard from
+and answers with their sum. A replica that went away (downscaled, dead) keeps its last
+counts in the sum; a report that arrives late (Ray does not order calls) cannot lower
+a replica's counts, since each sample keeps the largest value reported (they only
+grow).
 
-Only counters and histograms are summed (both only grow); the engine gauges are the
-same from every replica and are served as each replica reads them.
+Only counters and histograms are summed; the engine gauges are the same from every
+replica and are served as each replica reads them.
 
 A snapshot is plain data (it crosses Ray calls): a list of families
 [name, documentation, type, [[sample name, labels, value], ...]].
 """
 from __future__ import annotations
 
-import time
 from typing import Any
 
 Snapshot = list[list[Any]]
-RETIRE_AFTER_S = 60.0  # a replica silent this long has gone; its counts move to the base
+SampleKey = tuple[str, tuple]
 
 
-def _key(sample_name: str, labels: dict[str, str]) -> tuple[str, tuple]:
+def _key(sample_name: str, labels: dict[str, str]) -> SampleKey:
     return sample_name, tuple(sorted(labels.items()))
 
 
 class MetricsSum:
-    """The coordinator's side: the latest snapshot of each replica, and their sum."""
+    """The coordinator's side: the counts of each replica, and their sum."""
 
-    def __init__(self, clock=time.monotonic) -> None:
-        self._clock = clock
-        self._latest: dict[str, tuple[float, Snapshot]] = {}  # replica -> (seen, snapshot)
-        self._retired: dict[tuple[str, tuple], float] = {}  # counts of replicas gone
+    def __init__(self) -> None:
+        self._counts: dict[str, dict[SampleKey, float]] = {}  # replica -> sample -> value
         self._families: dict[str, tuple[str, str]] = {}  # name -> (documentation, type)
-        self._family_of: dict[tuple[str, tuple], str] = {}  # sample key -> family name
+        self._family_of: dict[SampleKey, str] = {}  # sample key -> family name
 
     def report(self, replica_id: str, snapshot: Snapshot) -> Snapshot:
-        """Take a replica's latest snapshot; return the sum over every replica."""
-        now = self._clock()
-        self._latest[replica_id] = (now, snapshot)
-        for other, (seen, old) in list(self._latest.items()):
-            if now - seen > RETIRE_AFTER_S:
-                self._add(self._retired, old)
-                del self._latest[other]
-        total = dict(self._retired)
-        for _, snap in self._latest.values():
-            self._add(total, snap)
-        return self._families_of(total)
-
-    def _add(self, into: dict[tuple[str, tuple], float], snapshot: Snapshot) -> None:
+        """Take a replica's snapshot; return the sum over every replica."""
+        counts = self._counts.setdefault(replica_id, {})
         for name, doc, typ, samples in snapshot:
             self._families.setdefault(name, (doc, typ))
             for sample_name, labels, value in samples:
                 key = _key(sample_name, labels)
                 self._family_of.setdefault(key, name)
-                into[key] = into.get(key, 0.0) + value
+                if value > counts.get(key, -1.0):
+                    counts[key] = value
+        return self.total()
 
-    def _families_of(self, total: dict[tuple[str, tuple], float]) -> Snapshot:
-        grouped: dict[str, list[list[Any]]] = {}
-        for key, value in total.items():
-            sample_name, labels = key
-            grouped.setdefault(self._family_of[key], []).append(
-                [sample_name, dict(labels), value])
-        return [[name, *self._families[name], samples] for name, samples in grouped.items()]
+    def total(self) -> Snapshot:
+        summed: dict[SampleKey, float] = {}
+        for counts in self._counts.values():
+            for key, value in counts.items():
+                summed[key] = summed.get(key, 0.0) + value
+        return families_of(summed, self._family_of, self._families)
+
+
+def families_of(values: dict[SampleKey, float], family_of: dict[SampleKey, str],
+                families: dict[str, tuple[str, str]]) -> Snapshot:
+    grouped: dict[str, list[list[Any]]] = {}
+    for key, value in values.items():
+        sample_name, labels = key
+        grouped.setdefault(family_of[key], []).append([sample_name, dict(labels), value])
+    return [[name, *families[name], samples] for name, samples in grouped.items()]
+
+
+def at_least(summed: Snapshot, own: Snapshot) -> Snapshot:
+    """Each sample of `summed`, raised to `own`'s where that is larger: what a replica
+    serves when the coordinator does not answer (its last sum, plus what it counted
+    since), so that its scrapes do not fall back to its own counts alone."""
+    values: dict[SampleKey, float] = {}
+    family_of: dict[SampleKey, str] = {}
+    families: dict[str, tuple[str, str]] = {}
+    for snapshot in (summed, own):
+        for name, doc, typ, samples in snapshot:
+            families.setdefault(name, (doc, typ))
+            for sample_name, labels, value in samples:
+                key = _key(sample_name, labels)
+                family_of.setdefault(key, name)
+                values[key] = max(values.get(key, value), value)
+    return families_of(values, family_of, families)
 
 
 def snapshot_of(registry) -> Snapshot:

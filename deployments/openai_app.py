@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import hmac
+import logging
 import struct
 import time
 import uuid
@@ -70,8 +71,10 @@ from engine.pooling import PoolingParams
 from engine.sampling_params import SamplingParams
 from engine.wire.core_client import EngineClient
 
+logger = logging.getLogger(__name__)
 _JSON = msgspec.json.Encoder()  # SSE chunks
 HEALTH_WAIT_S = 0.9  # /health answers within a second, connected or not
+STATS_WAIT_S = 1.0  # a scrape asks the engines for their stats, waiting this long at most
 
 
 @dataclass(frozen=True)
@@ -205,12 +208,17 @@ class ClientControl:
 
 
 def _http_span(request: Request, rid: str):
-    """A traced POST's SERVER span (the caller's child); None for other methods."""
+    """A traced POST's SERVER span (the caller's child); None for other methods, or
+    if it cannot be made (tracing never fails a request)."""
     if request.method != "POST":
         return None
-    span = tracing.start_http_span(f"POST {request.url.path}", request.headers, {
-        "http.request.method": "POST", "url.path": request.url.path,
-        "http.request.header.x_request_id": rid})
+    try:
+        span = tracing.start_http_span(f"POST {request.url.path}", request.headers, {
+            "http.request.method": "POST", "url.path": request.url.path,
+            "http.request.header.x_request_id": rid})
+    except Exception:  # noqa: BLE001
+        logger.exception("tracing: no span for this request")
+        return None
     request.state.trace_span = span  # _scheduling sends its context to the engine
     return span
 
@@ -317,6 +325,10 @@ def build_openai_app(get_client: Callable[[], Awaitable[EngineClient]],
                 extra = _inconsistent_values(exc)
                 response = error_response(err.status, err.message, err.err_type, err.param, extra,
                                           err.usage)
+            except BaseException:  # cancelled (the client left): the span ends here
+                if span is not None:
+                    span.end()
+                raise
             response.headers["x-request-id"] = rid
             if span is not None:
                 _end_with(span, response)
@@ -641,6 +653,12 @@ def build_openai_app(get_client: Callable[[], Awaitable[EngineClient]],
         return JSONResponse(openapi_document(__version__))
 
     async def metrics_endpoint(request: Request, rid: str) -> Response:
+        client = seen.get("client")
+        if client is not None:  # the engines' counters as of now, the same from every replica
+            try:
+                await asyncio.wait_for(client.get_stats(), STATS_WAIT_S)
+            except Exception as exc:  # noqa: BLE001 - serve what the outputs last brought
+                logger.debug("metrics: engine stats not refreshed: %s", exc)
         return Response(metrics.exposition(await control.sum_metrics(metrics.snapshot())),
                         media_type="text/plain; version=0.0.4")
 

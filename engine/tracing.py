@@ -17,20 +17,23 @@ and costs the engine one None check.
 """
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
 from typing import Any, Mapping
 
+logger = logging.getLogger(__name__)
 TRACE_HEADERS = ("traceparent", "tracestate")
 _lock = threading.Lock()
 _tracer = None
+_failed = False  # the tracer could not be set up: tracing stays off in this process
 
 
 def enabled() -> bool:
     """Whether the environment asks for traces (read each time: tests change it)."""
     exporter = os.environ.get("OTEL_TRACES_EXPORTER", "").strip().lower()
-    if exporter == "none":
+    if exporter == "none" or _failed:
         return False
     return bool(exporter or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
                 or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
@@ -39,22 +42,30 @@ def enabled() -> bool:
 def tracer():
     """The process's tracer, made on first use: the SDK provider already installed, or
     one exporting as OTEL_TRACES_EXPORTER says (a batch processor: spans leave off the
-    request path)."""
-    global _tracer
+    request path). None if that cannot be set up (logged once; tracing goes off)."""
+    global _tracer, _failed
     with _lock:
-        if _tracer is None:
-            from opentelemetry import trace
-            from opentelemetry.sdk.resources import Resource
-            from opentelemetry.sdk.trace import TracerProvider
-            from opentelemetry.sdk.trace.export import BatchSpanProcessor
-            provider = trace.get_tracer_provider()
-            if not isinstance(provider, TracerProvider):
-                provider = TracerProvider(resource=Resource.create(
-                    {"service.name": os.environ.get("OTEL_SERVICE_NAME", "flotilla")}))
-                provider.add_span_processor(BatchSpanProcessor(_exporter()))
-                trace.set_tracer_provider(provider)
-            _tracer = provider.get_tracer("flotilla")
+        if _tracer is None and not _failed:
+            try:
+                _tracer = _make_tracer()
+            except Exception as exc:  # a bad OTEL_* setting must not fail requests
+                _failed = True
+                logger.error("tracing off: %s", exc)
         return _tracer
+
+
+def _make_tracer():
+    from opentelemetry import trace
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    provider = trace.get_tracer_provider()
+    if not isinstance(provider, TracerProvider):
+        provider = TracerProvider(resource=Resource.create(
+            {"service.name": os.environ.get("OTEL_SERVICE_NAME", "flotilla")}))
+        provider.add_span_processor(BatchSpanProcessor(_exporter()))
+        trace.set_tracer_provider(provider)
+    return provider.get_tracer("flotilla")
 
 
 def _exporter():
@@ -80,10 +91,14 @@ def _context(headers: Mapping[str, str] | None):
 
 
 def start_http_span(name: str, headers: Mapping[str, str], attributes: dict[str, Any]):
-    """A SERVER span for one HTTP request, the caller's child if it sent a traceparent."""
+    """A SERVER span for one HTTP request, the caller's child if it sent a traceparent
+    (None when tracing could not be set up)."""
     from opentelemetry.trace import SpanKind
-    return tracer().start_span(name, context=_context(headers), kind=SpanKind.SERVER,
-                               attributes=attributes)
+    t = tracer()
+    if t is None:
+        return None
+    return t.start_span(name, context=_context(headers), kind=SpanKind.SERVER,
+                        attributes=attributes)
 
 
 def headers_of(span) -> dict[str, str]:
@@ -108,6 +123,8 @@ def record_request(trace_headers: dict[str, str], attributes: dict[str, Any],
     def ns(t: float) -> int:
         return offset + int(t * 1e9)
     t = tracer()
+    if t is None:
+        return
     span = t.start_span("llm_request", context=_context(trace_headers), kind=SpanKind.SERVER,
                         attributes=attributes, start_time=ns(queued))
     inside = trace.set_span_in_context(span)

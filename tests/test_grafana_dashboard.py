@@ -18,6 +18,9 @@ def _queried() -> set[str]:
         assert panel["targets"], panel["title"]
         for target in panel["targets"]:
             names.update(METRIC.findall(target["expr"]))
+            # every Serve pod serves the same totals: one copy per series before a sum
+            assert target["expr"].count("max without(instance, pod) (") == len(
+                METRIC.findall(target["expr"])), target["expr"]
     for variable in dashboard["templating"]["list"]:
         names.update(METRIC.findall(variable.get("definition", "")))
     return names

@@ -110,3 +110,23 @@ def test_the_callers_trace_reaches_the_engine_span(tiny_server, tiny_llama,  # n
     assert a["gen_ai.latency.time_in_model_inference"] == pytest.approx(
         a["gen_ai.latency.time_in_model_prefill"] + a["gen_ai.latency.time_in_model_decode"])
     assert a["gen_ai.latency.e2e"] >= a["gen_ai.latency.time_to_first_token"]
+
+
+def test_a_bad_exporter_setting_turns_tracing_off_not_the_requests(  # noqa: F811
+        tiny_server, tiny_llama, monkeypatch):
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "jaeger")
+    monkeypatch.setattr(tracing, "_tracer", None)
+    monkeypatch.setattr(tracing, "_failed", False)
+    real = _Real(tiny_server, load_tokenizer(tiny_llama))
+
+    async def test(http, oai):
+        statuses = []
+        for _ in range(2):
+            r = await http.post("/v1/completions", json={"model": MODEL, "prompt": [5, 6],
+                                                         "max_tokens": 2},
+                                headers={"traceparent": f"00-{TRACE_ID}-{CALLER_SPAN}-01"})
+            statuses.append(r.status_code)
+        return statuses
+
+    assert serve(real, test) == [200, 200]
+    assert tracing._failed and not tracing.enabled()  # tried once, then off

@@ -14,6 +14,7 @@ import time
 import msgspec
 import torch
 
+from engine import tracing
 from engine.config import EngineConfig
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request, RequestStatus
@@ -35,7 +36,6 @@ from engine.model.loader import load_hf_config, resolve_model
 from engine.pooling import Pooler, pooling_method
 from engine.request_checks import check_params, check_prompt
 from engine.structured.manager import StructuredOutputManager
-from engine.tracing import record_request
 from engine.wire.protocol import (
     FINISH_ABORT,
     FINISH_ERROR,
@@ -228,7 +228,7 @@ class EngineCore:
                 out.finish_reason = status.value
                 out.stop_reason = request.stop_reason
                 out.timings = _timings(request, now)
-                if request.trace_headers:
+                if request.trace_headers and tracing.enabled():
                     self._trace(request, out.timings, now)
                 self.scheduler.finish(request, status)
                 del self.requests[request.request_id]
@@ -256,7 +256,7 @@ class EngineCore:
             attributes["gen_ai.request.max_tokens"] = p.max_tokens
         scheduled = request.queued_at + t.queue_s
         try:
-            record_request(request.trace_headers, attributes, request.queued_at, scheduled,
+            tracing.record_request(request.trace_headers, attributes, request.queued_at, scheduled,
                            scheduled + t.prefill_s, now)
         except Exception:  # tracing must never fail a request
             logger.exception("could not record the trace of %s", request.request_id)
