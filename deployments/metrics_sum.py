@@ -18,14 +18,22 @@ A snapshot is plain data (it crosses Ray calls): a list of families
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 Snapshot = list[list[Any]]
 SampleKey = tuple[str, tuple]
 
 
-def _key(sample_name: str, labels: dict[str, str]) -> SampleKey:
-    return sample_name, tuple(sorted(labels.items()))
+def _samples(snapshot: Snapshot, family_of: dict[SampleKey, str],
+             families: dict[str, tuple[str, str]]) -> Iterator[tuple[SampleKey, float]]:
+    """(sample key, value) of every sample, noting each family and each sample's family."""
+    for name, doc, typ, samples in snapshot:
+        families.setdefault(name, (doc, typ))
+        for sample_name, labels, value in samples:
+            key = sample_name, tuple(sorted(labels.items()))
+            family_of.setdefault(key, name)
+            yield key, value
 
 
 class MetricsSum:
@@ -39,13 +47,8 @@ class MetricsSum:
     def report(self, replica_id: str, snapshot: Snapshot) -> Snapshot:
         """Take a replica's snapshot; return the sum over every replica."""
         counts = self._counts.setdefault(replica_id, {})
-        for name, doc, typ, samples in snapshot:
-            self._families.setdefault(name, (doc, typ))
-            for sample_name, labels, value in samples:
-                key = _key(sample_name, labels)
-                self._family_of.setdefault(key, name)
-                if value > counts.get(key, -1.0):
-                    counts[key] = value
+        for key, value in _samples(snapshot, self._family_of, self._families):
+            counts[key] = max(counts.get(key, value), value)
         return self.total()
 
     def total(self) -> Snapshot:
@@ -72,13 +75,8 @@ def at_least(summed: Snapshot, own: Snapshot) -> Snapshot:
     values: dict[SampleKey, float] = {}
     family_of: dict[SampleKey, str] = {}
     families: dict[str, tuple[str, str]] = {}
-    for snapshot in (summed, own):
-        for name, doc, typ, samples in snapshot:
-            families.setdefault(name, (doc, typ))
-            for sample_name, labels, value in samples:
-                key = _key(sample_name, labels)
-                family_of.setdefault(key, name)
-                values[key] = max(values.get(key, value), value)
+    for key, value in _samples(summed + own, family_of, families):
+        values[key] = max(values.get(key, value), value)
     return families_of(values, family_of, families)
 
 

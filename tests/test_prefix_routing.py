@@ -197,37 +197,44 @@ def _starter(client, engines, tasks: list):
     return start
 
 
-def test_a_hot_prefix_spreads_when_its_engine_queue_outgrows_recomputing_it(engines):
-    # requests decode for a long time: each one queued on the hot engine raises its cost
+def _on_two_slow_engines(engines, main) -> None:
+    """Run `await main(client, start)` over two engines whose requests decode for a long
+    time (they stay running); what it started is cancelled afterwards."""
     engines.add(itl_s=30.0)
     engines.add(itl_s=30.0)
 
-    async def main():
+    async def run():
         client = await engines.client()
         tasks = []
         try:
-            start = _starter(client, engines, tasks)
-            home = await start("h0", PREFIX + [1])
-            await _index_has(client, home, prefix_block_hashes(PREFIX, 16))
-            placed = [await start(f"h{i}", PREFIX + [i, i]) for i in range(1, 12)]
-            spill = placed.index(1 - home)  # it did spread
-            assert placed[:2] == [home, home]  # affinity first
-            # it spread once the hot engine's queue (h0 and `spill` more running there)
-            # cost about what recomputing the 64 cached tokens elsewhere costs, not before
-            run_cost = RUNNING_COST_BLOCKS * 16
-            assert (MISS_WEIGHT * 2 + run_cost * (spill + 1) >= MISS_WEIGHT * 66
-                    >= MISS_WEIGHT * 2 + run_cost * spill)
-            await _index_has(client, 1 - home, prefix_block_hashes(PREFIX, 16))
-            # now both engines hold the prefix: the next one goes where the queue is shorter
-            loads = [client.engines[i].in_flight for i in (0, 1)]
-            nxt = await start("h-next", PREFIX + [99])
-            assert loads[nxt] == min(loads)
+            await main(client, _starter(client, engines, tasks))
         finally:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             await client.shutdown()
-    asyncio.run(main())
+    asyncio.run(run())
+
+
+def test_a_hot_prefix_spreads_when_its_engine_queue_outgrows_recomputing_it(engines):
+    # requests decode for a long time: each one queued on the hot engine raises its cost
+    async def main(client, start):
+        home = await start("h0", PREFIX + [1])
+        await _index_has(client, home, prefix_block_hashes(PREFIX, 16))
+        placed = [await start(f"h{i}", PREFIX + [i, i]) for i in range(1, 12)]
+        spill = placed.index(1 - home)  # it did spread
+        assert placed[:2] == [home, home]  # affinity first
+        # it spread once the hot engine's queue (h0 and `spill` more running there)
+        # cost about what recomputing the 64 cached tokens elsewhere costs, not before
+        run_cost = RUNNING_COST_BLOCKS * 16
+        assert (MISS_WEIGHT * 2 + run_cost * (spill + 1) >= MISS_WEIGHT * 66
+                >= MISS_WEIGHT * 2 + run_cost * spill)
+        await _index_has(client, 1 - home, prefix_block_hashes(PREFIX, 16))
+        # now both engines hold the prefix: the next one goes where the queue is shorter
+        loads = [client.engines[i].in_flight for i in (0, 1)]
+        nxt = await start("h-next", PREFIX + [99])
+        assert loads[nxt] == min(loads)
+    _on_two_slow_engines(engines, main)
 
 
 def test_events_survive_an_engine_restart_and_a_late_client_gets_a_snapshot(engines):
@@ -273,35 +280,23 @@ def test_events_survive_an_engine_restart_and_a_late_client_gets_a_snapshot(engi
 
 
 def test_a_session_sticks_to_its_engine_until_it_leaves(engines):
-    engines.add(itl_s=30.0)
-    engines.add(itl_s=30.0)
-
-    async def main():
-        client = await engines.client()
-        tasks = []
-        try:
-            start = _starter(client, engines, tasks)
-            home = await start("s0", list(range(4000, 4010)), session_id="chat-1")
-            # load the session's engine: least load and the cache both point elsewhere
-            for i in range(3):
-                await start(f"busy{i}", list(range(6000 + 50 * i, 6040 + 50 * i)),
-                            data_parallel_rank=home)
-            assert await start("s1", PREFIX, session_id="chat-1") == home
-            assert await start("s2", list(range(7000, 7010)), session_id="chat-1") == home
-            assert await start("n1", list(range(7100, 7110))) == 1 - home  # no session
-            # the session's engine leaves (drains): the session moves, and stays moved
-            drain = threading.Thread(target=engines.servers[home].drain, args=(0.5, 3.0))
-            drain.start()
-            await asyncio.sleep(0.1)
-            assert await start("s3", list(range(7200, 7210)), session_id="chat-1") == 1 - home
-            assert client.router.sessions["chat-1"] == engines.addresses[1 - home]
-            drain.join()
-        finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            await client.shutdown()
-    asyncio.run(main())
+    async def main(client, start):
+        home = await start("s0", list(range(4000, 4010)), session_id="chat-1")
+        # load the session's engine: least load and the cache both point elsewhere
+        for i in range(3):
+            await start(f"busy{i}", list(range(6000 + 50 * i, 6040 + 50 * i)),
+                        data_parallel_rank=home)
+        assert await start("s1", PREFIX, session_id="chat-1") == home
+        assert await start("s2", list(range(7000, 7010)), session_id="chat-1") == home
+        assert await start("n1", list(range(7100, 7110))) == 1 - home  # no session
+        # the session's engine leaves (drains): the session moves, and stays moved
+        drain = threading.Thread(target=engines.servers[home].drain, args=(0.5, 3.0))
+        drain.start()
+        await asyncio.sleep(0.1)
+        assert await start("s3", list(range(7200, 7210)), session_id="chat-1") == 1 - home
+        assert client.router.sessions["chat-1"] == engines.addresses[1 - home]
+        drain.join()
+    _on_two_slow_engines(engines, main)
 
 
 def test_sessions_move_to_a_new_client_and_an_unknown_engine_reroutes():

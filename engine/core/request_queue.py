@@ -21,27 +21,13 @@ from engine.core.request import Request
 POLICIES = ("fcfs", "priority")
 
 
-class FCFSQueue:
-    """First come, first served."""
+class _Queue:
+    """What both orders share: their requests in `_items`, head first."""
 
-    def __init__(self) -> None:
-        self._items: deque[Request] = deque()
-
-    def add(self, request: Request) -> None:
-        self._items.append(request)
-
-    def add_preempted(self, request: Request) -> None:
-        self._items.appendleft(request)
+    _items: deque[Request] | list[Request]
 
     def peek(self) -> Request:
         return self._items[0]
-
-    def pop(self) -> Request:
-        return self._items.popleft()
-
-    def put_back(self, requests: list[Request]) -> None:
-        """Requests popped this step, in the order popped, back at the front."""
-        self._items.extendleft(reversed(requests))
 
     def remove(self, request: Request) -> bool:
         try:
@@ -57,7 +43,27 @@ class FCFSQueue:
         return iter(self._items)
 
 
-class PriorityQueue:
+class FCFSQueue(_Queue):
+    """First come, first served."""
+
+    def __init__(self) -> None:
+        self._items: deque[Request] = deque()
+
+    def add(self, request: Request) -> None:
+        self._items.append(request)
+
+    def add_preempted(self, request: Request) -> None:
+        self._items.appendleft(request)
+
+    def pop(self) -> Request:
+        return self._items.popleft()
+
+    def put_back(self, requests: list[Request]) -> None:
+        """Requests popped this step, in the order popped, back at the front."""
+        self._items.extendleft(reversed(requests))
+
+
+class PriorityQueue(_Queue):
     """Lowest (priority, arrival time, receipt order) first; a sorted list, because the
     scheduler reads the head every step and inserts far less often."""
 
@@ -77,9 +83,6 @@ class PriorityQueue:
 
     add_preempted = add  # its key already says where it belongs
 
-    def peek(self) -> Request:
-        return self._items[0]
-
     def pop(self) -> Request:
         return self._items.pop(0)
 
@@ -87,22 +90,9 @@ class PriorityQueue:
         for request in requests:
             self.add(request)
 
-    def remove(self, request: Request) -> bool:
-        try:
-            self._items.remove(request)
-        except ValueError:
-            return False
-        return True
-
     def forget(self, request: Request) -> None:
         """Drop a finished request's receipt order."""
         self._order.pop(request.request_id, None)
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def __iter__(self) -> Iterator[Request]:
-        return iter(self._items)
 
 
 def make_queue(policy: str) -> FCFSQueue | PriorityQueue:
