@@ -25,9 +25,9 @@ from engine.lora.manager import AdapterCache
 from engine.lora.request import LoRARequest
 from engine.lora.slots import LoRASlots
 from engine.model.hugepages import (
-    advise_huge_pages,
     anonymous_regions,
     collapse_new_regions,
+    lazily_zeroed,
 )
 from engine.model.kernels import cpu_kernels, native_enabled
 from engine.model.layers.attention import AttentionMetadata, PrefillGroup, cache_views
@@ -196,12 +196,13 @@ class ModelRunner:
         self.num_blocks = num_blocks
         # block-major (engine.model.layers.attention): a block's keys and values, all kv heads,
         # are one contiguous span
-        cache = torch.empty(s.num_layers, num_blocks, 2, self.plan.num_kv_heads,
-                            self.block_size, s.head_dim, dtype=self.dtype, device=self.device)
-        if self.device.type == "cpu":
-            advise_huge_pages(cache)
+        shape = (s.num_layers, num_blocks, 2, self.plan.num_kv_heads, self.block_size, s.head_dim)
         # zeros, not garbage: masked-out slots still enter the matmuls, and 0 * NaN = NaN
-        self.kv_caches = cache.zero_()
+        if self.device.type == "cpu":
+            self.kv_caches = lazily_zeroed(shape, self.dtype)
+        else:
+            self.kv_caches = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        cache = self.kv_caches
         self.layer_caches = [cache_views(layer) for layer in cache]  # made once, not per step
 
     def free_kv_cache(self) -> None:
