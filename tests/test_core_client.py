@@ -417,3 +417,75 @@ def test_a_drain_keeps_refusing_for_its_settle_time_when_nothing_is_in_flight(en
     finished_cleanly, lingered = asyncio.run(main())
     assert finished_cleanly is True
     assert lingered  # nothing was in flight, yet the drain did not end before min_s
+
+
+def test_the_abort_loop_survives_a_failing_send_and_retries(engines, caplog):
+    """A send that raises (here zmq.Again, as past the high-water mark) is logged and
+    retried; the loop goes on, so later dropped streams are aborted too."""
+    import zmq
+
+    from engine.wire.protocol import ABORT
+    core = engines.add(itl_s=0.01)
+
+    async def main():
+        client = await engines.client()
+        socket = client.engines[0].socket
+        real_send, failures = socket.send_multipart, []
+
+        async def flaky_send(frames, *args, **kwargs):
+            if frames[0] == ABORT and len(failures) < 2:
+                failures.append(frames)
+                raise zmq.Again("resource temporarily unavailable")
+            return await real_send(frames, *args, **kwargs)
+
+        socket.send_multipart = flaky_send
+        params = SamplingParams(max_tokens=100_000, ignore_eos=True)
+        for round_ in range(2):  # the second round runs after the failures
+            streams = [client.generate(f"d{round_}-{i}", [3, 4], params) for i in range(4)]
+            for s in streams:
+                await s.__anext__()
+            for s in streams:
+                await s.aclose()  # dropped streams: their aborts go through the loop
+            deadline = time.monotonic() + 5
+            while core.has_unfinished_requests() and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            assert not core.has_unfinished_requests(), f"round {round_}: still generating"
+        abort_loop = next(t for t in client._tasks  # noqa: SLF001 - the task under test
+                          if t.get_name() == "abort-loop")
+        loop_alive = not abort_loop.done()
+        result = (len(failures), client.abort_send_failures, client.abort_causes, loop_alive)
+        await client.shutdown()
+        return result
+
+    with caplog.at_level("WARNING", logger="engine.wire.core_client"):
+        sent_failures, counted, causes, loop_alive = asyncio.run(main())
+    assert sent_failures == 2 and counted == 2 and loop_alive
+    assert causes["client_disconnect"] == 8  # counted once each, not once per retry
+    assert "retrying" in caplog.text
+
+
+def test_the_mock_answers_the_frontend_utilities_as_no_ops(engines):
+    """vLLM's frontends also send profile, reset_mm_cache, reset_encoder_cache and
+    execute_dummy_batch: the mock answers them; an unknown name is still refused."""
+    from engine.errors import UtilityCallError
+    engines.add()
+    engines.add()
+
+    async def main():
+        client = await engines.client()
+        try:
+            answers = [await client.call_utility(m) for m in
+                       ("reset_mm_cache", "reset_encoder_cache", "execute_dummy_batch")]
+            answers.append(await client.call_utility("profile", True))
+            answers.append(await client.call_utility("profile", is_start=False))
+            with pytest.raises(UtilityCallError, match="unknown method 'frobnicate'"):
+                await client.call_utility("frobnicate")
+            tokens, _ = await _tokens(client, "after", [1, 2], SamplingParams(
+                max_tokens=3, ignore_eos=True))  # still serving
+            return answers, tokens
+        finally:
+            await client.shutdown()
+
+    answers, tokens = asyncio.run(main())
+    assert answers == [[True, True], [None, None], [None, None], [None, None], [None, None]]
+    assert len(tokens) == 3

@@ -239,3 +239,25 @@ def test_idle_server_does_not_spin(served):
     used = sum(_thread_cpu_ticks(t) for t in threads) - sum(start)
     # a spinning loop would burn ~1 s of CPU (100+ ticks); blocked threads use ~none
     assert used < 0.1 * os.sysconf("SC_CLK_TCK"), used
+
+
+def test_frontend_utilities_answer_or_fail_clearly(served):
+    """The real engine drops its (nonexistent) multimodal and encoder caches; what it
+    cannot do fails with a message naming the method, never "unknown method"."""
+    from engine.errors import UtilityCallError
+    core, address, _ = served
+
+    async def main():
+        client = await _connect(core, address)
+        try:
+            answers = [await client.call_utility("reset_mm_cache"),
+                       await client.call_utility("reset_encoder_cache")]
+            with pytest.raises(UtilityCallError, match="does not support 'profile'"):
+                await client.call_utility("profile", True)
+            tokens, _, _ = await _collect(client, "after-utils", PROMPTS[0], GREEDY)
+            return answers, tokens
+        finally:
+            await client.shutdown()
+
+    answers, tokens = run(main())
+    assert answers == [[True], [None]] and len(tokens) == 12

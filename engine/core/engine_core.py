@@ -442,6 +442,14 @@ class EngineCore:
         """Bytes held on the engine's device by the weights and the KV cache."""
         return self.runner.memory_usage()
 
+    def reset_mm_cache(self) -> bool:
+        """vLLM's frontends send this; text-only models keep no multimodal cache."""
+        return True
+
+    def reset_encoder_cache(self) -> None:
+        """As reset_mm_cache: there is no encoder cache to drop."""
+        return None
+
     def shutdown(self) -> None:
         """Stop the grammar compile thread and the tensor-parallel workers, if any."""
         self.structured.shutdown()

@@ -7,7 +7,8 @@ One DEALER socket per engine. Background tasks, each with one job:
   they run (one output for all the steps since their last); resolves utility
   calls; records the engine's stats and last-heard time.
 - abort loop: drains the queue of ids to abort (dropped streams, stop-string
-  matches), up to 1024 at a time, and sends one ABORT per engine.
+  matches), up to 1024 at a time, and sends one ABORT per engine; a send that
+  fails is logged and retried until it goes out or its engine is declared dead.
 - health monitor: an engine silent past the heartbeat timeout (or whose process
   died) is dead: its in-flight requests end with EngineDeadError and the client
   reports unhealthy, keeping the first error.
@@ -70,6 +71,7 @@ logger = logging.getLogger(__name__)
 ABORT_BATCH = 1024
 READ_BATCH = 64  # messages read without yielding to the event loop (fairness cap)
 DISCONNECT_GRACE_S = 3.0  # after a TCP disconnect: time to hear from the engine again
+ABORT_RETRY_S = 0.2  # wait before resending aborts whose send failed
 
 
 async def _wait_until(event: asyncio.Event, deadline: float) -> bool:
@@ -153,6 +155,7 @@ class EngineClient:
         self._abort_queue: asyncio.Queue = asyncio.Queue()
         self.abort_causes: Counter = Counter()  # why requests were aborted (metrics, tests)
         self.abort_messages_sent = 0
+        self.abort_send_failures = 0  # ABORT sends that raised (each is retried)
         self._tasks: list[asyncio.Task] = []
         self._rr = itertools.count()
         self.router = Router()  # routing policy, prefix index, sessions (engine/wire/routing.py)
@@ -417,7 +420,10 @@ class EngineClient:
             stream = self._streams.get(request_id)
             if stream is not None:
                 stream.fail(EngineRequestError(f"request {request_id} was aborted"))
-        await self._send_aborts([(i, self._engine_of.get(i), "explicit") for i in engine_ids])
+        unsent = await self._send_aborts([(i, self._engine_of.get(i), "explicit")
+                                          for i in engine_ids])
+        for engine_id, index in unsent:  # the abort loop retries them
+            self._abort_queue.put_nowait((engine_id, index, None))
 
     # ---- utilities --------------------------------------------------------------------------
     async def call_utility(self, method: str, *args: Any, timeout: float = 60.0,
@@ -565,29 +571,51 @@ class EngineClient:
         self._abort_queue.put_nowait((engine_id, self._engine_of.get(engine_id), cause))
 
     async def _abort_loop(self) -> None:
-        try:
-            while True:
+        """Runs until shutdown: an abort that is not sent leaves a request generating on
+        its engine for nothing, so no error ends this loop. Ids whose send failed go
+        back to the queue after ABORT_RETRY_S (cause None: counted once already)."""
+        while True:
+            try:
                 batch = [await self._abort_queue.get()]
                 while len(batch) < ABORT_BATCH:
                     try:
                         batch.append(self._abort_queue.get_nowait())
                     except asyncio.QueueEmpty:
                         break
-                await self._send_aborts(batch)
-        except asyncio.CancelledError:
-            return
+                unsent = await self._send_aborts(batch)
+                if unsent:
+                    await asyncio.sleep(ABORT_RETRY_S)
+                    for engine_id, index in unsent:
+                        self._abort_queue.put_nowait((engine_id, index, None))
+            except asyncio.CancelledError:
+                return
+            except Exception:  # a bug here must not stop every later abort
+                logger.exception("abort loop: unexpected error; continuing")
 
-    async def _send_aborts(self, items: list[tuple[str, int | None, str]]) -> None:
+    async def _send_aborts(self, items: list[tuple[str, int | None, str | None]]
+                           ) -> list[tuple[str, int]]:
+        """One ABORT per engine; returns the (id, engine) pairs whose send failed."""
         per_engine: dict[int, list[str]] = defaultdict(list)
         for engine_id, index, cause in items:
-            self.abort_causes[cause] += 1
+            if cause is not None:
+                self.abort_causes[cause] += 1
             if index is not None:
                 per_engine[index].append(engine_id)
+        unsent = []
         for index, ids in per_engine.items():
             engine = self.engines[index]
-            if not engine.dead:
+            if engine.dead:
+                continue
+            try:
                 await engine.socket.send_multipart([ABORT, self._encoder.encode(ids)])
                 self.abort_messages_sent += 1
+            except Exception as exc:  # zmq.Again past the high-water mark, ZMQError, ...
+                self.abort_send_failures += 1
+                logger.warning("aborting %d requests at engine %d failed (%s: %s); retrying "
+                               "in %.1fs", len(ids), index, type(exc).__name__, exc,
+                               ABORT_RETRY_S)
+                unsent += [(i, index) for i in ids]
+        return unsent
 
     async def _monitor_health(self) -> None:
         period = max(0.05, min(1.0, self.heartbeat_timeout_s / 4))

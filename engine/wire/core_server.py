@@ -54,10 +54,14 @@ from engine.wire.protocol import (
 
 logger = logging.getLogger(__name__)
 
+# The utilities a client may call by name. The last four are the ones vLLM's frontends
+# also send (profiling, multimodal / encoder cache resets, a data-parallel dummy step);
+# a core that lacks one answers with a clear failure rather than "unknown method".
 UTILITY_METHODS = frozenset({
     "get_supported_tasks", "is_sleeping", "sleep", "wake_up", "reset_prefix_cache",
     "get_stats", "ready_response", "has_unfinished_requests", "get_memory_usage",
-    "add_lora", "remove_lora", "list_loras"})
+    "add_lora", "remove_lora", "list_loras",
+    "profile", "reset_mm_cache", "reset_encoder_cache", "execute_dummy_batch"})
 HEARTBEAT_INTERVAL_S = 1.0
 KV_EVENTS_INTERVAL_S = 0.1  # the most often KV events are sent (batched in between)
 _STOP = object()
@@ -356,8 +360,13 @@ class EngineCoreServer:
     def _call_utility(self, req: UtilityRequest) -> UtilityOutput:
         if req.method not in UTILITY_METHODS:
             return UtilityOutput(req.call_id, failure_message=f"unknown method {req.method!r}")
+        method = getattr(self.core, req.method, None)
+        if method is None:
+            return UtilityOutput(req.call_id, failure_message=(
+                f"engine {self.engine_index} ({type(self.core).__name__}) does not support "
+                f"{req.method!r}"))
         try:
-            result = getattr(self.core, req.method)(*req.args, **req.kwargs)
+            result = method(*req.args, **req.kwargs)
             return UtilityOutput(req.call_id, result=result)
         except Exception as exc:
             logger.warning("engine %d: utility %s failed: %s", self.engine_index, req.method, exc)

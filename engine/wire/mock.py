@@ -416,6 +416,20 @@ class MockEngineCore:
     def get_memory_usage(self) -> dict[str, int]:
         return {"weights_bytes": 0, "kv_cache_bytes": 0}
 
+    # No model, so nothing to profile, no multimodal or encoder cache and no forward pass
+    # to run: these answer as no-ops, so a frontend that sends them (vLLM's do) works.
+    def profile(self, is_start: bool = True) -> None:
+        return None
+
+    def reset_mm_cache(self) -> bool:
+        return True
+
+    def reset_encoder_cache(self) -> None:
+        return None
+
+    def execute_dummy_batch(self) -> None:
+        return None
+
     def add_lora(self, lora_request) -> bool:
         raise InvalidRequestError(_NO_LORA)
 
