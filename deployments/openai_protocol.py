@@ -12,7 +12,7 @@ are declared too, so that setting one gets a 400 saying it is not supported
 """
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -35,6 +35,12 @@ def _one_or_many(value: str | list) -> list[str | list[int]]:
     if isinstance(value, list) and value and isinstance(value[0], (str, list)):
         return list(value)
     return [value]
+
+
+# Integers reach the engines as 64-bit ints (msgspec): a larger one is a 400 naming its
+# field here, not an OverflowError later. (Fields with bounds of their own state them in
+# their Field: pydantic would let this alias's bounds override them.)
+Int64 = Annotated[int, Field(ge=-(1 << 63), lt=1 << 63)]
 
 
 class _Strict(BaseModel):
@@ -108,24 +114,24 @@ class _SamplingFields(_SchedulingFields):
     n: int = Field(1, ge=1, le=128)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = None
+    top_k: Int64 | None = None
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(None, gt=0.0)
-    seed: int | None = None
+    seed: Int64 | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int64] | None = None
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: int = Field(0, ge=0, lt=1 << 63)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted and not used (as vLLM): OpenAI's abuse tracking
     prompt_logprobs: int | None = Field(None, ge=0, le=20)  # vLLM's extension
-    logit_bias: dict[int, float] | None = None
-    allowed_token_ids: list[int] | None = None
+    logit_bias: dict[Int64, float] | None = None
+    allowed_token_ids: list[Int64] | None = None
     bad_words: list[str] | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None
@@ -218,10 +224,10 @@ class _SamplingFields(_SchedulingFields):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    prompt: str | list[Int64] | list[str] | list[list[Int64]]
+    max_tokens: int | None = Field(16, ge=1, lt=1 << 63)
     logprobs: int | None = Field(None, ge=0, le=20)
-    best_of: int | None = Field(None, ge=1)
+    best_of: int | None = Field(None, ge=1, lt=1 << 63)
     echo: bool | None = False
     suffix: str | None = None
 
@@ -290,8 +296,8 @@ class NamedToolChoice(_Strict):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, lt=1 << 63)
+    max_completion_tokens: int | None = Field(None, ge=1, lt=1 << 63)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
@@ -367,9 +373,9 @@ class EmbeddingRequest(_SchedulingFields):
     """POST /v1/embeddings: one embedding per input, in order."""
 
     model: str | None = None
-    input: str | list[str] | list[int] | list[list[int]]
+    input: str | list[str] | list[Int64] | list[list[Int64]]
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = Field(None, ge=1)
+    dimensions: int | None = Field(None, ge=1, lt=1 << 63)
     user: str | None = None  # accepted and not used, as on the other endpoints
 
     @model_validator(mode="after")
@@ -393,7 +399,7 @@ class TokenizeRequest(_Strict):
 
 class DetokenizeRequest(_Strict):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[Int64]
 
 
 class LoadLoRAAdapterRequest(_Strict):
