@@ -1,4 +1,5 @@
-"""End to end through Ray Serve: mock engines, DP=2, one Ray session for the module."""
+"""End to end through Ray Serve: mock engines, DP=2, two ingress replicas, one Ray session
+for the module."""
 import asyncio
 import socket
 import tempfile
@@ -27,7 +28,8 @@ def base_url():
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app({"model": "mock", "data_parallel_size": 2, "engine_num_cpus": 0,
                              "ingress_num_cpus": 0, "dev_mode": True, "mock_itl_s": 0.002,
-                             "served_model_name": "mock"}),
+                             "served_model_name": "mock",
+                             "ingress_autoscaling": {"min_replicas": 2, "max_replicas": 2}}),
                   name="flotilla", route_prefix="/")
         serve.run(build_app({"model": "mock", "data_parallel_size": 2, "engine_num_cpus": 0,
                              "ingress_num_cpus": 0, "dev_mode": True,
@@ -169,6 +171,104 @@ def test_killed_engine_replica_is_replaced_and_serving_resumes(base_url):
             else:
                 time.sleep(0.5)
     assert ok == 8, (before, coordinator.engines.remote().result())
+
+
+class _Requests:
+    """Completions sent one after another from a thread until stopped: (start, status)."""
+
+    def __init__(self, base_url: str):
+        import threading
+        self.results: list[tuple[float, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(base_url,), daemon=True)
+        self._thread.start()
+
+    def _run(self, base_url: str) -> None:
+        import time
+        with httpx.Client(base_url=base_url, timeout=30) as http:
+            while not self._stop.is_set():
+                started = time.monotonic()
+                try:
+                    status = http.post("/v1/completions", json={
+                        "prompt": "steady", "max_tokens": 3, "ignore_eos": True}).status_code
+                except httpx.HTTPError:
+                    status = 0
+                self.results.append((started, status))
+                time.sleep(0.05)
+
+    def stop(self) -> list[tuple[float, int]]:
+        self._stop.set()
+        self._thread.join(60)
+        return self.results
+
+
+def _serve_actors(deployment: str) -> list[str]:
+    import ray
+    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["name"].startswith(f"SERVE_REPLICA::flotilla#{deployment}#")]
+
+
+def test_a_killed_coordinator_leaves_serving_on_and_the_engines_register_again(base_url):
+    """The coordinator is state only: while it is down (killed, then restarted by Serve
+    with an empty registry) the ingress replicas serve from the engines they know; the
+    engines register again on their next health check."""
+    import time
+
+    import ray
+    from ray import serve
+    coordinator = serve.get_deployment_handle("Coordinator", app_name="flotilla")
+    before = coordinator.engines.remote().result()
+    (name,) = _serve_actors("Coordinator")
+    load = _Requests(base_url)
+    time.sleep(1)
+    ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+    killed_at = time.monotonic()
+    deadline = killed_at + 90
+    back = None
+    while time.monotonic() < deadline:
+        try:
+            if sorted(coordinator.engines.remote().result(timeout_s=5)) == sorted(before):
+                back = time.monotonic() - killed_at
+                break
+        except Exception:  # the replica is restarting
+            pass
+        time.sleep(0.5)
+    time.sleep(1)
+    results = load.stop()
+    assert back is not None, "the engines did not register with the new coordinator"
+    statuses = [status for _, status in results]
+    assert statuses and set(statuses) == {200}, statuses
+    assert _serve_actors("Coordinator") != [name]
+    with httpx.Client(base_url=base_url, timeout=60) as http:  # control works again
+        assert http.get("/is_sleeping").json() == {"is_sleeping": False}
+    print(f"coordinator killed: {len(statuses)} requests, all 200; engines registered "
+          f"again after {back:.1f}s")
+
+
+def test_a_killed_ingress_replica_leaves_the_other_serving(base_url):
+    import time
+
+    import ray
+    replicas = _serve_actors("OpenAIIngress")
+    assert len(replicas) == 2
+    load = _Requests(base_url)
+    time.sleep(1)
+    ray.kill(ray.get_actor(replicas[0], namespace="serve"), no_restart=True)
+    killed_at = time.monotonic()
+    time.sleep(8)
+    results = load.stop()
+    # a request the killed replica was serving dies with it; every one sent after the
+    # kill is served by the other replica
+    failed = [(round(t - killed_at, 2), status) for t, status in results if status != 200]
+    after = [status for t, status in results if t > killed_at]
+    assert len(after) >= 20 and set(after) == {200}, failed
+    assert len(failed) <= 1, failed
+    deadline = time.monotonic() + 60  # Serve brings the second replica back
+    while time.monotonic() < deadline and (len(_serve_actors("OpenAIIngress")) != 2
+                                           or replicas[0] in _serve_actors("OpenAIIngress")):
+        time.sleep(0.5)
+    assert len(_serve_actors("OpenAIIngress")) == 2
+    print(f"ingress replica killed: {len(after)} requests after the kill, none failed")
 
 
 def test_metrics_scrape_reports_to_the_coordinator_sum(base_url):
