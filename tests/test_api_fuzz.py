@@ -19,7 +19,7 @@ from schemathesis import GenerationMode
 
 from tests.app_server import check_openai_error, serve_app_over_mocks
 
-EXAMPLES = int(os.environ.get("FLOTILLA_FUZZ_EXAMPLES", "40"))
+EXAMPLES = int(os.environ.get("FLOTILLA_FUZZ_EXAMPLES", "30"))
 
 
 @pytest.fixture(scope="module")
