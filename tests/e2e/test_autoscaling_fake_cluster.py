@@ -56,7 +56,7 @@ APP_ARGS = {
     "max_num_seqs": 4, "mock_itl_s": 0.05,  # a request of 16 tokens takes ~0.8 s
     "engine_autoscaling": {"min_replicas": 1, "max_replicas": 2,
                            "target_waiting_per_engine": 2, "upscale_delay_s": 0,
-                           "downscale_delay_s": 10, "look_back_period_s": 12},
+                           "downscale_delay_s": 5, "look_back_period_s": 12},
 }
 
 
