@@ -52,8 +52,10 @@ def _mock_process(address: str, vocab_size: int, itl_s: float) -> subprocess.Pop
 @contextlib.contextmanager
 def serve_app_over_mocks(tokenizer, engines: int = 2, *, processes: bool = False,
                          itl_s: float = 0.0, heartbeat_timeout_s: float = 10.0,
-                         **options) -> Iterator[AppServer]:
-    """Yields the running server; stops the app, its client and the engines after."""
+                         watch_processes: bool = False, **options) -> Iterator[AppServer]:
+    """Yields the running server; stops the app, its client and the engines after.
+    watch_processes: the client also polls the engine processes (a local deployment);
+    without it, as in Serve, only dropped connections and heartbeats reveal a death."""
     import uvicorn
 
     from deployments.openai_app import IngressOptions, build_openai_app
@@ -79,7 +81,8 @@ def serve_app_over_mocks(tokenizer, engines: int = 2, *, processes: bool = False
         lock = lock or asyncio.Lock()
         async with lock:
             if not server.clients:
-                alive = [(lambda p=p: p.poll() is None) for p in procs] if procs else None
+                alive = ([(lambda p=p: p.poll() is None) for p in procs]
+                         if procs and watch_processes else None)
                 server.clients.append(await EngineClient.connect(
                     addresses, tokenizer, handshake_timeout_s=30,
                     heartbeat_timeout_s=heartbeat_timeout_s, is_alive=alive))

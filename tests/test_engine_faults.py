@@ -78,7 +78,8 @@ def test_a_killed_engine_fails_its_requests_within_5s_with_503_and_the_other_str
     failed = [s for s in streams if s.error is not None]
     survived = [s for s in streams if s.error is None]
     assert failed and survived, "the requests should have been spread over both engines"
-    slowest = max(s.times[-1] for s in failed) - killed_at
+    last_failure = max(s.times[-1] for s in failed)
+    slowest = last_failure - killed_at
     print(f"engine SIGKILL: {len(failed)} streams failed within {slowest:.2f}s, "
           f"{len(survived)} went on to the end")
     for s in failed:
@@ -86,13 +87,12 @@ def test_a_killed_engine_fails_its_requests_within_5s_with_503_and_the_other_str
         assert s.times[-1] - killed_at < FAIL_WITHIN_S  # the error event, then [DONE]
     for s in survived:  # streamed on past the failure, to the end
         assert s.done and s.tokens == 800
-        assert s.times[-1] - killed_at > FAIL_WITHIN_S
+        assert s.times[-1] > last_failure
     codes = sorted(r.status_code for r in plain.values())
     assert len(codes) == 6 and set(codes) <= {200, 503} and 503 in codes, codes
     for r in plain.values():
         if r.status_code == 503:
             assert r.json()["error"]["type"] == "ServiceUnavailableError"
-            assert r.elapsed.total_seconds() < 60
 
 
 def test_a_stopped_engine_is_declared_dead_by_the_heartbeat(tokenizer):

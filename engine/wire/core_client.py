@@ -70,7 +70,7 @@ logger = logging.getLogger(__name__)
 
 ABORT_BATCH = 1024
 READ_BATCH = 64  # messages read without yielding to the event loop (fairness cap)
-DISCONNECT_GRACE_S = 3.0  # after a TCP disconnect: time to hear from the engine again
+DISCONNECT_GRACE_S = 2.0  # after a TCP disconnect: time to hear from the engine (beats 1 s)
 ABORT_RETRY_S = 0.2  # wait before resending aborts whose send failed
 
 
@@ -606,8 +606,10 @@ class EngineClient:
             engine = self.engines[index]
             if engine.dead:
                 continue
-            try:
-                await engine.socket.send_multipart([ABORT, self._encoder.encode(ids)])
+            try:  # NOBLOCK: at the high-water mark an awaited send would stall every
+                # engine's aborts behind this one; Again is retried instead
+                await engine.socket.send_multipart([ABORT, self._encoder.encode(ids)],
+                                                   flags=zmq.NOBLOCK)
                 self.abort_messages_sent += 1
             except Exception as exc:  # zmq.Again past the high-water mark, ZMQError, ...
                 self.abort_send_failures += 1
