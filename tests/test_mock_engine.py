@@ -267,3 +267,44 @@ def test_logprobs_have_the_samplers_layout():
         assert ids[0] == ids[1] == out.new_token_ids[0] and len(ids) == len(vals) == 3
         assert ranks == [1, 1, 2] and vals[0] == vals[1] > vals[2]
     assert run(mock(), req("b", max_tokens=1))["b"][0].new_logprobs is None
+
+
+def test_outputs_wait_for_a_client_that_is_slow_to_read():
+    """A client that stops reading for a while (its event loop busy) finds every output
+    afterwards: the engine's per-client queue must not drop messages at ZMQ's default
+    high-water mark (1,000 messages a side), as a ROUTER does."""
+    import socket
+
+    import zmq
+
+    from engine.wire.core_server import EngineCoreServer
+    from engine.wire.protocol import ADD, HELLO, OUTPUTS, READY, EngineCoreOutputs, Hello
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    server = EngineCoreServer(MockEngineCore(MockConfig(max_model_len=8192)), address).start()
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    try:
+        dealer.setsockopt(zmq.IDENTITY, b"slow-reader")
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(address)
+        dealer.send_multipart([HELLO, msgspec.msgpack.encode(Hello("slow-reader"))])
+        assert dealer.recv_multipart()[0] == READY
+        dealer.send_multipart([ADD, msgspec.msgpack.encode(
+            req("long", max_tokens=6000, ignore_eos=True))])  # 6,000 one-token messages
+        time.sleep(3)  # not reading: the engine finishes meanwhile
+        got, finished = 0, None
+        while finished is None:
+            assert dealer.poll(10_000), f"outputs stopped after {got} tokens"
+            kind, payload = dealer.recv_multipart()
+            assert kind == OUTPUTS
+            for out in msgspec.msgpack.decode(payload, type=EngineCoreOutputs).outputs:
+                got += len(out.new_token_ids)
+                finished = out.finish_reason
+        assert (got, finished) == (6000, "length")
+    finally:
+        dealer.close(linger=0)
+        ctx.term()
+        server.shutdown()

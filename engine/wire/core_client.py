@@ -217,6 +217,8 @@ class EngineClient:
         socket = self._ctx.socket(zmq.DEALER)
         socket.setsockopt(zmq.IDENTITY, self.client_id.encode())
         socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.RCVHWM, 0)  # the engine's outputs wait here while the loop is busy
+        socket.setsockopt(zmq.SNDHWM, 0)
         socket.connect(address)
         await socket.send_multipart([HELLO, self._encoder.encode(Hello(self.client_id))])
         try:

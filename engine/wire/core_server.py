@@ -190,7 +190,12 @@ class EngineCoreServer:
     def _io_loop(self, outbox: zmq.Socket) -> None:
         router = self._ctx.socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, 0)
-        router.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        router.setsockopt(zmq.ROUTER_MANDATORY, 0)  # a client that has gone: drop its outputs
+        # No high-water mark: at one (1,000 messages by default) a ROUTER silently drops
+        # what a connected but slow client has not read yet, and its streams lose tokens.
+        # Unbounded as vLLM's sockets: the queue grows only while a live client lags.
+        router.setsockopt(zmq.SNDHWM, 0)
+        router.setsockopt(zmq.RCVHWM, 0)
         try:
             router.bind(self.address)
         except zmq.ZMQError as exc:
