@@ -278,7 +278,14 @@ def test_outputs_wait_for_a_client_that_is_slow_to_read():
     import zmq
 
     from engine.wire.core_server import EngineCoreServer
-    from engine.wire.protocol import ADD, HELLO, OUTPUTS, READY, EngineCoreOutputs, Hello
+    from engine.wire.protocol import (
+        ADD,
+        HELLO,
+        OUTPUTS,
+        READY,
+        EngineCoreOutputs,
+        Hello,
+    )
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
