@@ -7,6 +7,7 @@ well separated (parity checks do not hinge on float ties).
 from __future__ import annotations
 
 import os
+import platform
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,24 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
 # engines started by tests take their default thread count from OMP_NUM_THREADS.
 os.environ["OMP_NUM_THREADS"] = "1"
 torch.set_num_threads(1)
+
+
+# Every vector path of the native CPU kernels, built on this host: the native one and the
+# narrower ones of its CPU family (an AVX-512 host also runs the AVX2 and SSE2 builds;
+# SSE2 shares its 4-lane code with NEON). Target -> the `isa` its module must report.
+KERNEL_TARGETS = ({"x86-64-v3": "avx2", "x86-64": "sse2"} if platform.machine() == "x86_64"
+                  else {"armv8-a": "neon"} if platform.machine() == "aarch64" else {})
+
+
+@pytest.fixture(scope="session", params=["native", *KERNEL_TARGETS])
+def kernels(request):
+    """The CPU kernel module built for one target (parametrized over every target)."""
+    from engine.model.kernels import cpu_kernels
+    module = cpu_kernels(request.param)
+    assert module is not None, f"the native CPU kernels should build for {request.param}"
+    if request.param != "native":
+        assert module.isa == KERNEL_TARGETS[request.param]
+    return module
 
 
 @pytest.fixture(scope="session")

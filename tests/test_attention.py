@@ -2,18 +2,11 @@
 import pytest
 import torch
 
-from engine.model.kernels import cpu_kernels
 from engine.model.layers.attention import (
     AttentionMetadata,
     _decode_attention,
     cache_views,
 )
-
-
-def _kernels():
-    kernels = cpu_kernels()
-    assert kernels is not None, "the native CPU kernels should build on this machine"
-    return kernels
 
 
 def _reference(q, kc, vc, tables, lens, starts, scale):
@@ -35,7 +28,7 @@ def _reference(q, kc, vc, tables, lens, starts, scale):
     return torch.stack(outs)
 
 
-def _native(q, kc_t, vc, tables, lens, starts, scale):
+def _native(kernels, q, kc_t, vc, tables, lens, starts, scale):
     """The kernel over a pre-filled cache: each row's "new" key and value are the ones
     already in its slot, so the cache is rewritten with what it holds."""
     bs = kc_t.shape[3]
@@ -47,7 +40,7 @@ def _native(q, kc_t, vc, tables, lens, starts, scale):
     blocks, offsets = slots // bs, slots % bs
     k = kc_t.permute(1, 3, 0, 2)[blocks, offsets].contiguous()  # [T, KVH, D]
     v = vc.permute(1, 2, 0, 3)[blocks, offsets].contiguous()
-    return _kernels().paged_attention(q, k, v, kc_t, vc, slots, tables, lens, starts, scale)
+    return kernels.paged_attention(q, k, v, kc_t, vc, slots, tables, lens, starts, scale)
 
 
 def _problem(dtype, heads, kv_heads, d, bs, blocks, width, lens, query_lens, seed=0):
@@ -63,7 +56,7 @@ def _problem(dtype, heads, kv_heads, d, bs, blocks, width, lens, query_lens, see
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4), (8, 1)])
-def test_decode_paths_match_dense_attention(dtype, tol, heads, kv_heads):
+def test_decode_paths_match_dense_attention(kernels, dtype, tol, heads, kv_heads):
     seqs, d, bs, blocks, width = 5, 64, 16, 40, 6
     if heads == 4:
         d, bs, blocks, width = 16, 8, 80, 12  # the kernel takes any head and block size
@@ -79,7 +72,7 @@ def test_decode_paths_match_dense_attention(dtype, tol, heads, kv_heads):
     got = _decode_attention(q, kc_t, vc, torch_path, 0.125).float()
     assert torch.allclose(got, expected, atol=tol, rtol=tol)
 
-    got = _native(q, kc_t, vc, tables, lens, starts, 0.125).float()
+    got = _native(kernels, q, kc_t, vc, tables, lens, starts, 0.125).float()
     assert torch.allclose(got, expected, atol=tol, rtol=tol)
 
 
@@ -88,8 +81,8 @@ def test_decode_paths_match_dense_attention(dtype, tol, heads, kv_heads):
                                                  (16, 2, 128, 16), (6, 6, 128, 16),
                                                  (4, 2, 16, 8)])
 @pytest.mark.parametrize("block_major", [False, True])
-def test_native_kernel_attends_decodes_and_prefill_chunks_causally(dtype, heads, kv_heads, d, bs,
-                                                                   block_major):
+def test_native_kernel_attends_decodes_and_prefill_chunks_causally(kernels, dtype, heads, kv_heads,
+                                                                   d, bs, block_major):
     """One call, a mixed batch: two decodes, a fresh prompt, a chunk after cached context
     (chunked prefill / prefix hit), a one-token prompt, an odd-length prompt; caches
     head-major (contiguous) or block-major (the engine's strided views)."""
@@ -106,7 +99,7 @@ def test_native_kernel_attends_decodes_and_prefill_chunks_causally(dtype, heads,
         kc_t.copy_(kc.transpose(2, 3))
         vc_in.copy_(vc)
         assert not kc_t.is_contiguous() and not vc_in.is_contiguous()
-    got = _native(q, kc_t, vc_in, tables, lens, starts, d ** -0.5)
+    got = _native(kernels, q, kc_t, vc_in, tables, lens, starts, d ** -0.5)
     if dtype == torch.float32:
         assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5)
     else:  # float32 math inside: within one bf16 rounding of the exact result
@@ -114,7 +107,7 @@ def test_native_kernel_attends_decodes_and_prefill_chunks_causally(dtype, heads,
         assert (err <= expected.abs() * 2 ** -8 + 1e-3).all(), err.max()
 
 
-def test_native_kernel_ignores_garbage_past_the_context():
+def test_native_kernel_ignores_garbage_past_the_context(kernels):
     """Cache slots past a sequence's length may hold anything (NaN included)."""
     q, kc, vc, tables, lens, starts = _problem(torch.bfloat16, 9, 3, 64, 16, 20, 3,
                                                [17, 35], [1, 3], seed=5)
@@ -126,34 +119,34 @@ def test_native_kernel_ignores_garbage_past_the_context():
         flat_v[:, n:] = float("nan")
         kc[:, tables[s]] = flat_k.view(3, -1, 16, 64)
         vc[:, tables[s]] = flat_v.view(3, -1, 16, 64)
-    got = _native(q, kc.transpose(2, 3).contiguous(), vc, tables, lens, starts, 0.125)
+    got = _native(kernels, q, kc.transpose(2, 3).contiguous(), vc, tables, lens, starts, 0.125)
     assert not got.isnan().any()
     assert torch.allclose(got.float(), expected, atol=2e-2, rtol=2e-2)
 
 
-def test_native_kernel_rejects_inconsistent_row_offsets():
+def test_native_kernel_rejects_inconsistent_row_offsets(kernels):
     q, kc, vc, tables, lens, starts = _problem(torch.float32, 2, 1, 16, 8, 10, 2, [5], [3])
     kc_t = kc.transpose(2, 3).contiguous()
     k = v = torch.zeros(3, 1, 16)
     slots = torch.tensor([2, 3, 4])
     with pytest.raises(RuntimeError, match="query_start"):
-        _kernels().paged_attention(q, k, v, kc_t, vc, slots, tables, lens, torch.tensor([0, 2]),
+        kernels.paged_attention(q, k, v, kc_t, vc, slots, tables, lens, torch.tensor([0, 2]),
                                    0.25)
     with pytest.raises(RuntimeError, match="context length"):
-        _kernels().paged_attention(q, k, v, kc_t, vc, slots, tables, torch.tensor([40]), starts,
+        kernels.paged_attention(q, k, v, kc_t, vc, slots, tables, torch.tensor([40]), starts,
                                    0.25)
     with pytest.raises(RuntimeError, match="one cache slot per row"):
-        _kernels().paged_attention(q, k, v, kc_t, vc, slots[:2], tables, lens, starts, 0.25)
+        kernels.paged_attention(q, k, v, kc_t, vc, slots[:2], tables, lens, starts, 0.25)
     with pytest.raises(RuntimeError, match="outside the cache"):  # would write out of bounds
-        _kernels().paged_attention(q, k, v, kc_t, vc, torch.tensor([2, 3, 80]), tables, lens,
+        kernels.paged_attention(q, k, v, kc_t, vc, torch.tensor([2, 3, 80]), tables, lens,
                                    starts, 0.25)
     with pytest.raises(RuntimeError, match="outside the cache"):  # would read out of bounds
-        _kernels().paged_attention(q, k, v, kc_t, vc, slots, torch.tensor([[10, 0]]), lens,
+        kernels.paged_attention(q, k, v, kc_t, vc, slots, torch.tensor([[10, 0]]), lens,
                                    starts, 0.25)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_native_kernel_writes_the_cache_like_the_torch_path(dtype):
+def test_native_kernel_writes_the_cache_like_the_torch_path(kernels, dtype):
     """The kernel stores the step's keys and values itself (prefill chunks first, decodes
     inside their own work item); the cache must end up as torch's write_kv leaves it,
     and the output must match attention over that cache."""
@@ -177,7 +170,7 @@ def test_native_kernel_writes_the_cache_like_the_torch_path(dtype):
                              slot_offsets=slots % bs)
     write_kv(k, v, kc, vc, meta)
     nk, nv = cache_views(native_cache)
-    got = _kernels().paged_attention(q, k, v, nk, nv, slots, tables, torch.tensor(lens), starts,
+    got = kernels.paged_attention(q, k, v, nk, nv, slots, tables, torch.tensor(lens), starts,
                                      0.125)
     assert not torch.equal(torch_cache, start)
     assert torch.equal(native_cache, torch_cache)
@@ -187,7 +180,7 @@ def test_native_kernel_writes_the_cache_like_the_torch_path(dtype):
     assert torch.allclose(got.float(), expected, atol=tol, rtol=tol)
 
 
-def test_native_kernel_reads_q_as_a_row_view_of_the_fused_qkv():
+def test_native_kernel_reads_q_as_a_row_view_of_the_fused_qkv(kernels):
     torch.manual_seed(1)
     rows, heads, kv_heads, d, bs, blocks = 6, 9, 3, 64, 16, 30
     kc = torch.randn(kv_heads, blocks, d, bs).bfloat16()
@@ -197,6 +190,6 @@ def test_native_kernel_reads_q_as_a_row_view_of_the_fused_qkv():
     assert not q.is_contiguous()
     tables = torch.randperm(blocks)[:4 * 5].view(4, 5)
     lens, starts = torch.tensor([1, 16, 50, 80]), torch.tensor([0, 1, 2, 3, 6])
-    strided = _native(q, kc, vc, tables, lens, starts, 0.125)
-    dense = _native(q.contiguous(), kc, vc, tables, lens, starts, 0.125)
+    strided = _native(kernels, q, kc, vc, tables, lens, starts, 0.125)
+    dense = _native(kernels, q.contiguous(), kc, vc, tables, lens, starts, 0.125)
     assert torch.equal(strided, dense)

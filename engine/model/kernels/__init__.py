@@ -18,17 +18,18 @@ from types import ModuleType
 logger = logging.getLogger(__name__)
 _DIR = Path(__file__).parent
 _SOURCES = [_DIR / n for n in ("bindings.cpp", "paged_attention.cpp", "fused_ops.cpp")]
-_HEADERS = [_DIR / n for n in ("convert.h", "simd.h")]
+_HEADERS = [_DIR / n for n in ("convert.h", "simd.h", "vec.h")]
 
 
-def _build_tag() -> str:
-    """Builds use -march=native, so the cache is keyed by the CPU they were built for,
-    and by the sources and headers (a changed header alone rebuilds too)."""
+def _build_tag(march: str) -> str:
+    """Builds target -march=native by default, so the cache is keyed by the CPU they
+    were built for, by the target, and by the sources and headers (a changed header
+    alone rebuilds too)."""
     try:
         flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags"))
     except (OSError, StopIteration):
         flags = platform.processor()
-    digest = hashlib.sha256(flags.encode())
+    digest = hashlib.sha256(f"{march}\n{flags}".encode())
     for path in _SOURCES + _HEADERS:
         digest.update(path.read_bytes())
     return digest.hexdigest()[:12]
@@ -40,8 +41,13 @@ def native_enabled() -> bool:
 
 
 @functools.cache
-def cpu_kernels() -> ModuleType | None:
-    """The compiled CPU kernel module, or None when disabled or unbuildable."""
+def cpu_kernels(march: str = "native") -> ModuleType | None:
+    """The compiled CPU kernel module, or None when disabled or unbuildable.
+
+    `march` is the -march target: "native" (what the engine uses) vectorizes for this
+    CPU (AVX-512, AVX2 + FMA, NEON); a narrower target such as "x86-64-v3" (AVX2) or
+    "x86-64" (SSE2) builds that CPU family's path on a wider machine, for tests and
+    benchmarks. The module's `isa` says which path it holds."""
     if not native_enabled():
         return None
     try:
@@ -49,12 +55,13 @@ def cpu_kernels() -> ModuleType | None:
         from torch.utils import cpp_extension
 
         from engine.model.loader import cache_root
-        build = cache_root() / "kernels" / f"torch{torch.__version__}-{_build_tag()}"
+        build = cache_root() / "kernels" / f"torch{torch.__version__}-{_build_tag(march)}"
         build.mkdir(parents=True, exist_ok=True)
+        suffix = "" if march == "native" else "_" + "".join(c if c.isalnum() else "_" for c in march)
         return cpp_extension.load(
-            name="flotilla_cpu_kernels", sources=[str(p) for p in _SOURCES], build_directory=str(build),
-            extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"], extra_ldflags=["-fopenmp"],
-            verbose=False)
+            name="flotilla_cpu_kernels" + suffix, sources=[str(p) for p in _SOURCES],
+            build_directory=str(build), extra_ldflags=["-fopenmp"], verbose=False,
+            extra_cflags=["-O3", f"-march={march}", "-ffast-math", "-fopenmp", "-Wno-psabi"])
     except Exception as exc:  # no compiler, no headers, ...: fall back to torch ops
         logger.warning("native CPU kernels unavailable (%s); using torch ops", exc)
         return None

@@ -1,6 +1,8 @@
 // Python bindings of the CPU kernels (one extension module, engine.model.kernels.cpu_kernels()).
 #include <torch/extension.h>
 
+#include "vec.h"
+
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
                               torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
                               torch::Tensor block_tables, torch::Tensor seq_lens,
@@ -18,4 +20,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "SwiGLU activation");
   m.def("rotary_inplace", &rotary_inplace, "neox RoPE on q and k, in place");
   m.def("argmax_rows", &argmax_rows, "first index of each row's maximum (float32)");
+  m.attr("isa") = flotilla::vec::kIsa;  // the vector path built: avx512, avx2, neon, sse2
+  m.attr("lanes") = flotilla::vec::L;
 }

@@ -21,6 +21,7 @@
 
 #include "convert.h"
 #include "simd.h"
+#include "vec.h"
 
 namespace {
 
@@ -196,18 +197,14 @@ void run_generic(const Problem<T>& p) {
   });
 }
 
-#if FLOTILLA_AVX512
-using flotilla::exp16;
-using flotilla::load16;
-
 inline void prefetch_l1(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
-  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 3);
 }
 
 inline void prefetch_l2(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
-  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(c + off, _MM_HINT_T1);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 2);
 }
 
 // All of a sequence's key and value blocks, every kv head, towards L2 at once (many
@@ -232,6 +229,120 @@ inline void prefetch_sequence(const Problem<T>& p, const int64_t* table, int64_t
     }
   }
 }
+
+namespace vec = flotilla::vec;
+
+// Softmax of one head's scores in place (float32, vectorized); lanes past len are zeroed
+// (their keys may be garbage, NaN included). Returns 1 / sum.
+inline float softmax_vec(float* sc, int64_t len, int64_t padded) {
+  using vec::L;
+  const int64_t full = len / L * L;
+  vec::vf m = vec::splat(-FLT_MAX);
+  for (int64_t t = 0; t < full; t += L) m = vec::vmax(m, vec::load(sc + t));
+  if (full < len)
+    m = vec::vmax(m, vec::lanes() < int32_t(len - full) ? vec::load(sc + full) : vec::splat(-FLT_MAX));
+  const float mx = vec::reduce_max(m);
+  vec::vf sum = vec::splat(0.f);
+  for (int64_t t = 0; t < padded; t += L) {
+    vec::vf e = vec::exp(vec::load(sc + t) - mx);
+    if (t + L > len) e = vec::lanes() < int32_t(len - t) ? e : vec::splat(0.f);
+    vec::store(sc + t, e);
+    sum += e;
+  }
+  return 1.f / vec::reduce_add(sum);
+}
+
+// Block size 16 and head size D (a multiple of the lanes L): the kernel of every target
+// without a hand-written one (AVX2 + FMA, NEON, SSE2), float32 FMAs on widened keys and
+// values in vec.h's vectors. As run_fma below: the G query heads of a kv head share each
+// key and value load, the next key block is prefetched into L1 while one is computed, the
+// next row's context towards L2. Tiles fit the target's registers: GS heads' score
+// accumulators (a block's 16 scores are NB vectors) and GC heads' value accumulators (a
+// value row is C vectors) per pass.
+template <typename T, int64_t D, int64_t G>
+void run_vec(const Problem<T>& p) {
+  using vec::L;
+  using vec::vf;
+  constexpr int64_t BS = 16, NB = BS / L, C = D / L;
+  static_assert(BS % L == 0 && D % L == 0, "blocks and heads must be whole vectors");
+  constexpr int64_t GS = std::max<int64_t>(1, std::min<int64_t>(G, (vec::kRegs - NB) / NB * 3 / 4));
+  constexpr int64_t GC = std::max<int64_t>(1, std::min<int64_t>(G, vec::kRegs * 3 / 4 / C));
+  at::parallel_for(0, int64_t(p.row_seq.size()) * p.kv_heads, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float qf[G][D];
+    std::vector<float> scores;
+    for (int64_t work = begin; work < end; ++work) {
+      const int64_t r = work / p.kv_heads, h = work % p.kv_heads;
+      const int64_t len = p.row_len[r], nblocks = (len + BS - 1) / BS, padded = nblocks * BS;
+      const int64_t* table = p.tables + p.row_seq[r] * p.max_blocks;
+      scores.resize(G * padded);
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t i = 0; i < D; ++i)
+          qf[g][i] = to_float(p.q[r * p.q_row + (h * G + g) * D + i]) * p.scale;
+      const T* k_head = p.k + h * p.k_hs;
+      const T* v_head = p.v + h * p.v_hs;
+      if (work == begin) prefetch_sequence(p, table, nblocks);
+      const int64_t* next_table = nullptr;
+      int64_t next_blocks = 0;
+      if (work + p.kv_heads < end && p.row_first[r + 1]) {
+        next_table = p.tables + p.row_seq[r + 1] * p.max_blocks;
+        next_blocks = (p.row_len[r + 1] + BS - 1) / BS;
+      }
+      if (p.row_decode[r]) store_token(p, r, h);
+      prefetch_l1(k_head + table[0] * p.k_bs, D * BS * sizeof(T));
+      for (int64_t b = 0; b < nblocks; ++b) {
+        if (b + 1 < nblocks) prefetch_l1(k_head + table[b + 1] * p.k_bs, D * BS * sizeof(T));
+        for (int64_t j = b * next_blocks / nblocks; j < (b + 1) * next_blocks / nblocks; ++j) {
+          prefetch_l2(k_head + next_table[j] * p.k_bs, D * BS * sizeof(T));
+          prefetch_l2(v_head + next_table[j] * p.v_bs, D * BS * sizeof(T));
+        }
+        const T* kb = k_head + table[b] * p.k_bs;  // [D][16]
+        for (int64_t g0 = 0; g0 < G; g0 += GS) {
+          vf a[GS][NB];
+          for (int64_t g = 0; g < GS; ++g)
+            for (int64_t n = 0; n < NB; ++n) a[g][n] = vec::splat(0.f);
+          for (int64_t i = 0; i < D; ++i) {
+            vf k[NB];
+            for (int64_t n = 0; n < NB; ++n) k[n] = vec::load(kb + i * BS + n * L);
+            for (int64_t g = 0; g < GS && g0 + g < G; ++g) {
+              const vf q = vec::splat(qf[g0 + g][i]);
+              for (int64_t n = 0; n < NB; ++n) a[g][n] += q * k[n];
+            }
+          }
+          for (int64_t g = 0; g < GS && g0 + g < G; ++g)
+            for (int64_t n = 0; n < NB; ++n)
+              vec::store(&scores[(g0 + g) * padded + b * BS + n * L], a[g][n]);
+        }
+      }
+      float inv_sum[G];
+      for (int64_t g = 0; g < G; ++g) inv_sum[g] = softmax_vec(&scores[g * padded], len, padded);
+      for (int64_t g0 = 0; g0 < G; g0 += GC) {
+        vf acc[GC][C];
+        for (int64_t g = 0; g < GC; ++g)
+          for (int64_t c = 0; c < C; ++c) acc[g][c] = vec::splat(0.f);
+        for (int64_t b = 0; b < nblocks; ++b) {
+          const T* vb = v_head + table[b] * p.v_bs;
+          const int64_t rows = std::min<int64_t>(BS, len - b * BS);
+          for (int64_t j = 0; j < rows; ++j) {
+            vf v[C];
+            for (int64_t c = 0; c < C; ++c) v[c] = vec::load(vb + j * D + c * L);
+            for (int64_t g = 0; g < GC && g0 + g < G; ++g) {
+              const vf pt = vec::splat(scores[(g0 + g) * padded + b * BS + j]);
+              for (int64_t c = 0; c < C; ++c) acc[g][c] += pt * v[c];
+            }
+          }
+        }
+        for (int64_t g = 0; g < GC && g0 + g < G; ++g) {
+          T* o = p.out + (r * p.heads + h * G + g0 + g) * D;
+          for (int64_t c = 0; c < C; ++c) vec::store(o + c * L, acc[g][c] * inv_sum[g0 + g]);
+        }
+      }
+    }
+  });
+}
+
+#if FLOTILLA_AVX512
+using flotilla::exp16;
+using flotilla::load16;
 
 // Softmax of one head's scores in place (float32, vectorized); lanes of the last block
 // past len are zeroed. Returns 1 / sum.
@@ -480,12 +591,14 @@ bool run_specialised(const Problem<T>& p) {
     return true;
   }
 #endif
-#if FLOTILLA_AVX512
   if constexpr (!std::is_same_v<T, c10::Half>) {
+#if FLOTILLA_AVX512 && !defined(FLOTILLA_VEC_ATTENTION)
     run_fma<T, D, G>(p);
+#else
+    run_vec<T, D, G>(p);
+#endif
     return true;
   }
-#endif
   return false;
 }
 

@@ -1,0 +1,168 @@
+"""Native CPU kernels per vector path, at the default model's W1 shapes, beside torch.
+
+Builds the kernels for each target (native, and the narrower paths of this CPU family:
+x86-64-v3 = AVX2 + FMA, x86-64 = SSE2, whose 4-lane code is the one NEON builds use) and
+times, per call, single-threaded by default (--threads): decode attention for 64
+sequences over a 128-token context in a churned (shuffled) block pool, one prefill chunk
+of 64 rows, add+RMSNorm, RoPE, SiLU*up and greedy argmax over the vocabulary; the
+torch column is what the engine runs without native kernels. Prints microseconds per
+call, the CPU and the dtype.
+
+    python bench/kernels.py [--dtype float32|bfloat16] [--threads 1] [--targets native,x86-64-v3]
+"""
+from __future__ import annotations
+
+import argparse
+import platform
+import time
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+HEADS, KV_HEADS, HEAD_DIM, HIDDEN, INTER, VOCAB, BS = 9, 3, 64, 576, 1536, 49152, 16
+SEQS, CONTEXT, PREFILL = 64, 128, 64
+
+
+def cpu_name() -> str:
+    try:
+        info = open("/proc/cpuinfo").read()
+    except OSError:
+        return platform.processor()
+    model = next((ln.split(":", 1)[1].strip() for ln in info.splitlines()
+                  if ln.startswith("model name")), "?")
+    flags = next((ln for ln in info.splitlines() if ln.startswith("flags")), "").split()
+    isa = ("AVX-512" + (" + bf16" if "avx512_bf16" in flags else "") if "avx512bw" in flags
+           else "AVX2" if "avx2" in flags else "no AVX2")
+    return f"{model}, {isa}"
+
+
+def timed(fn: Callable[[], object], min_s: float = 0.3) -> float:
+    """Microseconds per call: the best of 5 rounds of repeated calls."""
+    fn()
+    n, start = 1, time.perf_counter()
+    while time.perf_counter() - start < min_s / 5:
+        fn()
+        n += 1
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(n):
+            fn()
+        best = min(best, (time.perf_counter() - start) / n)
+    return best * 1e6
+
+
+def cases(dtype: torch.dtype) -> dict[str, tuple[Callable, Callable]]:
+    """name -> (call with a kernel module, the torch equivalent)."""
+    g = torch.Generator().manual_seed(0)
+    blocks = SEQS * (CONTEXT // BS) * 2
+    k_cache = torch.randn(KV_HEADS, blocks, HEAD_DIM, BS, generator=g).to(dtype)
+    v_cache = torch.randn(KV_HEADS, blocks, BS, HEAD_DIM, generator=g).to(dtype)
+    width = CONTEXT // BS
+    tables = torch.randperm(blocks, generator=g)[:SEQS * width].view(SEQS, width)
+    lens = torch.full((SEQS,), CONTEXT)
+    slots = tables[:, -1] * BS + BS - 1
+    q = torch.randn(SEQS, HEADS, HEAD_DIM, generator=g).to(dtype)
+    k = torch.randn(SEQS, KV_HEADS, HEAD_DIM, generator=g).to(dtype)
+    v = torch.randn(SEQS, KV_HEADS, HEAD_DIM, generator=g).to(dtype)
+    starts = torch.arange(SEQS + 1)
+    scale = HEAD_DIM ** -0.5
+
+    def decode(m):
+        return m.paged_attention(q, k, v, k_cache, v_cache, slots, tables, lens, starts, scale)
+
+    def decode_torch(_):
+        keys = k_cache[:, tables].permute(1, 0, 2, 4, 3).reshape(SEQS, KV_HEADS, -1, HEAD_DIM)
+        vals = v_cache[:, tables].permute(1, 0, 2, 3, 4).reshape(SEQS, KV_HEADS, -1, HEAD_DIM)
+        return F.scaled_dot_product_attention(q[:, :, None], keys, vals, scale=scale,
+                                              enable_gqa=True)
+
+    pq = torch.randn(PREFILL, HEADS, HEAD_DIM, generator=g).to(dtype)
+    pk = torch.randn(PREFILL, KV_HEADS, HEAD_DIM, generator=g).to(dtype)
+    pv = torch.randn(PREFILL, KV_HEADS, HEAD_DIM, generator=g).to(dtype)
+    ptable = tables[:1, :PREFILL // BS].contiguous()
+    pslots = (ptable[0][:, None] * BS + torch.arange(BS)).flatten()
+
+    def prefill(m):
+        return m.paged_attention(pq, pk, pv, k_cache, v_cache, pslots, ptable,
+                                 torch.tensor([PREFILL]), torch.tensor([0, PREFILL]), scale)
+
+    def prefill_torch(_):
+        return F.scaled_dot_product_attention(pq.transpose(0, 1), pk.transpose(0, 1),
+                                              pv.transpose(0, 1), is_causal=True, scale=scale,
+                                              enable_gqa=True)
+
+    x = torch.randn(SEQS, HIDDEN, generator=g).to(dtype)
+    res = torch.randn(SEQS, HIDDEN, generator=g).to(dtype)
+    w = torch.ones(HIDDEN, dtype=dtype)
+
+    def norm_torch(_):
+        h = res + x
+        return F.rms_norm(h.float(), (HIDDEN,), None, 1e-5).to(dtype) * w, h
+
+    gate_up = torch.randn(SEQS, 2 * INTER, generator=g).to(dtype)
+
+    def silu_torch(_):
+        gate, up = gate_up.split(INTER, dim=-1)
+        return F.silu(gate) * up
+
+    width_qkv = (HEADS + 2 * KV_HEADS) * HEAD_DIM
+    qkv = torch.randn(SEQS, width_qkv, generator=g).to(dtype)
+    # position 0 (cos 1, sin 0): the same work as any position, and the rotation in place
+    # leaves the values as they were, so repeated calls do not drift them (bf16)
+    positions = torch.zeros(SEQS, dtype=torch.long)
+    freqs = torch.outer(torch.arange(2048).float(),
+                        1.0 / 10000 ** (torch.arange(0, HEAD_DIM, 2).float() / HEAD_DIM))
+    cos = torch.cat((freqs, freqs), -1).cos().to(dtype)
+    sin = torch.cat((freqs, freqs), -1).sin().to(dtype)
+
+    def rope_torch(_):
+        t = qkv[:, :(HEADS + KV_HEADS) * HEAD_DIM].view(SEQS, -1, HEAD_DIM)
+        c, s = cos[positions][:, None], sin[positions][:, None]
+        return t * c + torch.cat((-t[..., HEAD_DIM // 2:], t[..., :HEAD_DIM // 2]), -1) * s
+
+    logits = torch.randn(SEQS, VOCAB, generator=g)
+    return {
+        f"decode attention ({SEQS} seqs x {CONTEXT} ctx)": (decode, decode_torch),
+        f"prefill attention ({PREFILL} rows)": (prefill, prefill_torch),
+        f"add + RMSNorm ({SEQS} x {HIDDEN})": (
+            lambda m: m.fused_add_rms_norm(x, res, w, 1e-5), norm_torch),
+        f"RoPE ({SEQS} rows, 12 heads)": (
+            lambda m: m.rotary_inplace(qkv, positions, cos, sin, HEADS + KV_HEADS, HEAD_DIM),
+            rope_torch),
+        f"SiLU * up ({SEQS} x {INTER})": (lambda m: m.silu_and_mul(gate_up), silu_torch),
+        f"argmax ({SEQS} x {VOCAB}, float32)": (
+            lambda m: m.argmax_rows(logits), lambda _: logits.argmax(dim=-1)),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--threads", type=int, default=1)
+    default_targets = "native,x86-64-v3,x86-64" if platform.machine() == "x86_64" else "native"
+    parser.add_argument("--targets", default=default_targets,
+                        help="comma-separated -march targets to build and time")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    from engine.model.kernels import cpu_kernels
+    modules = {}
+    for target in args.targets.split(","):
+        module = cpu_kernels(target)
+        if module is None:
+            raise SystemExit(f"the kernels did not build for {target}")
+        modules[f"{target} ({module.isa})"] = module
+    dtype = getattr(torch, args.dtype)
+    print(f"CPU: {cpu_name()}; {args.dtype}, {args.threads} thread(s); microseconds per call")
+    names = list(modules) + ["torch"]
+    print(f"{'kernel':<42}" + "".join(f"{n:>22}" for n in names))
+    for name, (native, reference) in cases(dtype).items():
+        times = [timed(lambda m=m: native(m)) for m in modules.values()]
+        times.append(timed(lambda: reference(None)))
+        print(f"{name:<42}" + "".join(f"{t:>22.1f}" for t in times))
+
+
+if __name__ == "__main__":
+    main()
