@@ -14,3 +14,14 @@ def test_a_minute_at_concurrency_256_loses_and_leaks_nothing(tmp_path):
     assert report.requests > 500 and set(report.by_kind) == {
         "stream", "plain", "chat_stream", "chat", "n", "stop", "disconnect", "timeout"}
     assert report.check() == []
+
+
+def test_the_leak_check_names_new_threads_and_spares_self_sizing_pools():
+    from bench.soak import Proc, Report
+    idle = {"running": 0.0, "waiting": 0.0, "kv_usage": 0.0}
+    start = {7: Proc("ray::ServeController", 100, 2, 1, ("event_engine", "main"))}
+    pool = {7: Proc("ray::ServeController", 100, 3, 1, ("event_engine", "event_engine", "main"))}
+    leak = {7: Proc("ray::ServeController", 100, 3, 1, ("event_engine", "main", "worker"))}
+    assert Report(1, 1, {}, [], 0, 0, 60, start, pool, idle, idle, 0, {}).check() == []
+    assert Report(1, 1, {}, [], 0, 0, 60, start, leak, idle, idle, 0, {}).check() == [
+        "threads of 7 ray::ServeController: new {'worker': 1}"]
