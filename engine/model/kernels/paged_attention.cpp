@@ -230,6 +230,46 @@ inline void prefetch_sequence(const Problem<T>& p, const int64_t* table, int64_t
   }
 }
 
+// One work item (query row r, kv head h) of the block-size-16 kernels: its context, and
+// the blocks of the next row's sequence it fetches towards L2 as it goes (when that row
+// starts a sequence and comes next on this thread). Starting one prefetches the whole
+// sequence on a thread's first item and stores a decode row's own token.
+struct Item {
+  int64_t r, h, len, nblocks, padded;
+  const int64_t* table;
+  const int64_t* next_table = nullptr;
+  int64_t next_blocks = 0;
+};
+
+template <typename T>
+inline Item start_item(const Problem<T>& p, int64_t work, int64_t begin, int64_t end) {
+  constexpr int64_t BS = 16;
+  Item it;
+  it.r = work / p.kv_heads, it.h = work % p.kv_heads;
+  it.len = p.row_len[it.r], it.nblocks = (it.len + BS - 1) / BS, it.padded = it.nblocks * BS;
+  it.table = p.tables + p.row_seq[it.r] * p.max_blocks;
+  if (work == begin) prefetch_sequence(p, it.table, it.nblocks);
+  if (work + p.kv_heads < end && p.row_first[it.r + 1]) {
+    it.next_table = p.tables + p.row_seq[it.r + 1] * p.max_blocks;
+    it.next_blocks = (p.row_len[it.r + 1] + BS - 1) / BS;
+  }
+  if (p.row_decode[it.r]) store_token(p, it.r, it.h);
+  return it;
+}
+
+// Before block b of an item: the next key block into L1, and block b's share of the next
+// row's blocks (this head's keys and values) towards L2. BYTES, a block's size, is a
+// compile-time constant: the same loops with a run-time size ran ~20 % slower.
+template <int64_t BYTES, typename E>
+inline void prefetch_for_block(const Item& it, int64_t b, const E* k_head, const E* v_head,
+                               int64_t k_bs, int64_t v_bs) {
+  if (b + 1 < it.nblocks) prefetch_l1(k_head + it.table[b + 1] * k_bs, BYTES);
+  for (int64_t j = b * it.next_blocks / it.nblocks; j < (b + 1) * it.next_blocks / it.nblocks; ++j) {
+    prefetch_l2(k_head + it.next_table[j] * k_bs, BYTES);
+    prefetch_l2(v_head + it.next_table[j] * v_bs, BYTES);
+  }
+}
+
 namespace vec = flotilla::vec;
 
 // Softmax of one head's scores in place (float32, vectorized); lanes past len are zeroed
@@ -271,30 +311,18 @@ void run_vec(const Problem<T>& p) {
     alignas(64) float qf[G][D];
     std::vector<float> scores;
     for (int64_t work = begin; work < end; ++work) {
-      const int64_t r = work / p.kv_heads, h = work % p.kv_heads;
-      const int64_t len = p.row_len[r], nblocks = (len + BS - 1) / BS, padded = nblocks * BS;
-      const int64_t* table = p.tables + p.row_seq[r] * p.max_blocks;
+      const Item it = start_item(p, work, begin, end);
+      const int64_t r = it.r, h = it.h, len = it.len, nblocks = it.nblocks, padded = it.padded;
+      const int64_t* table = it.table;
       scores.resize(G * padded);
       for (int64_t g = 0; g < G; ++g)
         for (int64_t i = 0; i < D; ++i)
           qf[g][i] = to_float(p.q[r * p.q_row + (h * G + g) * D + i]) * p.scale;
       const T* k_head = p.k + h * p.k_hs;
       const T* v_head = p.v + h * p.v_hs;
-      if (work == begin) prefetch_sequence(p, table, nblocks);
-      const int64_t* next_table = nullptr;
-      int64_t next_blocks = 0;
-      if (work + p.kv_heads < end && p.row_first[r + 1]) {
-        next_table = p.tables + p.row_seq[r + 1] * p.max_blocks;
-        next_blocks = (p.row_len[r + 1] + BS - 1) / BS;
-      }
-      if (p.row_decode[r]) store_token(p, r, h);
       prefetch_l1(k_head + table[0] * p.k_bs, D * BS * sizeof(T));
       for (int64_t b = 0; b < nblocks; ++b) {
-        if (b + 1 < nblocks) prefetch_l1(k_head + table[b + 1] * p.k_bs, D * BS * sizeof(T));
-        for (int64_t j = b * next_blocks / nblocks; j < (b + 1) * next_blocks / nblocks; ++j) {
-          prefetch_l2(k_head + next_table[j] * p.k_bs, D * BS * sizeof(T));
-          prefetch_l2(v_head + next_table[j] * p.v_bs, D * BS * sizeof(T));
-        }
+        prefetch_for_block<D * BS * sizeof(T)>(it, b, k_head, v_head, p.k_bs, p.v_bs);
         const T* kb = k_head + table[b] * p.k_bs;  // [D][16]
         for (int64_t g0 = 0; g0 < G; g0 += GS) {
           vf a[GS][NB];
@@ -376,31 +404,18 @@ void run_fma(const Problem<T>& p) {
     alignas(64) float qf[G][D];
     std::vector<float> scores;
     for (int64_t work = begin; work < end; ++work) {
-      const int64_t r = work / p.kv_heads, h = work % p.kv_heads;
-      const int64_t len = p.row_len[r], nblocks = (len + BS - 1) / BS, padded = nblocks * BS;
-      const int64_t* table = p.tables + p.row_seq[r] * p.max_blocks;
+      const Item it = start_item(p, work, begin, end);
+      const int64_t r = it.r, h = it.h, len = it.len, nblocks = it.nblocks, padded = it.padded;
+      const int64_t* table = it.table;
       scores.resize(G * padded);
       for (int64_t g = 0; g < G; ++g)
         for (int64_t i = 0; i < D; ++i)
           qf[g][i] = to_float(p.q[r * p.q_row + (h * G + g) * D + i]) * p.scale;
       const T* k_head = p.k + h * p.k_hs;
       const T* v_head = p.v + h * p.v_hs;
-      if (work == begin) prefetch_sequence(p, table, nblocks);
-      // this head's blocks of the next row's sequence, spread over this item's block loop
-      const int64_t* next_table = nullptr;
-      int64_t next_blocks = 0;
-      if (work + p.kv_heads < end && p.row_first[r + 1]) {
-        next_table = p.tables + p.row_seq[r + 1] * p.max_blocks;
-        next_blocks = (p.row_len[r + 1] + BS - 1) / BS;
-      }
-      if (p.row_decode[r]) store_token(p, r, h);
       prefetch_l1(k_head + table[0] * p.k_bs, D * BS * sizeof(T));
       for (int64_t b = 0; b < nblocks; ++b) {
-        if (b + 1 < nblocks) prefetch_l1(k_head + table[b + 1] * p.k_bs, D * BS * sizeof(T));
-        for (int64_t j = b * next_blocks / nblocks; j < (b + 1) * next_blocks / nblocks; ++j) {
-          prefetch_l2(k_head + next_table[j] * p.k_bs, D * BS * sizeof(T));
-          prefetch_l2(v_head + next_table[j] * p.v_bs, D * BS * sizeof(T));
-        }
+        prefetch_for_block<D * BS * sizeof(T)>(it, b, k_head, v_head, p.k_bs, p.v_bs);
         const T* kb = k_head + table[b] * p.k_bs;  // [D][16]
         __m512 a0[G], a1[G];  // two chains per head hide the FMA latency
         for (int64_t g = 0; g < G; ++g) a0[g] = a1[g] = _mm512_setzero_ps();
@@ -488,31 +503,18 @@ void run_dpbf16(const Problem<c10::BFloat16>& p) {
     std::vector<float> scores;
     std::vector<uint16_t> p_hi, p_lo;
     for (int64_t work = begin; work < end; ++work) {
-      const int64_t r = work / p.kv_heads, h = work % p.kv_heads;
-      const int64_t len = p.row_len[r], nblocks = (len + BS - 1) / BS, padded = nblocks * BS;
-      const int64_t* table = p.tables + p.row_seq[r] * p.max_blocks;
+      const Item it = start_item(p, work, begin, end);
+      const int64_t r = it.r, h = it.h, len = it.len, nblocks = it.nblocks, padded = it.padded;
+      const int64_t* table = it.table;
       scores.resize(G * padded);
       p_hi.resize(G * padded);
       p_lo.resize(G * padded);
       const uint16_t* qh = qp + r * p.q_row + h * G * D;
       const uint16_t* k_head = kp + h * p.k_hs;
       const uint16_t* v_head = vp + h * p.v_hs;
-      if (work == begin) prefetch_sequence(p, table, nblocks);
-      // this head's blocks of the next row's sequence, spread over this item's block loop
-      const int64_t* next_table = nullptr;
-      int64_t next_blocks = 0;
-      if (work + p.kv_heads < end && p.row_first[r + 1]) {
-        next_table = p.tables + p.row_seq[r + 1] * p.max_blocks;
-        next_blocks = (p.row_len[r + 1] + BS - 1) / BS;
-      }
-      if (p.row_decode[r]) store_token(p, r, h);
       prefetch_l1(k_head + table[0] * p.k_bs, D * BS * 2);
       for (int64_t b = 0; b < nblocks; ++b) {
-        if (b + 1 < nblocks) prefetch_l1(k_head + table[b + 1] * p.k_bs, D * BS * 2);
-        for (int64_t j = b * next_blocks / nblocks; j < (b + 1) * next_blocks / nblocks; ++j) {
-          prefetch_l2(k_head + next_table[j] * p.k_bs, D * BS * 2);
-          prefetch_l2(v_head + next_table[j] * p.v_bs, D * BS * 2);
-        }
+        prefetch_for_block<D * BS * 2>(it, b, k_head, v_head, p.k_bs, p.v_bs);
         const uint16_t* kb = k_head + table[b] * p.k_bs;  // [D][16]
         __m512 a0[G], a1[G];
         for (int64_t g = 0; g < G; ++g) a0[g] = a1[g] = _mm512_setzero_ps();
