@@ -59,7 +59,17 @@ async def _answers(address: str) -> bool:
 
 # No access log: every ingress replica polls membership twice a second and every engine
 # heartbeats: a log line per call is CPU taken from the cores the engines compute on.
+# No practical cap on concurrent calls: with Serve's default of 5, calls that wait on the
+# engines (a utility, list_loras while a handshake is pending: up to 30 s each; the
+# readiness probe of `flotilla serve` sends /v1/models every second) filled every slot, and
+# the engines' heartbeats and registrations could no longer be routed: seen in CI, the
+# engine replicas failed their health checks and their replacements retried registering
+# for 10+ minutes. Every method is async or instant, so concurrency costs nothing here.
+COORDINATOR_MAX_ONGOING_REQUESTS = 10_000
+
+
 @serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0},
+                  max_ongoing_requests=COORDINATOR_MAX_ONGOING_REQUESTS,
                   logging_config={"enable_access_log": False})
 class Coordinator:
     def __init__(self, args: dict) -> None:

@@ -35,6 +35,13 @@ def test_serve_build_writes_a_deployable_config(tmp_path):
     assert parsed.applications[0].args == {"model": "mock", "data_parallel_size": 2}
 
 
+def test_the_coordinator_takes_every_concurrent_call():
+    """Slow utility calls (waiting on engines) must not take the slots that the engines'
+    heartbeats and registrations and the ingress's membership polls need."""
+    from deployments.coordinator import Coordinator
+    assert Coordinator.max_ongoing_requests >= 1000
+
+
 def test_engine_placement_bundles_follow_resources():
     from deployments.config import AppArgs
     assert AppArgs(engine_num_cpus=0).engine_bundles() is None
