@@ -69,7 +69,7 @@ from engine.wire.utility_results import all_true, consensus
 logger = logging.getLogger(__name__)
 
 ABORT_BATCH = 1024
-READ_BATCH = 64  # messages read without yielding to the event loop (fairness cap)
+READ_BATCH = 64  # messages read before this reader yields to the event loop (fairness cap)
 DISCONNECT_GRACE_S = 2.0  # after a TCP disconnect: time to hear from the engine (beats 1 s)
 ABORT_RETRY_S = 0.2  # wait before resending aborts whose send failed
 
@@ -503,6 +503,11 @@ class EngineClient:
                     except zmq.Again:
                         break
                     self._on_message(engine, frames)
+                # Awaiting a receive whose message is already there does not yield to the
+                # loop: with a standing backlog this task would run alone, and the HTTP
+                # handlers and Serve's health checks with it (seen: an ingress replica
+                # silent for 100 s under load, then killed as unhealthy).
+                await asyncio.sleep(0)
         except (asyncio.CancelledError, zmq.ContextTerminated):
             return
 
