@@ -62,16 +62,19 @@ def start_server(server: Server, port: int, log_path: Path) -> subprocess.Popen:
         proc = subprocess.Popen(server.argv, cwd=server.cwd, env=env, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{server.name} exited with {proc.returncode}; see {log_path}")
-        text_ok = server.ready_text is None or server.ready_text in log_path.read_text(
-            errors="replace")
-        if text_ok and _ready(port):
-            return proc
-        time.sleep(1)
-    stop_server(proc)
-    raise RuntimeError(f"{server.name} did not become ready; see {log_path}")
+    try:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{server.name} exited with {proc.returncode}; see {log_path}")
+            text_ok = server.ready_text is None or server.ready_text in log_path.read_text(
+                errors="replace")
+            if text_ok and _ready(port):
+                return proc
+            time.sleep(1)
+        raise RuntimeError(f"{server.name} did not become ready; see {log_path}")
+    except BaseException:  # also a test's timeout or Ctrl-C: never leave the server running
+        stop_server(proc)
+        raise
 
 
 def stop_server(proc: subprocess.Popen) -> None:
