@@ -270,6 +270,14 @@ inline void prefetch_for_block(const Item& it, int64_t b, const E* k_head, const
   }
 }
 
+// An item's G query heads, widened to float32 and scaled.
+template <typename T, int64_t D, int64_t G>
+inline void load_queries(const Problem<T>& p, const Item& it, float (&qf)[G][D]) {
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t i = 0; i < D; ++i)
+      qf[g][i] = to_float(p.q[it.r * p.q_row + (it.h * G + g) * D + i]) * p.scale;
+}
+
 namespace vec = flotilla::vec;
 
 // Softmax of one head's scores in place (float32, vectorized); lanes past len are zeroed
@@ -315,9 +323,7 @@ void run_vec(const Problem<T>& p) {
       const int64_t r = it.r, h = it.h, len = it.len, nblocks = it.nblocks, padded = it.padded;
       const int64_t* table = it.table;
       scores.resize(G * padded);
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t i = 0; i < D; ++i)
-          qf[g][i] = to_float(p.q[r * p.q_row + (h * G + g) * D + i]) * p.scale;
+      load_queries(p, it, qf);
       const T* k_head = p.k + h * p.k_hs;
       const T* v_head = p.v + h * p.v_hs;
       prefetch_l1(k_head + table[0] * p.k_bs, D * BS * sizeof(T));
@@ -408,9 +414,7 @@ void run_fma(const Problem<T>& p) {
       const int64_t r = it.r, h = it.h, len = it.len, nblocks = it.nblocks, padded = it.padded;
       const int64_t* table = it.table;
       scores.resize(G * padded);
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t i = 0; i < D; ++i)
-          qf[g][i] = to_float(p.q[r * p.q_row + (h * G + g) * D + i]) * p.scale;
+      load_queries(p, it, qf);
       const T* k_head = p.k + h * p.k_hs;
       const T* v_head = p.v + h * p.v_hs;
       prefetch_l1(k_head + table[0] * p.k_bs, D * BS * sizeof(T));

@@ -66,11 +66,6 @@ inline vf load(const c10::BFloat16* p) {
   std::memcpy(&h, p, sizeof(h));
   return reinterpret_cast<vf>(__builtin_convertvector(h, vu) << 16);  // bf16: a float's top half
 }
-inline vf load(const c10::Half* p) {
-  vf v;
-  for (int i = 0; i < L; ++i) v[i] = static_cast<float>(p[i]);
-  return v;
-}
 
 inline void store(float* p, vf x) { std::memcpy(p, &x, sizeof(x)); }
 inline vu bf16_rounded_bits(vf x) {  // round to nearest even in the top 16 bits (finite x)
@@ -80,9 +75,6 @@ inline vu bf16_rounded_bits(vf x) {  // round to nearest even in the top 16 bits
 inline void store(c10::BFloat16* p, vf x) {
   const vh h = __builtin_convertvector(bf16_rounded_bits(x) >> 16, vh);
   std::memcpy(p, &h, sizeof(h));
-}
-inline void store(c10::Half* p, vf x) {
-  for (int i = 0; i < L; ++i) p[i] = static_cast<c10::Half>(x[i]);
 }
 
 inline vf vmax(vf a, vf b) { return a > b ? a : b; }
