@@ -1,14 +1,19 @@
 // Measured compute peak of this CPU: every core runs independent chains of the widest
-// float32 FMA (and, with AVX512_BF16, of vdpbf16ps, what oneDNN's bf16 matmuls run),
-// enough chains to cover the instruction's latency; prints GFLOP/s over all cores.
+// float32 FMA (and, with AVX512_BF16, of vdpbf16ps; with AMX_BF16, of the tile
+// instruction tdpbf16ps: what oneDNN's bf16 matmuls run on such CPUs), enough chains to
+// cover the instruction's latency; prints GFLOP/s over all cores.
 // Built and run by bench/roofline.py: g++ -O2 -march=native -fopenmp.
 #include <omp.h>
 
 #include <chrono>
 #include <cstdio>
 #include <cstring>
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) || defined(__AMX_BF16__)
 #include <immintrin.h>
+#endif
+#if defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 constexpr int kChains = 16;
@@ -68,6 +73,34 @@ int main() {
     return double(s);
   });
   std::printf("bf16_dot %d %.1f\n", omp_get_max_threads(), bf16);
+#endif
+#if defined(__AMX_BF16__)
+  // Linux hands out the tile registers' state only on request (once per process).
+  constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  if (syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0) {
+    // Four 16x16 float32 accumulator tiles, each fed by one of two 16x32 bf16 A tiles and
+    // one of two B tiles: four independent chains, 16*16*32 multiply-adds per instruction.
+    const double amx = gflops(4.0 * 2 * 16 * 16 * 32 / kChains, [] {
+      alignas(64) unsigned char cfg[64] = {};
+      cfg[0] = 1;  // palette 1
+      for (int t = 0; t < 8; ++t) cfg[16 + 2 * t] = 64, cfg[48 + t] = 16;  // 16 rows x 64 B
+      _tile_loadconfig(cfg);
+      alignas(64) static thread_local unsigned short src[16 * 32];
+      for (auto& v : src) v = 0x3F80;
+      _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+      _tile_loadd(4, src, 64); _tile_loadd(5, src, 64);
+      _tile_loadd(6, src, 64); _tile_loadd(7, src, 64);
+      for (long it = 0; it < kIters / kChains; ++it) {
+        _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
+      }
+      alignas(64) static thread_local float out[16 * 16];
+      _tile_stored(0, out, 64);
+      _tile_release();
+      return double(out[0]);
+    });
+    std::printf("bf16_amx %d %.1f\n", omp_get_max_threads(), amx);
+  }
 #endif
   return 0;
 }
