@@ -8,7 +8,10 @@ its rank and stops the server (and its TP workers).
 """
 from __future__ import annotations
 
+import asyncio
 import logging
+import threading
+from typing import Callable, TypeVar
 
 import ray
 from ray import serve
@@ -26,6 +29,42 @@ DRAIN_TIMEOUT_S = 15.0  # below graceful_shutdown_timeout_s
 # flight) while an ingress still routed to it.
 ROUTING_SETTLE_S = 2.0
 
+
+
+T = TypeVar("T")
+
+
+async def build_on_own_thread(factory: Callable[[], T]) -> T:
+    """Run factory (the engine's construction: weights, warm-up and KV profiling passes)
+    on a thread that exits when it is done, without blocking the replica's event loop.
+
+    Why: libgomp keeps one OpenMP thread pool per thread that starts parallel work, and
+    once it manages more threads than there are CPUs it stops spinning at barriers and
+    puts its workers to sleep after ~100 spins. Built on the replica's thread and stepped
+    on the engine-core thread, the engine had two pools on its 2 CPUs: every parallel
+    region of a step (hundreds: each linear, norm, attention call) then paid a futex
+    wake-up, and the engine's threads idled a quarter of the time under load. A thread's
+    pool goes away when the thread exits, so the core loop's pool is the only one left."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future = loop.create_future()
+
+    def settle(ok: bool, value) -> None:
+        if not done.done():
+            (done.set_result if ok else done.set_exception)(value)
+
+    def run() -> None:
+        try:
+            result = factory()
+        except BaseException as exc:  # the replica's constructor raises it
+            loop.call_soon_threadsafe(settle, False, exc)
+        else:
+            loop.call_soon_threadsafe(settle, True, result)
+
+    thread = threading.Thread(target=run, name="engine-build", daemon=True)
+    thread.start()
+    result = await done
+    await asyncio.to_thread(thread.join)  # gone, and its OpenMP pool with it
+    return result
 
 
 @serve.deployment(health_check_period_s=5, health_check_timeout_s=30,
@@ -51,7 +90,8 @@ class EngineServer:
             if self.args.tensor_parallel_size > 1:  # ranks 1..N-1 in our placement group
                 from deployments.tp_workers import RayWorkerLauncher
                 launcher = RayWorkerLauncher(self.args.engine_cpus, self.args.engine_num_gpus)
-            core = EngineCore(self.args.engine_config(self.rank), launcher)
+            config = self.args.engine_config(self.rank)
+            core = await build_on_own_thread(lambda: EngineCore(config, launcher))
         host = ray.util.get_node_ip_address()
         address = f"tcp://{host}:{free_port(host)}"
         self.server = EngineCoreServer(core, address, self.rank).start()
