@@ -195,3 +195,54 @@ def test_seeded_rows_repeat_and_unseeded_rows_vary():
 
     assert draw(11) == draw(11)  # each row's generator is seeded alike: same draws
     assert len(set(draw(None))) > 1
+
+
+def test_native_draws_equal_the_torch_path_at_the_same_uniforms(kernels):
+    """kernels.sample_rows inverts the same CDF at the same uniform as the torch path:
+    the same tokens row for row (temperatures, greedy and seeded rows mixed, masked
+    tokens, a vocabulary that is no multiple of the kernel's chunk), and it never draws a
+    token of -inf logit."""
+    import torch
+
+    from engine.executor.sampler import Sampler
+    vocab, rows = 1037, 48
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(rows, vocab, generator=g) * 4
+    logits[:, 500:900] = float("-inf")  # masked (bad words, grammar, allowed ids)
+    logits[5, :] = float("-inf")
+    logits[5, 1036] = 0.0  # only the last token is allowed
+    temps = [0.0, 0.3, 1.0, 1.7] * (rows // 4)
+    requests = [_sampling_request(SamplingParams(temperature=t, max_tokens=1,
+                                                 seed=11 if i % 7 == 0 else None))
+                for i, t in enumerate(temps)]
+    native = Sampler(vocab, kernels.argmax_rows, seed=5, native_sample=kernels.sample_rows)
+    torch_path = Sampler(vocab, kernels.argmax_rows, seed=5)
+    for _ in range(5):
+        for r in requests:
+            if r.params.seed is not None:
+                r.generator = torch.Generator().manual_seed(r.params.seed)
+        got = native(logits.clone(), requests).token_ids
+        for r in requests:
+            if r.params.seed is not None:
+                r.generator = torch.Generator().manual_seed(r.params.seed)
+        want = torch_path(logits.clone(), requests).token_ids
+        assert got == want
+        assert got[5] == 1036 and not any(500 <= t < 900 for t in got)
+
+
+def test_native_draws_follow_the_distribution(kernels):
+    import torch
+
+    from engine.executor.sampler import Sampler
+    vocab, rows = 300, 6000
+    logits = torch.full((rows, vocab), float("-inf"))
+    logits[:, 250:254] = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05])) * 2  # T = 2 undoes it
+    want = torch.tensor([0.5, 0.3, 0.15, 0.05], dtype=torch.float64)
+    sampler = Sampler(vocab, seed=1, native_sample=kernels.sample_rows)
+    drawn = sampler(logits, [_sampling_request(SamplingParams(temperature=2.0, max_tokens=1))]
+                    * rows).token_ids
+    counts = torch.bincount(torch.tensor(drawn), minlength=vocab)
+    assert counts[250:254].sum().item() == rows  # nothing else has any weight
+    freq = counts.double() / rows
+    stderr = (want * (1 - want) / rows).sqrt()
+    assert ((freq[250:254] - want).abs() <= 4 * stderr).all(), freq[250:254]

@@ -84,7 +84,8 @@ class EngineCore:
         kernels = cpu_kernels() if self.device.type == "cpu" else None
         self.sampler = Sampler(self.shape.vocab_size,
                                kernels.argmax_rows if kernels is not None else None,
-                               seed=config.seed, device=self.device)
+                               seed=config.seed, device=self.device,
+                               native_sample=kernels.sample_rows if kernels is not None else None)
         self.pooler = Pooler(pooling_method(self.checkpoint), self.shape.hidden_size)
         self.structured = StructuredOutputManager(
             self.checkpoint, self.shape.vocab_size, self.eos_token_ids,

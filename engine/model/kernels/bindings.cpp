@@ -10,6 +10,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
 void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
 torch::Tensor argmax_rows(torch::Tensor x);
+torch::Tensor sample_rows(torch::Tensor x, torch::Tensor inv_temp, torch::Tensor u);
 void rotary_inplace(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
                     int64_t num_rotated_heads, int64_t head_dim);
 
@@ -20,6 +21,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "SwiGLU activation");
   m.def("rotary_inplace", &rotary_inplace, "neox RoPE on q and k, in place");
   m.def("argmax_rows", &argmax_rows, "first index of each row's maximum (float32)");
+  m.def("sample_rows", &sample_rows, "one draw per row from softmax(x / T) at a given uniform");
   m.attr("isa") = flotilla::vec::kIsa;  // the vector path built: avx512, avx2, neon, sse2
   m.attr("lanes") = flotilla::vec::L;
 }

@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 #include "convert.h"
 #include "simd.h"
@@ -205,6 +206,85 @@ void argmax_rows_impl(const torch::Tensor& x, torch::Tensor& out) {
   });
 }
 
+// One random draw per row from softmax(x / T), by inverting the row's CDF at (1 - u) of
+// its total (u in [0, 1), so the target is never 0 and no zero-weight token is chosen).
+// What engine/executor/sampler.py's torch path computes (scale, softmax, a float64
+// cumsum over the whole [B, V] batch, searchsorted) in two passes over each row and no
+// [B, V] temporaries: the weights exp((x - max) / T) are summed per chunk of kChunk
+// (float32 within a chunk, float64 across), the chunk holding the target is found from
+// the chunk sums, and only its weights are computed again to find the token. Logits of
+// -inf (masked tokens) weigh exactly 0.
+void sample_rows_impl(const torch::Tensor& x, const torch::Tensor& inv_temp,
+                      const torch::Tensor& u, torch::Tensor& out) {
+  constexpr int64_t kChunk = 4 * L;
+  const int64_t rows = x.size(0), cols = x.size(1), chunks = (cols + kChunk - 1) / kChunk;
+  const float* xp = x.data_ptr<float>();
+  const float* tp = inv_temp.data_ptr<float>();
+  const double* up = u.data_ptr<double>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<double> sums(chunks);
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = xp + r * cols;
+      const float it = tp[r];
+      vf vm = vec::splat(-INFINITY);
+      int64_t i = 0;
+      for (; i + L <= cols; i += L) vm = vec::vmax(vm, vec::load(row + i));
+      float m = vec::reduce_max(vm);
+      for (; i < cols; ++i) m = std::max(m, row[i]);
+      // weight of tokens [a, b), a chunk: exp((x - m) * it), 0 below the float range
+      auto weights = [&](int64_t a, int64_t b, float* w) {
+        int64_t j = a;
+        for (; j + L <= b; j += L) {
+          const vf d = (vec::load(row + j) - m) * it;
+          const vf e = vec::exp(d);
+          vec::store(w + (j - a), d > vec::splat(-87.f) ? e : vec::splat(0.f));
+        }
+        for (; j < b; ++j) {
+          const float d = (row[j] - m) * it;
+          w[j - a] = d > -87.f ? std::exp(d) : 0.f;
+        }
+      };
+      alignas(64) float w[kChunk];
+      double total = 0;
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t a = c * kChunk, b = std::min(cols, a + kChunk);
+        weights(a, b, w);
+        float s = 0.f;
+        for (int64_t j = 0; j < b - a; ++j) s += w[j];
+        sums[c] = s;
+        total += s;
+      }
+      const double target = (1.0 - up[r]) * total;
+      double cum = 0;
+      int64_t pick = -1;
+      for (int64_t c = 0; c < chunks && pick < 0; ++c) {
+        if (sums[c] <= 0) continue;
+        if (cum + sums[c] < target) {
+          cum += sums[c];
+          continue;
+        }
+        const int64_t a = c * kChunk, b = std::min(cols, a + kChunk);
+        weights(a, b, w);
+        for (int64_t j = 0; j < b - a; ++j) {
+          cum += w[j];
+          if (w[j] > 0 && cum >= target) { pick = a + j; break; }
+        }
+      }
+      // rounding left the target past the end: the last token of positive weight (0 when
+      // none has any, as in a row that masks every token, which the engine fails)
+      for (int64_t c = chunks - 1; c >= 0 && pick < 0; --c) {
+        if (sums[c] <= 0) continue;
+        const int64_t a = c * kChunk, b = std::min(cols, a + kChunk);
+        weights(a, b, w);
+        for (int64_t j = b - a - 1; j >= 0 && pick < 0; --j)
+          if (w[j] > 0) pick = a + j;
+      }
+      op[r] = pick >= 0 ? pick : 0;
+    }
+  });
+}
+
 #define DISPATCH(dtype, NAME, ...)                                        \
   if (dtype == torch::kBFloat16) { NAME<c10::BFloat16>(__VA_ARGS__); }   \
   else if (dtype == torch::kHalf) { NAME<c10::Half>(__VA_ARGS__); }      \
@@ -232,6 +312,19 @@ torch::Tensor argmax_rows(torch::Tensor x) {
   TORCH_CHECK(x.size(1) < (int64_t(1) << 31), "argmax_rows: row too long");
   auto out = torch::empty({x.size(0)}, x.options().dtype(torch::kLong));
   argmax_rows_impl(x, out);
+  return out;
+}
+
+// One token per row drawn from softmax(x * inv_temp) at uniform u: x [B, V] float32,
+// inv_temp [B] float32 (1 / temperature), u [B] float64 in [0, 1) -> [B] int64.
+torch::Tensor sample_rows(torch::Tensor x, torch::Tensor inv_temp, torch::Tensor u) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat);
+  TORCH_CHECK(inv_temp.is_contiguous() && inv_temp.scalar_type() == torch::kFloat &&
+              inv_temp.numel() == x.size(0), "sample_rows: one float32 1/temperature per row");
+  TORCH_CHECK(u.is_contiguous() && u.scalar_type() == torch::kDouble && u.numel() == x.size(0),
+              "sample_rows: one float64 uniform per row");
+  auto out = torch::empty({x.size(0)}, x.options().dtype(torch::kLong));
+  sample_rows_impl(x, inv_temp, u, out);
   return out;
 }
 
