@@ -54,6 +54,26 @@ def _problem(dtype, heads, kv_heads, d, bs, blocks, width, lens, query_lens, see
     return q, kc, vc, tables, lens, starts
 
 
+def _each_bf16_kernel(kernels, dtype):
+    """For bf16: every attention kernel this build has (on AVX512_BF16 CPUs both the
+    vdpbf16ps one and the widening-FMA one, whichever the CPU measured faster), each
+    forced in turn; the measured choice is restored afterwards."""
+    if dtype != torch.bfloat16:
+        yield None
+        return
+    chosen = kernels.attention_bf16_kernel()
+    names = [n for n in ("dpbf16", "fma") if kernels.set_attention_bf16_kernel(n)] or [chosen]
+    try:
+        for name in names:
+            if name in ("dpbf16", "fma"):
+                kernels.set_attention_bf16_kernel(name)
+            assert kernels.attention_bf16_kernel() == name
+            yield name
+    finally:
+        if chosen in ("dpbf16", "fma"):
+            kernels.set_attention_bf16_kernel(chosen)
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4), (8, 1)])
 def test_decode_paths_match_dense_attention(kernels, dtype, tol, heads, kv_heads):
@@ -72,8 +92,9 @@ def test_decode_paths_match_dense_attention(kernels, dtype, tol, heads, kv_heads
     got = _decode_attention(q, kc_t, vc, torch_path, 0.125).float()
     assert torch.allclose(got, expected, atol=tol, rtol=tol)
 
-    got = _native(kernels, q, kc_t, vc, tables, lens, starts, 0.125).float()
-    assert torch.allclose(got, expected, atol=tol, rtol=tol)
+    for name in _each_bf16_kernel(kernels, dtype):
+        got = _native(kernels, q, kc_t, vc, tables, lens, starts, 0.125).float()
+        assert torch.allclose(got, expected, atol=tol, rtol=tol), name
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -99,12 +120,13 @@ def test_native_kernel_attends_decodes_and_prefill_chunks_causally(kernels, dtyp
         kc_t.copy_(kc.transpose(2, 3))
         vc_in.copy_(vc)
         assert not kc_t.is_contiguous() and not vc_in.is_contiguous()
-    got = _native(kernels, q, kc_t, vc_in, tables, lens, starts, d ** -0.5)
-    if dtype == torch.float32:
-        assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5)
-    else:  # float32 math inside: within one bf16 rounding of the exact result
-        err = (got.float() - expected).abs()
-        assert (err <= expected.abs() * 2 ** -8 + 1e-3).all(), err.max()
+    for name in _each_bf16_kernel(kernels, dtype):
+        got = _native(kernels, q, kc_t, vc_in, tables, lens, starts, d ** -0.5)
+        if dtype == torch.float32:
+            assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5)
+        else:  # float32 math inside: within one bf16 rounding of the exact result
+            err = (got.float() - expected).abs()
+            assert (err <= expected.abs() * 2 ** -8 + 1e-3).all(), (name, err.max())
 
 
 def test_native_kernel_ignores_garbage_past_the_context(kernels):
@@ -122,6 +144,14 @@ def test_native_kernel_ignores_garbage_past_the_context(kernels):
     got = _native(kernels, q, kc.transpose(2, 3).contiguous(), vc, tables, lens, starts, 0.125)
     assert not got.isnan().any()
     assert torch.allclose(got.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+def test_the_bf16_kernel_is_chosen_and_can_be_forced(kernels):
+    chosen = kernels.attention_bf16_kernel()
+    assert chosen in ({"dpbf16", "fma"} if kernels.isa == "avx512" else {"vec"})
+    with pytest.raises(RuntimeError, match="dpbf16 or fma"):
+        kernels.set_attention_bf16_kernel("amx")
+    assert kernels.attention_bf16_kernel() == chosen
 
 
 def test_native_kernel_rejects_inconsistent_row_offsets(kernels):

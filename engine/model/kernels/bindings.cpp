@@ -7,6 +7,8 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
                               torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
                               torch::Tensor block_tables, torch::Tensor seq_lens,
                               torch::Tensor query_start, double scale);
+std::string attention_bf16_kernel();
+bool set_attention_bf16_kernel(const std::string& name);
 void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
 torch::Tensor argmax_rows(torch::Tensor x);
@@ -17,6 +19,10 @@ void rotary_inplace(torch::Tensor qkv, torch::Tensor positions, torch::Tensor co
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention,
         "write the step's keys/values to the paged KV cache, then attend causally (CPU)");
+  m.def("attention_bf16_kernel", &attention_bf16_kernel,
+        "the bf16 attention kernel in use: dpbf16, fma (both measured, the faster) or vec");
+  m.def("set_attention_bf16_kernel", &set_attention_bf16_kernel,
+        "force dpbf16 or fma for bf16 attention (False where the build has no dpbf16)");
   m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual add + RMSNorm, in place");
   m.def("silu_and_mul", &silu_and_mul, "SwiGLU activation");
   m.def("rotary_inplace", &rotary_inplace, "neox RoPE on q and k, in place");

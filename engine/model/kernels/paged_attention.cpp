@@ -13,6 +13,8 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cfloat>
 #include <cmath>
 #include <cstring>
@@ -583,6 +585,50 @@ void run_dpbf16(const Problem<c10::BFloat16>& p) {
     }
   });
 }
+
+// vdpbf16ps is not faster everywhere: Zen 5 runs it at twice float32 FMA's FLOPs, an
+// Intel Xeon (Sapphire Rapids class) at half (measured with bench/peak_flops.cpp: 1,043 vs
+// 518 and 240 vs 484 GFLOP/s on two cores), where the widening FMA kernel is the faster
+// one (there, bench/kernels.py bf16: decode 183-193 vs 220-230 us, a 64-row prefill 69
+// vs 90). Which one bf16 runs is measured once per process: 16 independent chains of
+// each instruction on one core for ~1 ms each; vdpbf16ps must win by 10 %.
+#define FLOTILLA_CHAINS(OP) OP(0) OP(1) OP(2) OP(3) OP(4) OP(5) OP(6) OP(7) OP(8) OP(9) \
+  OP(10) OP(11) OP(12) OP(13) OP(14) OP(15)
+template <bool DOT>
+double chains_gflops() {
+  constexpr long kIters = 50000;
+  const __m512 a = _mm512_set1_ps(1.0000001f), b = _mm512_set1_ps(1e-7f);
+  const __m512bh ha = as_bh(_mm512_set1_epi16(0x3F80)), hb = as_bh(_mm512_set1_epi16(0x0001));
+#define FLOTILLA_INIT(i) __m512 x##i = _mm512_set1_ps(float(i));
+  FLOTILLA_CHAINS(FLOTILLA_INIT)
+  const auto start = std::chrono::steady_clock::now();
+  for (long it = 0; it < kIters; ++it) {
+#define FLOTILLA_STEP(i)                                                   \
+    x##i = DOT ? _mm512_dpbf16_ps(x##i, ha, hb) : _mm512_fmadd_ps(x##i, a, b); \
+    asm volatile("" : "+v"(x##i));  // opaque to the optimizer, kept in a register
+    FLOTILLA_CHAINS(FLOTILLA_STEP)
+  }
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  float sink = 0;
+#define FLOTILLA_SUM(i) sink += _mm512_reduce_add_ps(x##i);
+  FLOTILLA_CHAINS(FLOTILLA_SUM)
+  asm volatile("" : : "r"(sink));
+  return (DOT ? 64.0 : 32.0) * 16 * kIters / s / 1e9;
+}
+
+std::atomic<int> g_bf16_kernel{-1};  // -1: not chosen yet; 0: widening FMA; 1: vdpbf16ps
+
+bool use_dpbf16() {
+  int k = g_bf16_kernel.load(std::memory_order_relaxed);
+  if (k < 0) {
+    double dot = 0, fma = 0;
+    for (int round = 0; round < 3; ++round)  // the best of three: a busy core only slows it
+      dot = std::max(dot, chains_gflops<true>()), fma = std::max(fma, chains_gflops<false>());
+    k = dot > 1.1 * fma ? 1 : 0;
+    g_bf16_kernel.store(k);
+  }
+  return k == 1;
+}
 #else
 #define FLOTILLA_DPBF16 0
 #endif
@@ -593,8 +639,10 @@ template <typename T, int64_t D, int64_t G>
 bool run_specialised(const Problem<T>& p) {
 #if FLOTILLA_DPBF16
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    run_dpbf16<D, G>(p);
-    return true;
+    if (use_dpbf16()) {
+      run_dpbf16<D, G>(p);
+      return true;
+    }
   }
 #endif
   if constexpr (!std::is_same_v<T, c10::Half>) {
@@ -633,6 +681,31 @@ void dispatch(const Problem<T>& p) {
 }
 
 }  // namespace
+
+// The kernel bf16 attention runs on this build and CPU: "dpbf16" (vdpbf16ps), "fma"
+// (float32 FMA on widened keys and values) or "vec" (vec.h, builds without AVX-512).
+std::string attention_bf16_kernel() {
+#if FLOTILLA_DPBF16
+  if (use_dpbf16()) return "dpbf16";
+#endif
+#if FLOTILLA_AVX512 && !defined(FLOTILLA_VEC_ATTENTION)
+  return "fma";
+#else
+  return "vec";
+#endif
+}
+
+// Overrides the measured choice (tests and benchmarks run both kernels); false where the
+// build has no vdpbf16ps kernel.
+bool set_attention_bf16_kernel(const std::string& name) {
+  TORCH_CHECK(name == "dpbf16" || name == "fma", "bf16 attention kernel: dpbf16 or fma");
+#if FLOTILLA_DPBF16
+  g_bf16_kernel.store(name == "dpbf16" ? 1 : 0);
+  return true;
+#else
+  return false;
+#endif
+}
 
 // Writes this step's keys and values into the cache, then attends every query row.
 // q: [T, H, D], k, v: [T, KVH, D] (heads contiguous within a row; rows may be strided
