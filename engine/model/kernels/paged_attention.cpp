@@ -416,7 +416,11 @@ void run_fma(const Problem<T>& p) {
       const int64_t r = it.r, h = it.h, len = it.len, nblocks = it.nblocks, padded = it.padded;
       const int64_t* table = it.table;
       scores.resize(G * padded);
-      load_queries(p, it, qf);
+      const __m512 qscale = _mm512_set1_ps(p.scale);  // the G heads' queries, widened, scaled
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t c = 0; c < C; ++c)
+          _mm512_store_ps(&qf[g][c * 16], _mm512_mul_ps(
+              load16(p.q + r * p.q_row + (h * G + g) * D + c * 16), qscale));
       const T* k_head = p.k + h * p.k_hs;
       const T* v_head = p.v + h * p.v_hs;
       prefetch_l1(k_head + table[0] * p.k_bs, D * BS * sizeof(T));
@@ -459,9 +463,7 @@ void run_fma(const Problem<T>& p) {
         for (int64_t g = 0; g < ng; ++g) {
           T* o = p.out + (r * p.heads + h * G + g0 + g) * D;
           const __m512 inv = _mm512_set1_ps(inv_sum[g0 + g]);
-          alignas(64) float row[D];
-          for (int64_t c = 0; c < C; ++c) _mm512_store_ps(row + c * 16, _mm512_mul_ps(acc[g][c], inv));
-          for (int64_t i = 0; i < D; ++i) o[i] = from_float<T>(row[i]);
+          for (int64_t c = 0; c < C; ++c) flotilla::store16(o + c * 16, _mm512_mul_ps(acc[g][c], inv));
         }
       }
     }
