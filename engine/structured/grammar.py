@@ -8,6 +8,7 @@ costs ~3.7 s (it loads triton), which no unconstrained server should pay.
 """
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import re
@@ -85,6 +86,9 @@ def check_structured_outputs(spec: StructuredOutputsParams) -> None:
             _checked.popitem(last=False)
 
 
+_IMPORT_WAIT_AT_EXIT_S = 60.0
+
+
 def preload_xgrammar() -> None:
     """Import xgrammar on a daemon thread (once per process), so the first constrained
     request does not stall a frontend's event loop for the ~3.7 s import."""
@@ -97,7 +101,12 @@ def preload_xgrammar() -> None:
             import xgrammar  # noqa: F401
         except ImportError:  # reported by the first request that needs it
             pass
-    threading.Thread(target=_load, name="xgrammar-import", daemon=True).start()
+    loader = threading.Thread(target=_load, name="xgrammar-import", daemon=True)
+    loader.start()
+    # A process that is done before the import is (a short `flotilla generate`) must not
+    # tear the interpreter down under it: a C++ extension half-loaded on a daemon thread
+    # at exit aborted the process ("terminate called without an active exception").
+    atexit.register(loader.join, _IMPORT_WAIT_AT_EXIT_S)
 
 
 def _no_control_mask(vocab: list[bytes], vocab_size: int) -> torch.Tensor:
