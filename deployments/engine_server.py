@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, TypeVar
 
 import ray
@@ -45,26 +45,11 @@ async def build_on_own_thread(factory: Callable[[], T]) -> T:
     region of a step (hundreds: each linear, norm, attention call) then paid a futex
     wake-up, and the engine's threads idled a quarter of the time under load. A thread's
     pool goes away when the thread exits, so the core loop's pool is the only one left."""
-    loop = asyncio.get_running_loop()
-    done: asyncio.Future = loop.create_future()
-
-    def settle(ok: bool, value) -> None:
-        if not done.done():
-            (done.set_result if ok else done.set_exception)(value)
-
-    def run() -> None:
-        try:
-            result = factory()
-        except BaseException as exc:  # the replica's constructor raises it
-            loop.call_soon_threadsafe(settle, False, exc)
-        else:
-            loop.call_soon_threadsafe(settle, True, result)
-
-    thread = threading.Thread(target=run, name="engine-build", daemon=True)
-    thread.start()
-    result = await done
-    await asyncio.to_thread(thread.join)  # gone, and its OpenMP pool with it
-    return result
+    builder = ThreadPoolExecutor(1, thread_name_prefix="engine-build")
+    try:
+        return await asyncio.get_running_loop().run_in_executor(builder, factory)
+    finally:  # its one thread exits, and its OpenMP pool with it
+        await asyncio.to_thread(builder.shutdown)
 
 
 @serve.deployment(health_check_period_s=5, health_check_timeout_s=30,

@@ -130,9 +130,10 @@ class Sampler:
         top_k = [0 if g else p.top_k for p, g in zip(params, greedy)]
         top_p = [1.0 if g else p.top_p for p, g in zip(params, greedy)]
         min_p = [0.0 if g else p.min_p for p, g in zip(params, greedy)]
-        truncated = (any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p)
-                     or any(m > 0.0 for m in min_p))
-        if (self.native_sample is not None and not truncated and logits.device.type == "cpu"
+        top_k_or_p = any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p)
+        with_min_p = any(m > 0.0 for m in min_p)
+        if (self.native_sample is not None and not (top_k_or_p or with_min_p)
+                and logits.device.type == "cpu"
                 and logits.dtype == torch.float32 and logits.is_contiguous()):
             inv_temp = torch.tensor([1.0 / t for t in temps], dtype=torch.float32)
             sampled = self.native_sample(logits, inv_temp,
@@ -140,10 +141,10 @@ class Sampler:
         else:
             scaled = logits / torch.tensor(temps, dtype=logits.dtype,
                                            device=logits.device).unsqueeze(1)
-            if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
+            if top_k_or_p:
                 scaled = _top_k_top_p(scaled, top_k, top_p)
             probs = torch.softmax(scaled, dim=-1)
-            if any(m > 0.0 for m in min_p):
+            if with_min_p:
                 m = torch.tensor(min_p, dtype=probs.dtype, device=probs.device).unsqueeze(1)
                 probs = probs.masked_fill(probs < m * probs.max(dim=-1, keepdim=True).values,
                                           0.0)

@@ -416,11 +416,7 @@ void run_fma(const Problem<T>& p) {
       const int64_t r = it.r, h = it.h, len = it.len, nblocks = it.nblocks, padded = it.padded;
       const int64_t* table = it.table;
       scores.resize(G * padded);
-      const __m512 qscale = _mm512_set1_ps(p.scale);  // the G heads' queries, widened, scaled
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t c = 0; c < C; ++c)
-          _mm512_store_ps(&qf[g][c * 16], _mm512_mul_ps(
-              load16(p.q + r * p.q_row + (h * G + g) * D + c * 16), qscale));
+      load_queries(p, it, qf);
       const T* k_head = p.k + h * p.k_hs;
       const T* v_head = p.v + h * p.v_hs;
       prefetch_l1(k_head + table[0] * p.k_bs, D * BS * sizeof(T));
@@ -617,6 +613,10 @@ double chains_gflops() {
   asm volatile("" : : "r"(sink));
   return (DOT ? 64.0 : 32.0) * 16 * kIters / s / 1e9;
 }
+#undef FLOTILLA_SUM
+#undef FLOTILLA_STEP
+#undef FLOTILLA_INIT
+#undef FLOTILLA_CHAINS
 
 std::atomic<int> g_bf16_kernel{-1};  // -1: not chosen yet; 0: widening FMA; 1: vdpbf16ps
 
