@@ -80,7 +80,8 @@ class EngineCore:
         # A request must fit in the pool on its own, or it could never be scheduled.
         self.max_model_len = min(max_len, self.num_blocks * config.block_size)
         self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.kv, self.max_model_len)
+        self.scheduler = Scheduler(config, self.kv, self.max_model_len,
+                                   config.step_token_budget(self.device))
         kernels = cpu_kernels() if self.device.type == "cpu" else None
         self.sampler = Sampler(self.shape.vocab_size,
                                kernels.argmax_rows if kernels is not None else None,

@@ -1,9 +1,9 @@
 """Continuous-batching scheduler with chunked prefill and preemption by recompute.
 
-Each step has a token budget (max_num_batched_tokens). Running requests are
-served first, in arrival order, each taking what it still needs (one token for
-a decode, the rest of its prompt, capped by the budget, for a prefill in
-progress). When the pool cannot hold a running request's next tokens, the
+Each step has a token budget (max_num_batched_tokens; by default 512 on CPU,
+8192 on CUDA). Running requests are served first, in arrival order, each taking
+what it still needs (one token for a decode, the rest of its prompt, capped by
+the budget, for a prefill in progress). When the pool cannot hold a running request's next tokens, the
 request at the tail of the running queue is preempted: its blocks are freed
 and it goes back to the front of the waiting queue, to be recomputed later
 (its full blocks often survive in the prefix cache). Waiting requests are
@@ -41,8 +41,10 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv: KVCacheManager, max_model_len: int) -> None:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, max_model_len: int,
+                 token_budget: int) -> None:
         self.config = config
+        self.token_budget = token_budget  # tokens per step (EngineConfig.step_token_budget)
         self.kv = kv
         self.max_model_len = max_model_len
         self.waiting = make_queue(config.scheduling_policy)
@@ -57,7 +59,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
+        budget = self.token_budget
         scheduled: list[Request] = []
         if isinstance(self.waiting, PriorityQueue):
             self.running.sort(key=self.waiting.key)  # served first, preempted last
