@@ -71,10 +71,32 @@ def start_server(server: Server, port: int, log_path: Path) -> subprocess.Popen:
             if text_ok and _ready(port):
                 return proc
             time.sleep(1)
-        raise RuntimeError(f"{server.name} did not become ready; see {log_path}")
+        stacks = dump_replica_stacks(log_path.with_suffix(".stacks"))
+        raise RuntimeError(f"{server.name} did not become ready; see {log_path}{stacks}")
     except BaseException:  # also a test's timeout or Ctrl-C: never leave the server running
         stop_server(proc)
         raise
+
+
+def dump_replica_stacks(path: Path) -> str:
+    """py-spy stacks of every Serve replica process into `path`: a server that never
+    becomes ready is stopped right after, and what its replicas were waiting on is the
+    only trace of why. Returns a note naming the file ('' without py-spy)."""
+    spy = shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent))
+    if spy is None:
+        return ""
+    with open(path, "w") as out:
+        for pid in sorted(int(p) for p in os.listdir("/proc") if p.isdigit()):
+            try:
+                title = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()
+            except OSError:
+                continue
+            if "ServeReplica" in title or "ServeController" in title:
+                out.write(f"== pid {pid}: {title}\n")
+                out.flush()
+                subprocess.run([spy, "dump", "--pid", str(pid)], stdout=out,
+                               stderr=subprocess.STDOUT, timeout=60)
+    return f" (replica stacks: {path})"
 
 
 def stop_server(proc: subprocess.Popen) -> None:

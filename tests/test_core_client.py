@@ -489,3 +489,48 @@ def test_the_mock_answers_the_frontend_utilities_as_no_ops(engines):
     answers, tokens = asyncio.run(main())
     assert answers == [[True, True], [None, None], [None, None], [None, None], [None, None]]
     assert len(tokens) == 3
+
+
+def _finishes(coro_fn, within_s: float) -> list:
+    """Run coro_fn() on an event loop of its own thread; what it returned or raised, or []
+    if the loop is still blocked after within_s (a daemon thread, left behind)."""
+    import threading
+    result: list = []
+
+    def run():
+        try:
+            result.append(asyncio.run(coro_fn()))
+        except BaseException as exc:  # noqa: BLE001 - the test inspects it
+            result.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(within_s)
+    return result
+
+
+def test_a_cancelled_handshake_leaves_the_event_loop_free(tokenizer):
+    """A caller that gives up during the handshake (a readiness probe's timeout cancels
+    the coordinator's call) gets its cancellation; the loop goes on. Before, the
+    handshake's socket stayed open and closing the context blocked the loop for good."""
+    async def give_up():
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(EngineClient.connect([free_address()], tokenizer,
+                                                        handshake_timeout_s=30), 0.3)
+        await asyncio.sleep(0.05)  # the loop still runs
+        return "free"
+
+    assert _finishes(give_up, 10) == ["free"]
+
+
+def test_one_silent_engine_fails_the_connect_without_blocking(engines):
+    """One engine answers, the other never does: the connect fails with HandshakeError
+    and the answered engine's socket is closed too (before, it kept the loop blocked)."""
+    engines.add()
+
+    async def connect():
+        return await EngineClient.connect([engines.addresses[0], free_address()],
+                                          engines.tokenizer, handshake_timeout_s=0.5)
+
+    result = _finishes(connect, 10)
+    assert len(result) == 1 and isinstance(result[0], HandshakeError), result

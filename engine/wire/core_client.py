@@ -179,10 +179,16 @@ class EngineClient:
         self.router = Router(routing)
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self._ctx = zmq.asyncio.Context()
+        handshakes = [asyncio.ensure_future(self._handshake(i, a, handshake_timeout_s))
+                      for i, a in enumerate(addresses)]
         try:
-            readies = await asyncio.gather(*(
-                self._handshake(i, a, handshake_timeout_s) for i, a in enumerate(addresses)))
-        except BaseException:
+            readies = await asyncio.gather(*handshakes)
+        except BaseException:  # one failed, or the caller gave up: end the others too
+            for h in handshakes:
+                h.cancel()
+            for result in await asyncio.gather(*handshakes, return_exceptions=True):
+                if isinstance(result, tuple):
+                    result[0].close(linger=0)
             await self._close_sockets()
             raise
         for i, (address, (socket, ready)) in enumerate(zip(addresses, readies)):
@@ -219,9 +225,9 @@ class EngineClient:
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.RCVHWM, 0)  # the engine's outputs wait here while the loop is busy
         socket.setsockopt(zmq.SNDHWM, 0)
-        socket.connect(address)
-        await socket.send_multipart([HELLO, self._encoder.encode(Hello(self.client_id))])
         try:
+            socket.connect(address)
+            await socket.send_multipart([HELLO, self._encoder.encode(Hello(self.client_id))])
             while True:
                 kind, payload = await asyncio.wait_for(socket.recv_multipart(), timeout)
                 if kind == READY:
@@ -230,6 +236,9 @@ class EngineClient:
             socket.close(linger=0)
             raise HandshakeError(f"engine {index} at {address} did not answer within "
                                  f"{timeout:.0f}s") from None
+        except BaseException:  # cancelled (the caller gave up), a bad address, ...
+            socket.close(linger=0)
+            raise
 
     # ---- what the engines reported --------------------------------------------------------
     @property
@@ -698,8 +707,13 @@ class EngineClient:
         await self._close_sockets()
 
     async def _close_sockets(self) -> None:
+        """Close every socket and the context. destroy, not term: term blocks the calling
+        thread (here the event loop) until every socket of the context is closed, so one
+        socket left open froze the whole process. Seen: a coordinator whose handshake was
+        cancelled (a readiness probe that gave up after 2 s) never answered again, and its
+        engines failed their health checks."""
         for e in self.engines:
             e.socket.close(linger=0)
         if self._ctx is not None:
-            self._ctx.term()
+            self._ctx.destroy(linger=0)
             self._ctx = None
