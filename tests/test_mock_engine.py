@@ -269,10 +269,9 @@ def test_logprobs_have_the_samplers_layout():
     assert run(mock(), req("b", max_tokens=1))["b"][0].new_logprobs is None
 
 
-def test_outputs_wait_for_a_client_that_is_slow_to_read():
-    """A client that stops reading for a while (its event loop busy) finds every output
-    afterwards: the engine's per-client queue must not drop messages at ZMQ's default
-    high-water mark (1,000 messages a side), as a ROUTER does."""
+def _read_slowly(max_tokens: int) -> tuple[list[int], int, str]:
+    """A raw client that asks one mock request and then does not read for 3 s (its
+    event loop busy): its tokens, how many messages brought them, the finish reason."""
     import socket
 
     import zmq
@@ -300,18 +299,42 @@ def test_outputs_wait_for_a_client_that_is_slow_to_read():
         dealer.send_multipart([HELLO, msgspec.msgpack.encode(Hello("slow-reader"))])
         assert dealer.recv_multipart()[0] == READY
         dealer.send_multipart([ADD, msgspec.msgpack.encode(
-            req("long", max_tokens=6000, ignore_eos=True))])  # 6,000 one-token messages
+            req("long", max_tokens=max_tokens, ignore_eos=True))])  # one token a step
         time.sleep(3)  # not reading: the engine finishes meanwhile
-        got, finished = 0, None
+        got, messages, finished = [], 0, None
         while finished is None:
-            assert dealer.poll(10_000), f"outputs stopped after {got} tokens"
+            assert dealer.poll(10_000), f"outputs stopped after {len(got)} tokens"
             kind, payload = dealer.recv_multipart()
             assert kind == OUTPUTS
+            messages += 1
             for out in msgspec.msgpack.decode(payload, type=EngineCoreOutputs).outputs:
-                got += len(out.new_token_ids)
+                got += out.new_token_ids
                 finished = out.finish_reason
-        assert (got, finished) == (6000, "length")
+        return got, messages, finished
     finally:
         dealer.close(linger=0)
         ctx.term()
         server.shutdown()
+
+
+def test_outputs_wait_for_a_client_that_is_slow_to_read(monkeypatch):
+    """A client that stops reading for a while (its event loop busy) finds every output
+    afterwards: the engine's per-client queue must not drop messages at ZMQ's default
+    high-water mark (1,000 messages a side), as a ROUTER does. Messages are not merged
+    here (ENCODE_BATCH 1), so that 6,000 of them queue up."""
+    import engine.wire.core_server as core_server
+    monkeypatch.setattr(core_server, "ENCODE_BATCH", 1)
+    tokens, messages, finished = _read_slowly(6000)
+    assert (len(tokens), finished) == (6000, "length") and messages >= 6000
+
+
+def test_queued_step_outputs_reach_a_client_merged_in_order(monkeypatch):
+    """Steps that come faster than the encoder sends (the mock at zero model time)
+    reach the client in far fewer messages, with the same tokens in the same order as
+    one message a step."""
+    import engine.wire.core_server as core_server
+    merged, messages, finished = _read_slowly(6000)
+    assert finished == "length" and messages < 1000, messages
+    monkeypatch.setattr(core_server, "ENCODE_BATCH", 1)
+    one_a_step, _, _ = _read_slowly(6000)
+    assert merged == one_a_step

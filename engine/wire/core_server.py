@@ -5,7 +5,8 @@ Threads, so that socket work never runs on the model thread:
   input queue; forwards encoded outputs from the outbox to their client; sends a
   heartbeat (stats only) to every client when the engine has been quiet for a while.
 - encoder thread: encodes (client, EngineCoreOutputs) pairs and hands the bytes to
-  the io thread through an inproc socket.
+  the io thread through an inproc socket; step outputs already queued for a client
+  when it gets to them go out as one message (engine/wire/coalesce.py).
 - core loop (the caller's thread, or one started by start()): drains the input
   queue, steps the core, routes each output to the client that sent the request.
   When idle it blocks on the input queue: no busy loop.
@@ -33,6 +34,7 @@ import msgspec
 import zmq
 
 from engine.errors import EngineDeadError, EngineDrainingError, FlotillaError
+from engine.wire.coalesce import coalesce
 from engine.wire.protocol import (
     ABORT,
     ADD,
@@ -64,6 +66,7 @@ UTILITY_METHODS = frozenset({
     "profile", "reset_mm_cache", "reset_encoder_cache", "execute_dummy_batch"})
 HEARTBEAT_INTERVAL_S = 1.0
 KV_EVENTS_INTERVAL_S = 0.1  # the most often KV events are sent (batched in between)
+ENCODE_BATCH = 256  # the most queued messages the encoder takes (and merges) at once
 _STOP = object()
 
 
@@ -277,11 +280,17 @@ class EngineCoreServer:
         encoder = msgspec.msgpack.Encoder()
         try:
             while True:
-                item = self._to_encode.get()
-                if item is _STOP:
+                items = [self._to_encode.get()]
+                while len(items) < ENCODE_BATCH and items[-1] is not _STOP:
+                    try:
+                        items.append(self._to_encode.get_nowait())
+                    except queue.Empty:
+                        break
+                stop = items[-1] is _STOP
+                for identity, kind, msg in coalesce(items[:-1] if stop else items):
+                    push.send_multipart([identity, kind, encoder.encode(msg)])
+                if stop:
                     return
-                identity, kind, msg = item
-                push.send_multipart([identity, kind, encoder.encode(msg)])
         finally:
             push.close(linger=0)
 
