@@ -60,7 +60,11 @@ class IncrementalDetokenizer:
         if self._backend is not None:
             # one id per step: a list step withholds every piece of it while its last
             # character is incomplete, which at the end of a stream would lose them
-            text = "".join(self._stream.step(self._backend, t) or "" for t in new_token_ids)
+            if len(new_token_ids) == 1:  # the usual case: no generator, no join
+                text = self._stream.step(self._backend, new_token_ids[0]) or ""
+            else:
+                text = "".join(self._stream.step(self._backend, t) or ""
+                               for t in new_token_ids)
         else:
             text = self._update_window(new_token_ids)
         self.output_text += text

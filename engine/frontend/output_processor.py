@@ -59,7 +59,11 @@ class _Parent:
 
     @property
     def finished(self) -> bool:
-        return all(c.finish_reason is not None for c in self.children)
+        # asked for every output the client folds: a loop, not all() over a generator
+        for c in self.children:
+            if c.finish_reason is None:
+                return False
+        return True
 
     @property
     def awaiting_prompt_logprobs(self) -> bool:
