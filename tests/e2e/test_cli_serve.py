@@ -45,8 +45,11 @@ def test_flotilla_serve_answers_then_stops_leaving_no_ray_process(stop_signal):
              "--port", str(port), "--served-model-name", "m", "--mock-itl-s", "0.001"],
             env=_env(temp_dir), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        wait_for(lambda: b"Flotilla is serving" in log.read_bytes(), START_TIMEOUT_S,
-                 "flotilla serve ready", proc)
+        try:
+            wait_for(lambda: b"Flotilla is serving" in log.read_bytes(), START_TIMEOUT_S,
+                     "flotilla serve ready", proc)
+        except AssertionError as exc:  # the log goes with the temp dir: show why here
+            raise AssertionError(f"{exc}\n{log.read_text(errors='replace')[-4000:]}") from None
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
                                max_retries=0, timeout=60)
         assert [m.id for m in client.models.list()] == ["m"]
