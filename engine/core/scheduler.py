@@ -3,10 +3,11 @@
 Each step has a token budget (max_num_batched_tokens; by default 512 on CPU,
 8192 on CUDA). Running requests are served first, in arrival order, each taking
 what it still needs (one token for a decode, the rest of its prompt, capped by
-the budget, for a prefill in progress). When the pool cannot hold a running request's next tokens, the
-request at the tail of the running queue is preempted: its blocks are freed
-and it goes back to the front of the waiting queue, to be recomputed later
-(its full blocks often survive in the prefix cache). Waiting requests are
+the budget, for a prefill in progress). When the pool cannot hold a running
+request's next tokens, the request at the tail of the running queue is
+preempted: its blocks are freed and it goes back to the front of the waiting
+queue, to be recomputed later (its full blocks often survive in the prefix
+cache). Waiting requests are
 admitted with what budget and max_num_seqs leave; one whose structured-outputs
 grammar is still compiling is passed over until it is ready, and so is one whose
 LoRA adapter would make the running batch hold more than max_loras adapters.

@@ -23,41 +23,40 @@ def _mergeable(msg: Any) -> bool:
             and msg.wave_complete is None)
 
 
-def _merge(first: EngineCoreOutputs, later: EngineCoreOutputs) -> EngineCoreOutputs | None:
-    """One message saying what `first` then `later` said, or None where it cannot.
+def _merge(msgs: list[EngineCoreOutputs]) -> EngineCoreOutputs:
+    """One message saying what `msgs` said, in order, built once for the whole run.
 
     Outputs stay in order (a request's outputs fold in order on the client); the
-    latest stats win; the timestamp stays the first's (when the earliest of these
-    outputs was made: a first token's time is not pushed later). KV events are not
-    merged with each other (each batch applies as a whole), so two messages that both
-    carry some stay apart."""
-    if first.kv_events is not None and later.kv_events is not None:
-        return None
+    latest stats win; the timestamp is the first one set (when the earliest of these
+    outputs was made: a first token's time is not pushed later); the run's KV events
+    (coalesce lets at most one message of a run carry some) ride along."""
     return EngineCoreOutputs(
-        first.engine_index, first.outputs + later.outputs,
-        timestamp=first.timestamp or later.timestamp,
-        scheduler_stats=later.scheduler_stats if later.scheduler_stats is not None
-        else first.scheduler_stats,
-        kv_events=first.kv_events if first.kv_events is not None else later.kv_events)
+        msgs[0].engine_index, [out for m in msgs for out in m.outputs],
+        timestamp=next((m.timestamp for m in msgs if m.timestamp), 0.0),
+        scheduler_stats=next((m.scheduler_stats for m in reversed(msgs)
+                              if m.scheduler_stats is not None), None),
+        kv_events=next((m.kv_events for m in msgs if m.kv_events is not None), None))
 
 
 def coalesce(items: list[Item]) -> list[Item]:
     """The items in order, each client's consecutive step outputs merged into one
     message. Anything else for a client (a utility answer) ends what merges before it,
-    so a client sees its messages in the order they were made."""
-    result: list[Item] = []
-    open_for: dict[bytes, int] = {}  # client -> index in result of its mergeable message
+    so a client sees its messages in the order they were made. KV events are not
+    merged with each other (each batch applies as a whole): a second batch starts a
+    new message."""
+    runs: list[tuple[bytes, bytes, list]] = []  # (client, kind, messages sent as one)
+    open_for: dict[bytes, int] = {}  # client -> index in runs of its run of step outputs
     for identity, kind, msg in items:
         if kind != OUTPUTS or not _mergeable(msg):
             open_for.pop(identity, None)
-            result.append((identity, kind, msg))
+            runs.append((identity, kind, [msg]))
             continue
         at = open_for.get(identity)
-        if at is not None:
-            merged = _merge(result[at][2], msg)
-            if merged is not None:
-                result[at] = (identity, kind, merged)
-                continue
-        open_for[identity] = len(result)
-        result.append((identity, kind, msg))
-    return result
+        if at is not None and not (msg.kv_events is not None and any(
+                m.kv_events is not None for m in runs[at][2])):
+            runs[at][2].append(msg)
+            continue
+        open_for[identity] = len(runs)
+        runs.append((identity, kind, [msg]))
+    return [(identity, kind, msgs[0] if len(msgs) == 1 else _merge(msgs))
+            for identity, kind, msgs in runs]
