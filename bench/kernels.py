@@ -3,7 +3,9 @@
 Builds the kernels for each target (native, and the narrower paths of this CPU family:
 x86-64-v3 = AVX2 + FMA, x86-64 = SSE2, whose 4-lane code is the one NEON builds use) and
 times, per call, single-threaded by default (--threads): decode attention for 64
-sequences over a 128-token context in a churned (shuffled) block pool, one prefill chunk
+sequences over a 128-token context in a churned (shuffled) block pool, the same with
+each call on the next of 30 layers' caches in the engine's block-major layout (W1's
+decode: every layer's KV streams from memory, ~190 MB at bf16), one prefill chunk
 of 64 rows, add+RMSNorm, RoPE, SiLU*up and greedy argmax over the vocabulary; the
 torch column is what the engine runs without native kernels. Prints microseconds per
 call, the CPU and the dtype.
@@ -22,6 +24,7 @@ import torch.nn.functional as F
 
 HEADS, KV_HEADS, HEAD_DIM, HIDDEN, INTER, VOCAB, BS = 9, 3, 64, 576, 1536, 49152, 16
 SEQS, CONTEXT, PREFILL = 64, 128, 64
+STREAM_LAYERS = 30
 
 
 def cpu_name() -> str:
@@ -78,6 +81,22 @@ def cases(dtype: torch.dtype) -> dict[str, tuple[Callable, Callable]]:
         return F.scaled_dot_product_attention(q[:, :, None], keys, vals, scale=scale,
                                               enable_gqa=True)
 
+    from engine.model.layers.attention import cache_views
+    pool = torch.randn(STREAM_LAYERS, blocks, 2, KV_HEADS, BS, HEAD_DIM, generator=g).to(dtype)
+    layer_caches = [cache_views(layer) for layer in pool]
+    next_layer = iter(range(1 << 62))
+
+    def streamed(m):
+        k_layer, v_layer = layer_caches[next(next_layer) % STREAM_LAYERS]
+        return m.paged_attention(q, k, v, k_layer, v_layer, slots, tables, lens, starts, scale)
+
+    def streamed_torch(_):
+        k_layer, v_layer = layer_caches[next(next_layer) % STREAM_LAYERS]
+        keys = k_layer[:, tables].permute(1, 0, 2, 4, 3).reshape(SEQS, KV_HEADS, -1, HEAD_DIM)
+        vals = v_layer[:, tables].permute(1, 0, 2, 3, 4).reshape(SEQS, KV_HEADS, -1, HEAD_DIM)
+        return F.scaled_dot_product_attention(q[:, :, None], keys, vals, scale=scale,
+                                              enable_gqa=True)
+
     pq = torch.randn(PREFILL, HEADS, HEAD_DIM, generator=g).to(dtype)
     pk = torch.randn(PREFILL, KV_HEADS, HEAD_DIM, generator=g).to(dtype)
     pv = torch.randn(PREFILL, KV_HEADS, HEAD_DIM, generator=g).to(dtype)
@@ -125,6 +144,7 @@ def cases(dtype: torch.dtype) -> dict[str, tuple[Callable, Callable]]:
     logits = torch.randn(SEQS, VOCAB, generator=g)
     return {
         f"decode attention ({SEQS} seqs x {CONTEXT} ctx)": (decode, decode_torch),
+        f"  same, {STREAM_LAYERS} layers' caches in turn": (streamed, streamed_torch),
         f"prefill attention ({PREFILL} rows)": (prefill, prefill_torch),
         f"add + RMSNorm ({SEQS} x {HIDDEN})": (
             lambda m: m.fused_add_rms_norm(x, res, w, 1e-5), norm_torch),

@@ -199,77 +199,67 @@ void run_generic(const Problem<T>& p) {
   });
 }
 
-inline void prefetch_l1(const void* p, int64_t bytes) {
+// BYTES of memory into L1. The size is a template argument: passed at run time, GCC kept
+// the loop opaque and the next-item fetches below gained nothing (346 vs 193 us a call).
+template <int64_t BYTES>
+__attribute__((always_inline)) inline void prefetch_l1(const void* p) {
   const char* c = static_cast<const char*>(p);
-  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 3);
+  for (int64_t off = 0; off < BYTES; off += 64) __builtin_prefetch(c + off, 0, 3);
 }
 
-inline void prefetch_l2(const void* p, int64_t bytes) {
-  const char* c = static_cast<const char*>(p);
-  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 2);
-}
-
-// All of a sequence's key and value blocks, every kv head, towards L2 at once (many
-// misses in flight instead of one block's worth): the first row of a thread's range.
-// Blocks are scattered over the pool once the prefix cache has churned; without
-// prefetching a random block order ran 3x slower than a sequential one.
+// The next work item's context is fetched while this one computes. Decode attention
+// streams each layer's KV from memory (W1: 6.3 MB a layer call, 189 MB a step at bf16),
+// and a core that loads a block only when it reaches it waits out the memory latency
+// block after block. So item (row r, kv head h) fetches what the thread's next item
+// reads, spread over its own blocks: key block b pulls in block b's share of the next
+// item's key blocks, value block b the same share of its value blocks. Into L1 (T0; T2
+// measured 8 % slower); a burst of the whole 32 KB at the item's start, every other line,
+// or dropping the next-key-block fetch each measured slower. bench/kernels.py, 2 threads,
+// Zen 5, each call on the next of 30 layers' caches: bf16 450 -> 220 us (the AVX2 build
+// 615 -> 319), float32 639 -> 460 (586 -> 400), against ~150 us to read the same bf16
+// bytes with no compute. The instructions cost where a layer's KV stays in cache (the
+// same call repeated on one layer: bf16 99 -> 104 us, float32 150 -> 181), which a step
+// of the engine meets only with a tiny batch. The previous scheme (the next row's blocks
+// towards L2, a sequence's whole context at a thread's start) measured no better than no
+// prefetching.
 //
-// After that the kernels pipeline across rows: while item (row r, kv head h) computes
-// block b of its sequence it fetches its share of head h's blocks of row r + 1's
-// sequence towards L2, so the next row finds its context there (decode attention waits
-// on memory: 30 layers of W1 decode 10.8 -> 8.3 ms against fetching a row's context
-// when it starts). Later rows of a prefill chunk find the data cached already. The
-// prefetch sizes are compile-time constants: the same code with run-time sizes behind
-// a helper ran ~20% slower.
-template <typename T>
-inline void prefetch_sequence(const Problem<T>& p, const int64_t* table, int64_t nblocks) {
-  const int64_t bytes = p.d * p.bs * sizeof(T);
-  for (int64_t b = 0; b < nblocks; ++b) {
-    for (int64_t h = 0; h < p.kv_heads; ++h) {
-      prefetch_l2(p.k + h * p.k_hs + table[b] * p.k_bs, bytes);
-      prefetch_l2(p.v + h * p.v_hs + table[b] * p.v_bs, bytes);
-    }
-  }
-}
-
-// One work item (query row r, kv head h) of the block-size-16 kernels: its context, and
-// the blocks of the next row's sequence it fetches towards L2 as it goes (when that row
-// starts a sequence and comes next on this thread). Starting one prefetches the whole
-// sequence on a thread's first item and stores a decode row's own token.
+// Only an item whose context is not cached yet is fetched ahead: one that starts a
+// sequence (every decode row; a prefill chunk's first row). A chunk's later rows read the
+// blocks its first row brought in.
 struct Item {
   int64_t r, h, len, nblocks, padded;
   const int64_t* table;
-  const int64_t* next_table = nullptr;
-  int64_t next_blocks = 0;
+  const int64_t* next_table = nullptr;  // the next item's blocks, when fetched ahead
+  int64_t next_blocks = 0, next_h = 0;
 };
 
 template <typename T>
-inline Item start_item(const Problem<T>& p, int64_t work, int64_t begin, int64_t end) {
+inline Item start_item(const Problem<T>& p, int64_t work, int64_t end) {
   constexpr int64_t BS = 16;
   Item it;
   it.r = work / p.kv_heads, it.h = work % p.kv_heads;
   it.len = p.row_len[it.r], it.nblocks = (it.len + BS - 1) / BS, it.padded = it.nblocks * BS;
   it.table = p.tables + p.row_seq[it.r] * p.max_blocks;
-  if (work == begin) prefetch_sequence(p, it.table, it.nblocks);
-  if (work + p.kv_heads < end && p.row_first[it.r + 1]) {
-    it.next_table = p.tables + p.row_seq[it.r + 1] * p.max_blocks;
-    it.next_blocks = (p.row_len[it.r + 1] + BS - 1) / BS;
+  if (work + 1 < end) {
+    const int64_t next_r = (work + 1) / p.kv_heads;
+    if (p.row_first[next_r]) {
+      it.next_table = p.tables + p.row_seq[next_r] * p.max_blocks;
+      it.next_blocks = (p.row_len[next_r] + BS - 1) / BS;
+      it.next_h = (work + 1) % p.kv_heads;
+    }
   }
   if (p.row_decode[it.r]) store_token(p, it.r, it.h);
   return it;
 }
 
-// Before block b of an item: the next key block into L1, and block b's share of the next
-// row's blocks (this head's keys and values) towards L2. BYTES, a block's size, is a
-// compile-time constant: the same loops with a run-time size ran ~20 % slower.
+// Block b's share of the next item's blocks of one cache (keys or values): `next_head`
+// is that cache at the next item's kv head, `stride` its block stride, BYTES a block's
+// size.
 template <int64_t BYTES, typename E>
-inline void prefetch_for_block(const Item& it, int64_t b, const E* k_head, const E* v_head,
-                               int64_t k_bs, int64_t v_bs) {
-  if (b + 1 < it.nblocks) prefetch_l1(k_head + it.table[b + 1] * k_bs, BYTES);
-  for (int64_t j = b * it.next_blocks / it.nblocks; j < (b + 1) * it.next_blocks / it.nblocks; ++j) {
-    prefetch_l2(k_head + it.next_table[j] * k_bs, BYTES);
-    prefetch_l2(v_head + it.next_table[j] * v_bs, BYTES);
-  }
+__attribute__((always_inline)) inline void prefetch_next(const Item& it, int64_t b,
+                                                         const E* next_head, int64_t stride) {
+  for (int64_t j = b * it.next_blocks / it.nblocks; j < (b + 1) * it.next_blocks / it.nblocks; ++j)
+    prefetch_l1<BYTES>(next_head + it.next_table[j] * stride);
 }
 
 // An item's G query heads, widened to float32 and scaled.
@@ -306,7 +296,7 @@ inline float softmax_vec(float* sc, int64_t len, int64_t padded) {
 // without a hand-written one (AVX2 + FMA, NEON, SSE2), float32 FMAs on widened keys and
 // values in vec.h's vectors. As run_fma below: the G query heads of a kv head share each
 // key and value load, the next key block is prefetched into L1 while one is computed, the
-// next row's context towards L2. Tiles fit the target's registers: GS heads' score
+// next item's context a share per block (start_item). Tiles fit the target's registers: GS heads' score
 // accumulators (a block's 16 scores are NB vectors) and GC heads' value accumulators (a
 // value row is C vectors) per pass.
 template <typename T, int64_t D, int64_t G>
@@ -321,16 +311,19 @@ void run_vec(const Problem<T>& p) {
     alignas(64) float qf[G][D];
     std::vector<float> scores;
     for (int64_t work = begin; work < end; ++work) {
-      const Item it = start_item(p, work, begin, end);
+      const Item it = start_item(p, work, end);
       const int64_t r = it.r, h = it.h, len = it.len, nblocks = it.nblocks, padded = it.padded;
       const int64_t* table = it.table;
       scores.resize(G * padded);
       load_queries(p, it, qf);
       const T* k_head = p.k + h * p.k_hs;
       const T* v_head = p.v + h * p.v_hs;
-      prefetch_l1(k_head + table[0] * p.k_bs, D * BS * sizeof(T));
+      const T* k_next = p.k + it.next_h * p.k_hs;
+      const T* v_next = p.v + it.next_h * p.v_hs;
+      prefetch_l1<D * BS * sizeof(T)>(k_head + table[0] * p.k_bs);
       for (int64_t b = 0; b < nblocks; ++b) {
-        prefetch_for_block<D * BS * sizeof(T)>(it, b, k_head, v_head, p.k_bs, p.v_bs);
+        if (b + 1 < nblocks) prefetch_l1<D * BS * sizeof(T)>(k_head + table[b + 1] * p.k_bs);
+        prefetch_next<D * BS * sizeof(T)>(it, b, k_next, p.k_bs);
         const T* kb = k_head + table[b] * p.k_bs;  // [D][16]
         for (int64_t g0 = 0; g0 < G; g0 += GS) {
           vf a[GS][NB];
@@ -358,6 +351,7 @@ void run_vec(const Problem<T>& p) {
         for (int64_t b = 0; b < nblocks; ++b) {
           const T* vb = v_head + table[b] * p.v_bs;
           const int64_t rows = std::min<int64_t>(BS, len - b * BS);
+          if (g0 == 0) prefetch_next<D * BS * sizeof(T)>(it, b, v_next, p.v_bs);
           for (int64_t j = 0; j < rows; ++j) {
             vf v[C];
             for (int64_t c = 0; c < C; ++c) v[c] = vec::load(vb + j * D + c * L);
@@ -402,7 +396,7 @@ inline float softmax_blocks(float* sc, int64_t len, int64_t nblocks) {
 // Block size 16 and head size D (a multiple of 16), float32 FMAs on widened keys and
 // values, the G query heads of a kv head together: each key row and value row is loaded
 // and widened once for all G heads, and the next key block is prefetched into L1 while
-// the current one is computed.
+// the current one is computed (the next item's context too, see start_item).
 template <typename T, int64_t D, int64_t G>
 void run_fma(const Problem<T>& p) {
   constexpr int64_t BS = 16, C = D / 16;
@@ -412,16 +406,19 @@ void run_fma(const Problem<T>& p) {
     alignas(64) float qf[G][D];
     std::vector<float> scores;
     for (int64_t work = begin; work < end; ++work) {
-      const Item it = start_item(p, work, begin, end);
+      const Item it = start_item(p, work, end);
       const int64_t r = it.r, h = it.h, len = it.len, nblocks = it.nblocks, padded = it.padded;
       const int64_t* table = it.table;
       scores.resize(G * padded);
       load_queries(p, it, qf);
       const T* k_head = p.k + h * p.k_hs;
       const T* v_head = p.v + h * p.v_hs;
-      prefetch_l1(k_head + table[0] * p.k_bs, D * BS * sizeof(T));
+      const T* k_next = p.k + it.next_h * p.k_hs;
+      const T* v_next = p.v + it.next_h * p.v_hs;
+      prefetch_l1<D * BS * sizeof(T)>(k_head + table[0] * p.k_bs);
       for (int64_t b = 0; b < nblocks; ++b) {
-        prefetch_for_block<D * BS * sizeof(T)>(it, b, k_head, v_head, p.k_bs, p.v_bs);
+        if (b + 1 < nblocks) prefetch_l1<D * BS * sizeof(T)>(k_head + table[b + 1] * p.k_bs);
+        prefetch_next<D * BS * sizeof(T)>(it, b, k_next, p.k_bs);
         const T* kb = k_head + table[b] * p.k_bs;  // [D][16]
         __m512 a0[G], a1[G];  // two chains per head hide the FMA latency
         for (int64_t g = 0; g < G; ++g) a0[g] = a1[g] = _mm512_setzero_ps();
@@ -446,6 +443,7 @@ void run_fma(const Problem<T>& p) {
         for (int64_t b = 0; b < nblocks; ++b) {
           const T* vb = v_head + table[b] * p.v_bs;
           const int64_t rows = std::min<int64_t>(BS, len - b * BS);
+          if (g0 == 0) prefetch_next<D * BS * sizeof(T)>(it, b, v_next, p.v_bs);
           for (int64_t j = 0; j < rows; ++j) {
             __m512 v[C];
             for (int64_t c = 0; c < C; ++c) v[c] = load16(vb + j * D + c * 16);
@@ -507,7 +505,7 @@ void run_dpbf16(const Problem<c10::BFloat16>& p) {
     std::vector<float> scores;
     std::vector<uint16_t> p_hi, p_lo;
     for (int64_t work = begin; work < end; ++work) {
-      const Item it = start_item(p, work, begin, end);
+      const Item it = start_item(p, work, end);
       const int64_t r = it.r, h = it.h, len = it.len, nblocks = it.nblocks, padded = it.padded;
       const int64_t* table = it.table;
       scores.resize(G * padded);
@@ -516,9 +514,12 @@ void run_dpbf16(const Problem<c10::BFloat16>& p) {
       const uint16_t* qh = qp + r * p.q_row + h * G * D;
       const uint16_t* k_head = kp + h * p.k_hs;
       const uint16_t* v_head = vp + h * p.v_hs;
-      prefetch_l1(k_head + table[0] * p.k_bs, D * BS * 2);
+      const uint16_t* k_next = kp + it.next_h * p.k_hs;
+      const uint16_t* v_next = vp + it.next_h * p.v_hs;
+      prefetch_l1<D * BS * 2>(k_head + table[0] * p.k_bs);
       for (int64_t b = 0; b < nblocks; ++b) {
-        prefetch_for_block<D * BS * 2>(it, b, k_head, v_head, p.k_bs, p.v_bs);
+        if (b + 1 < nblocks) prefetch_l1<D * BS * 2>(k_head + table[b + 1] * p.k_bs);
+        prefetch_next<D * BS * 2>(it, b, k_next, p.k_bs);
         const uint16_t* kb = k_head + table[b] * p.k_bs;  // [D][16]
         __m512 a0[G], a1[G];
         for (int64_t g = 0; g < G; ++g) a0[g] = a1[g] = _mm512_setzero_ps();
@@ -553,6 +554,7 @@ void run_dpbf16(const Problem<c10::BFloat16>& p) {
         for (int64_t b = 0; b < nblocks; ++b) {
           const uint16_t* vb = v_head + table[b] * p.v_bs;
           const int64_t rows = std::min<int64_t>(BS, len - b * BS);
+          if (g0 == 0) prefetch_next<D * BS * 2>(it, b, v_next, p.v_bs);
           for (int64_t j = 0; j < rows; j += 2) {
             // an odd last row pairs with a zero row (the slot past len may hold anything)
             const __mmask32 second = (j + 1 < rows) ? __mmask32(0xFFFFFFFFu) : __mmask32(0);
