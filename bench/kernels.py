@@ -15,6 +15,7 @@ call, the CPU and the dtype.
 from __future__ import annotations
 
 import argparse
+import itertools
 import platform
 import time
 from typing import Callable
@@ -75,27 +76,26 @@ def cases(dtype: torch.dtype) -> dict[str, tuple[Callable, Callable]]:
     def decode(m):
         return m.paged_attention(q, k, v, k_cache, v_cache, slots, tables, lens, starts, scale)
 
-    def decode_torch(_):
-        keys = k_cache[:, tables].permute(1, 0, 2, 4, 3).reshape(SEQS, KV_HEADS, -1, HEAD_DIM)
-        vals = v_cache[:, tables].permute(1, 0, 2, 3, 4).reshape(SEQS, KV_HEADS, -1, HEAD_DIM)
-        return F.scaled_dot_product_attention(q[:, :, None], keys, vals, scale=scale,
-                                              enable_gqa=True)
-
-    from engine.model.layers.attention import cache_views
-    pool = torch.randn(STREAM_LAYERS, blocks, 2, KV_HEADS, BS, HEAD_DIM, generator=g).to(dtype)
-    layer_caches = [cache_views(layer) for layer in pool]
-    next_layer = iter(range(1 << 62))
-
-    def streamed(m):
-        k_layer, v_layer = layer_caches[next(next_layer) % STREAM_LAYERS]
-        return m.paged_attention(q, k, v, k_layer, v_layer, slots, tables, lens, starts, scale)
-
-    def streamed_torch(_):
-        k_layer, v_layer = layer_caches[next(next_layer) % STREAM_LAYERS]
+    def sdpa_decode(k_layer, v_layer):
         keys = k_layer[:, tables].permute(1, 0, 2, 4, 3).reshape(SEQS, KV_HEADS, -1, HEAD_DIM)
         vals = v_layer[:, tables].permute(1, 0, 2, 3, 4).reshape(SEQS, KV_HEADS, -1, HEAD_DIM)
         return F.scaled_dot_product_attention(q[:, :, None], keys, vals, scale=scale,
                                               enable_gqa=True)
+
+    def decode_torch(_):
+        return sdpa_decode(k_cache, v_cache)
+
+    from engine.model.layers.attention import cache_views
+    pool = torch.randn(STREAM_LAYERS, blocks, 2, KV_HEADS, BS, HEAD_DIM, generator=g).to(dtype)
+    layer_caches = [cache_views(layer) for layer in pool]
+    turns = itertools.cycle(layer_caches)
+
+    def streamed(m):
+        k_layer, v_layer = next(turns)
+        return m.paged_attention(q, k, v, k_layer, v_layer, slots, tables, lens, starts, scale)
+
+    def streamed_torch(_):
+        return sdpa_decode(*next(turns))
 
     pq = torch.randn(PREFILL, HEADS, HEAD_DIM, generator=g).to(dtype)
     pk = torch.randn(PREFILL, KV_HEADS, HEAD_DIM, generator=g).to(dtype)

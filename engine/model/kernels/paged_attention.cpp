@@ -262,6 +262,15 @@ __attribute__((always_inline)) inline void prefetch_next(const Item& it, int64_t
     prefetch_l1<BYTES>(next_head + it.next_table[j] * stride);
 }
 
+// Before key block b of an item: its next key block into L1, and block b's share of the
+// next item's key blocks (`k_next`: the keys at the next item's kv head).
+template <int64_t BYTES, typename E>
+__attribute__((always_inline)) inline void prefetch_keys(const Item& it, int64_t b, const E* k_head,
+                                                         const E* k_next, int64_t stride) {
+  if (b + 1 < it.nblocks) prefetch_l1<BYTES>(k_head + it.table[b + 1] * stride);
+  prefetch_next<BYTES>(it, b, k_next, stride);
+}
+
 // An item's G query heads, widened to float32 and scaled.
 template <typename T, int64_t D, int64_t G>
 inline void load_queries(const Problem<T>& p, const Item& it, float (&qf)[G][D]) {
@@ -322,8 +331,7 @@ void run_vec(const Problem<T>& p) {
       const T* v_next = p.v + it.next_h * p.v_hs;
       prefetch_l1<D * BS * sizeof(T)>(k_head + table[0] * p.k_bs);
       for (int64_t b = 0; b < nblocks; ++b) {
-        if (b + 1 < nblocks) prefetch_l1<D * BS * sizeof(T)>(k_head + table[b + 1] * p.k_bs);
-        prefetch_next<D * BS * sizeof(T)>(it, b, k_next, p.k_bs);
+        prefetch_keys<D * BS * sizeof(T)>(it, b, k_head, k_next, p.k_bs);
         const T* kb = k_head + table[b] * p.k_bs;  // [D][16]
         for (int64_t g0 = 0; g0 < G; g0 += GS) {
           vf a[GS][NB];
@@ -417,8 +425,7 @@ void run_fma(const Problem<T>& p) {
       const T* v_next = p.v + it.next_h * p.v_hs;
       prefetch_l1<D * BS * sizeof(T)>(k_head + table[0] * p.k_bs);
       for (int64_t b = 0; b < nblocks; ++b) {
-        if (b + 1 < nblocks) prefetch_l1<D * BS * sizeof(T)>(k_head + table[b + 1] * p.k_bs);
-        prefetch_next<D * BS * sizeof(T)>(it, b, k_next, p.k_bs);
+        prefetch_keys<D * BS * sizeof(T)>(it, b, k_head, k_next, p.k_bs);
         const T* kb = k_head + table[b] * p.k_bs;  // [D][16]
         __m512 a0[G], a1[G];  // two chains per head hide the FMA latency
         for (int64_t g = 0; g < G; ++g) a0[g] = a1[g] = _mm512_setzero_ps();
@@ -518,8 +525,7 @@ void run_dpbf16(const Problem<c10::BFloat16>& p) {
       const uint16_t* v_next = vp + it.next_h * p.v_hs;
       prefetch_l1<D * BS * 2>(k_head + table[0] * p.k_bs);
       for (int64_t b = 0; b < nblocks; ++b) {
-        if (b + 1 < nblocks) prefetch_l1<D * BS * 2>(k_head + table[b + 1] * p.k_bs);
-        prefetch_next<D * BS * 2>(it, b, k_next, p.k_bs);
+        prefetch_keys<D * BS * 2>(it, b, k_head, k_next, p.k_bs);
         const uint16_t* kb = k_head + table[b] * p.k_bs;  // [D][16]
         __m512 a0[G], a1[G];
         for (int64_t g = 0; g < G; ++g) a0[g] = a1[g] = _mm512_setzero_ps();
