@@ -6,9 +6,12 @@ times, per call, single-threaded by default (--threads): decode attention for 64
 sequences over a 128-token context in a churned (shuffled) block pool, the same with
 each call on the next of 30 layers' caches in the engine's block-major layout (W1's
 decode: every layer's KV streams from memory, ~190 MB at bf16), one prefill chunk
-of 64 rows, add+RMSNorm, RoPE, SiLU*up and greedy argmax over the vocabulary; the
-torch column is what the engine runs without native kernels. Prints microseconds per
-call, the CPU and the dtype.
+of 64 rows, add+RMSNorm, RoPE, SiLU*up, greedy argmax over the vocabulary, and a layer's
+four linears at 64 rows (with one layer's weights, and with each call on the next of 30
+layers' weights, as a decode step streams them); the torch column is what the engine runs
+without native kernels, except for the linears, where it is oneDNN's prepacked matmul
+(the engine's packing where the native build lacks the dtype; "n/a" marks such a build).
+Prints microseconds per call, the CPU and the dtype.
 
     python bench/kernels.py [--dtype float32|bfloat16] [--threads 1] [--targets native,x86-64-v3]
 """
@@ -142,6 +145,35 @@ def cases(dtype: torch.dtype) -> dict[str, tuple[Callable, Callable]]:
         return t * c + torch.cat((-t[..., HEAD_DIM // 2:], t[..., :HEAD_DIM // 2]), -1) * s
 
     logits = torch.randn(SEQS, VOCAB, generator=g)
+
+    from engine.model.layers.linear import Linear
+    shapes = [(width_qkv, HIDDEN), (HIDDEN, HEADS * HEAD_DIM), (2 * INTER, HIDDEN),
+              (HIDDEN, INTER)]  # (out, in): qkv, o, gate+up, down
+    weights = [[(torch.randn(o, i, generator=g) * i ** -0.5).to(dtype) for o, i in shapes]
+               for _ in range(STREAM_LAYERS)]
+    inputs = [torch.randn(SEQS, i, generator=g).to(dtype) for _, i in shapes]
+    onednn = []
+    for layer in weights:
+        onednn.append([Linear(t.shape[1], t.shape[0], bias=False, dtype=dtype) for t in layer])
+        for module, t in zip(onednn[-1], layer):
+            module.weight.data.copy_(t)
+            module.pack()
+    packs: dict[int, list[list[torch.Tensor]]] = {}
+    layer_turns = itertools.cycle(range(STREAM_LAYERS))
+
+    def linears(m, layer=None):
+        if args_dtype not in m.linear_dtypes():
+            raise NotImplementedError
+        if id(m) not in packs:
+            packs[id(m)] = [[m.pack_linear(w) for w in ws] for ws in weights]
+        i = next(layer_turns) if layer is None else layer
+        return [m.linear(x, p, None, o) for x, p, (o, _) in zip(inputs, packs[id(m)][i], shapes)]
+
+    def linears_torch(layer=None):
+        i = next(layer_turns) if layer is None else layer
+        return [module(x) for module, x in zip(onednn[i], inputs)]
+
+    args_dtype = str(dtype).removeprefix("torch.")
     return {
         f"decode attention ({SEQS} seqs x {CONTEXT} ctx)": (decode, decode_torch),
         f"  same, {STREAM_LAYERS} layers' caches in turn": (streamed, streamed_torch),
@@ -154,6 +186,8 @@ def cases(dtype: torch.dtype) -> dict[str, tuple[Callable, Callable]]:
         f"SiLU * up ({SEQS} x {INTER})": (lambda m: m.silu_and_mul(gate_up), silu_torch),
         f"argmax ({SEQS} x {VOCAB}, float32)": (
             lambda m: m.argmax_rows(logits), lambda _: logits.argmax(dim=-1)),
+        f"a layer's 4 linears ({SEQS} rows)": (lambda m: linears(m, 0), lambda _: linears_torch(0)),
+        f"  same, {STREAM_LAYERS} layers' weights in turn": (linears, lambda _: linears_torch()),
     }
 
 
@@ -179,9 +213,13 @@ def main() -> None:
     names = list(modules) + ["torch"]
     print(f"{'kernel':<42}" + "".join(f"{n:>22}" for n in names))
     for name, (native, reference) in cases(dtype).items():
-        times = [timed(lambda m=m: native(m)) for m in modules.values()]
-        times.append(timed(lambda: reference(None)))
-        print(f"{name:<42}" + "".join(f"{t:>22.1f}" for t in times))
+        cells = []
+        for m in list(modules.values()) + [None]:
+            try:
+                cells.append(f"{timed(lambda m=m: native(m) if m else reference(None)):>22.1f}")
+            except NotImplementedError:  # no kernel for this dtype in this build
+                cells.append(f"{'n/a':>22}")
+        print(f"{name:<42}" + "".join(cells))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,8 @@
-"""Prepacked (oneDNN) linear layers give the same results as nn.Linear and cost no memory."""
+"""Packed linear layers give the same results as nn.Linear and cost no memory: oneDNN's
+packing, and the native kernels' matmul (engine/model/kernels/linear.cpp) on every
+vector path this host builds (the `kernels` fixture), against a float32 reference."""
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -47,5 +51,103 @@ def test_cpu_engine_packs_its_linears(tiny_llama):
     assert can_pack(torch.device("cpu"), torch.float32)  # oneDNN ships in torch's CPU build
     core = EngineCore(EngineConfig(model=str(tiny_llama), dtype="float32"))
     linears = [m for m in core.runner.model.modules() if isinstance(m, Linear)]
-    assert linears and all(m.packed_weight is not None for m in linears)
+    assert linears and all(m.packing() == "native" for m in linears)  # float32: any build
     assert core.runner.memory_usage()["weights_bytes"] > 0
+
+
+def _bf16_flags() -> bool:
+    flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("flags")), "").split()
+    return "avx512_bf16" in flags
+
+
+def _check_against_float(got: torch.Tensor, x, weight, bias) -> None:
+    """float32: the reference up to summation order. bf16: the kernel sums the exact
+    products in float32 (as oneDNN does) and rounds once, so every output is the
+    reference's rounding or one bf16 step from it where the sum sits near a tie."""
+    want = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    assert got.dtype == x.dtype and got.shape == want.shape
+    if got.numel() == 0:
+        return
+    if x.dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    else:
+        err = (got.float() - want).abs()
+        assert (err <= want.abs() * 2 ** -8 + 1e-4).all(), err.max()
+        assert (got == want.to(torch.bfloat16)).float().mean() > 0.97
+
+
+@pytest.mark.parametrize("rows", [0, 1, 5, 8, 9, 64, 300, 600])
+@pytest.mark.parametrize("out_features,in_features,bias", [(160, 96, True), (170, 97, False),
+                                                           (48, 2, True), (3, 5, False)])
+def test_native_linear_matches_float_reference(kernels, rows, out_features, in_features, bias):
+    # Widths off every vector and panel size (170, 3), odd K (97, 5), more rows than a
+    # row tile (8) and than a row chunk (512).
+    for dtype in map(lambda name: getattr(torch, name), kernels.linear_dtypes()):
+        torch.manual_seed(rows)
+        weight = torch.randn(out_features, in_features).to(dtype)
+        b = torch.randn(out_features).to(dtype) if bias else None
+        x = torch.randn(rows, in_features).to(dtype)
+        packed = kernels.pack_linear(weight)
+        _check_against_float(kernels.linear(x, packed, b, out_features), x, weight, b)
+
+
+def test_native_linear_splits_rows_when_panels_are_fewer_than_threads(kernels):
+    # 16 columns are one panel: with two threads the rows are split between them.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for dtype in map(lambda name: getattr(torch, name), kernels.linear_dtypes()):
+            torch.manual_seed(1)
+            weight, x = torch.randn(16, 64).to(dtype), torch.randn(77, 64).to(dtype)
+            got = kernels.linear(x, kernels.pack_linear(weight), None, 16)
+            _check_against_float(got, x, weight, None)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_native_linear_takes_leading_dims_and_views(kernels):
+    torch.manual_seed(2)
+    weight = torch.randn(40, 32)
+    packed = kernels.pack_linear(weight)
+    x = torch.randn(2, 3, 32)
+    got = kernels.linear(x, packed, None, 40)
+    assert got.shape == (2, 3, 40)
+    _check_against_float(got.reshape(6, 40), x.reshape(6, 32), weight, None)
+    view = torch.randn(32, 10).t()  # not contiguous
+    _check_against_float(kernels.linear(view, packed, None, 40), view, weight, None)
+
+
+def test_native_linear_refuses_what_it_cannot_run(kernels):
+    packed = kernels.pack_linear(torch.randn(40, 32))
+    with pytest.raises(RuntimeError, match="packed weight does not hold 57 x 32"):
+        kernels.linear(torch.randn(3, 32), packed, None, 57)
+    with pytest.raises(RuntimeError, match="packed weight does not hold 40 x 30"):
+        kernels.linear(torch.randn(3, 30), packed, None, 40)
+    with pytest.raises(RuntimeError, match="input Double against a Float weight"):
+        kernels.linear(torch.randn(3, 32, dtype=torch.float64), packed, None, 40)
+    with pytest.raises(RuntimeError, match="must be 2-D"):
+        kernels.pack_linear(torch.randn(2, 40, 32))
+    with pytest.raises(RuntimeError, match="no kernel for Half"):
+        kernels.pack_linear(torch.randn(40, 32, dtype=torch.float16))
+
+
+def test_the_native_build_has_a_bf16_linear_where_the_cpu_does():
+    from engine.model.kernels import cpu_kernels
+    assert "float32" in cpu_kernels().linear_dtypes()
+    assert ("bfloat16" in cpu_kernels().linear_dtypes()) == _bf16_flags()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_packs_for_the_native_kernels_when_they_have_the_dtype(kernels, dtype):
+    torch.manual_seed(3)
+    layer = Linear(64, 96, bias=True).to(dtype)
+    weight, bias = layer.weight.detach().clone(), layer.bias.detach().clone()
+    layer.pack(kernels=kernels)
+    native = str(dtype).removeprefix("torch.") in kernels.linear_dtypes()
+    assert layer.packing() == ("native" if native else "onednn" if can_pack(
+        torch.device("cpu"), dtype) else layer.packing())
+    assert layer.weight is None and layer.packed_bytes() == weight.numel() * weight.element_size()
+    x = torch.randn(9, 64).to(dtype)
+    if native:
+        _check_against_float(layer(x), x, weight, bias)

@@ -136,8 +136,8 @@ class ModelRunner:
         model.load_weights(iter_weights(self.checkpoint))
         model = model.to(self.dtype).eval()
         model.requires_grad_(False)
-        if native_enabled() and can_pack(self.device, self.dtype):
-            pack_linears(model, keep_dense={id(model.embed_tokens.weight)})
+        if native_enabled() and can_pack(self.device, self.dtype, self.kernels):
+            pack_linears(model, keep_dense={id(model.embed_tokens.weight)}, kernels=self.kernels)
         if self.device.type == "cpu":
             collapse_new_regions(regions)
         logger.info("loaded %s in %.2fs", self.shape.architecture, time.perf_counter() - start)

@@ -17,7 +17,8 @@ from types import ModuleType
 
 logger = logging.getLogger(__name__)
 _DIR = Path(__file__).parent
-_SOURCES = [_DIR / n for n in ("bindings.cpp", "paged_attention.cpp", "fused_ops.cpp")]
+_SOURCES = [_DIR / n for n in ("bindings.cpp", "paged_attention.cpp", "fused_ops.cpp",
+                                   "linear.cpp")]
 _HEADERS = [_DIR / n for n in ("convert.h", "simd.h", "vec.h")]
 
 

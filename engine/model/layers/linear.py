@@ -1,10 +1,13 @@
-"""Linear layers whose weights can be prepacked once for oneDNN on CPU.
+"""Linear layers whose weights are packed once at load on CPU.
 
-torch's CPU matmul (bf16 and fp32 alike) reorders the weight into oneDNN's blocked
-layout on every call. At decode batch sizes that reorder is a large share of the
-matmul: packing once at load made the 64-row matmuls of SmolLM2 15-35% faster,
-bitwise identical in bf16 (docs/benchmarks.md). Packing is CPU-only; on CUDA the
-layers are plain nn.Linear.
+Two packings, the first that fits:
+- the native kernels' own (engine/model/kernels/linear.cpp; float32 everywhere, bf16
+  where the CPU has AVX512_BF16): a matmul that streams the next weight panel in while
+  it multiplies one, 1.1-2x oneDNN's packed matmul from 1 to 512 rows (docs/benchmarks.md);
+- oneDNN's blocked layout, where the native kernels are missing or lack the dtype:
+  torch's CPU matmul reorders the weight into it on every call, and at decode batch
+  sizes packing once made SmolLM2's 64-row matmuls 15-35 % faster, bitwise identical.
+On CUDA the layers are plain nn.Linear.
 """
 from __future__ import annotations
 
@@ -15,9 +18,19 @@ from torch import nn
 _PACK_BATCH_HINT = 64  # the decode batch oneDNN picks its blocking for; any M works
 
 
-def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether oneDNN prepacked linears are available for this device and dtype."""
-    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+def native_packs(kernels, dtype: torch.dtype) -> bool:
+    """Whether the native kernel module `kernels` (or None) has a linear for dtype."""
+    return kernels is not None and str(dtype).removeprefix("torch.") in kernels.linear_dtypes()
+
+
+def can_pack(device: torch.device, dtype: torch.dtype, kernels=None) -> bool:
+    """Whether linears of dtype on device can be packed: by the native kernels
+    `kernels` (a module from engine.model.kernels.cpu_kernels, or None) or by oneDNN."""
+    if device.type != "cpu":
+        return False
+    if native_packs(kernels, dtype):
+        return True
+    if not torch.backends.mkldnn.is_available():
         return False
     if dtype == torch.bfloat16:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
@@ -28,12 +41,19 @@ class Linear(nn.Linear):
     """nn.Linear plus pack(): afterwards forward runs on the prepacked weight."""
 
     packed_weight: torch.Tensor | None = None
+    _native_linear = None  # kernels.linear when packed_weight is in the native layout
 
-    def pack(self, keep_dense: bool = False) -> None:
-        """Prepack the weight. keep_dense keeps the dense tensor (a tied embedding
-        still reads it); otherwise it is released, so packing costs no memory."""
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(
-            self.weight.detach(), _PACK_BATCH_HINT)
+    def pack(self, keep_dense: bool = False, kernels=None) -> None:
+        """Prepack the weight: for the native kernels `kernels` when they have this
+        dtype, else for oneDNN. keep_dense keeps the dense tensor (a tied embedding still
+        reads it); otherwise it is released, so packing costs no memory."""
+        weight = self.weight.detach()
+        if native_packs(kernels, weight.dtype):
+            self.packed_weight = kernels.pack_linear(weight)
+            self._native_linear = kernels.linear
+        else:
+            self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight,
+                                                                         _PACK_BATCH_HINT)
         if not keep_dense:
             del self.weight
             self.register_parameter("weight", None)
@@ -43,6 +63,8 @@ class Linear(nn.Linear):
         return 0 if w is None else w.numel() * w.element_size()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._native_linear is not None:
+            return self._native_linear(x, self.packed_weight, self.bias, self.out_features)
         if self.packed_weight is not None:  # the resolved overload: no per-call lookup
             return torch.ops.mkldnn._linear_pointwise.default(x, self.packed_weight, self.bias,
                                                               "none", [], "")
@@ -50,16 +72,23 @@ class Linear(nn.Linear):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, packed={self.packed_weight is not None}")
+                f"bias={self.bias is not None}, packed={self.packing()}")
+
+    def packing(self) -> str | None:
+        """Which layout forward runs on: "native", "onednn" or None (dense)."""
+        if self.packed_weight is None:
+            return None
+        return "native" if self._native_linear is not None else "onednn"
 
 
-def pack_linears(model: nn.Module, keep_dense: set[int] | None = None) -> int:
+def pack_linears(model: nn.Module, keep_dense: set[int] | None = None, kernels=None) -> int:
     """Pack every Linear of model in place; returns how many were packed.
-    keep_dense: id()s of weights other modules share (tied embeddings)."""
+    keep_dense: id()s of weights other modules share (tied embeddings); kernels: the
+    native kernel module to pack for where it has the dtype (else oneDNN)."""
     keep_dense = keep_dense or set()
     count = 0
     for module in model.modules():
         if isinstance(module, Linear) and module.packed_weight is None:
-            module.pack(keep_dense=id(module.weight) in keep_dense)
+            module.pack(keep_dense=id(module.weight) in keep_dense, kernels=kernels)
             count += 1
     return count
