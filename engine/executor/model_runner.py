@@ -18,6 +18,7 @@ import torch
 from engine.config import CPU_DEFAULT_KV_CACHE_BYTES, EngineConfig
 from engine.core.scheduler import SchedulerOutput
 from engine.errors import InvalidRequestError
+from engine.executor.allocator import keep_freed_memory
 from engine.executor.parallel import ShardPlan, TPGroup
 from engine.executor.sampler import prompt_token_logprobs
 from engine.lora.adapter import load_adapter
@@ -111,6 +112,8 @@ class ModelRunner:
         self.hf_config = hf_config
         self.max_model_len = max_model_len
         self.kernels = cpu_kernels() if device.type == "cpu" else None
+        if device.type == "cpu":
+            keep_freed_memory()  # steps reuse their freed activations: no page faults
         self.native_attention = self.kernels.paged_attention if self.kernels else None
         self.model = self._load_model()
         self.lora_slots: LoRASlots | None = None
