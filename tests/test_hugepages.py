@@ -65,3 +65,34 @@ def test_lazily_zeroed_tensor_is_zero_aligned_and_resident_only_where_written():
     t[3, 5] = 7.0
     assert float(t[3].sum()) == 7.0 and float(t[:3].abs().sum()) == 0.0
     assert _rss_bytes() - before < 128 << 20  # the rows read are zero pages, not copies
+
+
+def _resident(t) -> list[bool]:
+    """mincore(2) over the pages of a contiguous CPU tensor: which are in memory."""
+    page = mmap.PAGESIZE
+    start = t.data_ptr() // page * page
+    length = t.data_ptr() + t.numel() * t.element_size() - start
+    vec = (ctypes.c_ubyte * (-(-length // page)))()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    assert libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(length), vec) == 0
+    return [bool(b & 1) for b in vec]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore(2) on Linux")
+def test_cpu_engine_writes_the_kv_blocks_a_full_batch_holds_and_no_more(tiny_llama):
+    from engine.config import EngineConfig
+    from engine.core.engine_core import EngineCore
+    core = EngineCore(EngineConfig(model=str(tiny_llama), dtype="float32", max_num_seqs=2,
+                                   max_model_len=64))
+    try:
+        cache = core.runner.kv_caches
+        full_batch = 2 * 64 // core.block_size
+        assert core.num_blocks > full_batch + 2048  # the pool is far larger than a batch
+        for layer in cache:  # a decode step never takes a first-touch fault in these
+            assert all(_resident(layer[:full_batch]))
+        # beyond them (past the 2 MiB page the last of them shares) nothing was written
+        assert not any(_resident(cache[0, full_batch + 1024:full_batch + 2048]))
+        assert float(cache[:, :full_batch].abs().sum()) == 0.0
+    finally:
+        core.shutdown()

@@ -203,10 +203,25 @@ class ModelRunner:
         # zeros, not garbage: masked-out slots still enter the matmuls, and 0 * NaN = NaN
         if self.device.type == "cpu":
             self.kv_caches = lazily_zeroed(shape, self.dtype)
+            self._prefault_kv(num_blocks)
         else:
             self.kv_caches = torch.zeros(shape, dtype=self.dtype, device=self.device)
         cache = self.kv_caches
         self.layer_caches = [cache_views(layer) for layer in cache]  # made once, not per step
+
+    def _prefault_kv(self, num_blocks: int) -> None:
+        """Write the pool's first blocks now, as many as a full batch can hold at once
+        (max_num_seqs sequences of max_model_len; the rest only extends the prefix cache),
+        as vLLM's torch.zeros writes its whole pool: a page's first write is a fault (and,
+        in a VM, often the host's too), and taken during decode each one stalls a step.
+        W1 (Zen 5 VM, bf16): 1,627-1,649 -> 1,853-1,866 tok/s, system time 0.25-0.65 ->
+        0.00-0.04 s; the price is this pass at start (2 GiB: 0.85 s here)."""
+        full_batch = self.config.max_num_seqs * -(-self.max_model_len // self.block_size)
+        blocks = min(num_blocks, full_batch)
+        start = time.perf_counter()
+        self.kv_caches[:, :blocks].zero_()
+        logger.info("KV cache: %d blocks, the first %d written in %.2fs", num_blocks, blocks,
+                    time.perf_counter() - start)
 
     def free_kv_cache(self) -> None:
         self.kv_caches = None

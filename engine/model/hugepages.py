@@ -56,7 +56,8 @@ def lazily_zeroed(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     The kernel hands out zero pages as they are first written, so a KV pool costs
     neither a pass of memset nor resident memory until its blocks are used: zeroing a
     2 GiB pool up front (with huge-page compaction) took minutes of system time when
-    several engines started at once on a busy 2-core machine."""
+    several engines started at once on a busy 2-core machine. The model runner then
+    writes only the blocks a full batch can hold (ModelRunner._prefault_kv)."""
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     buf = mmap.mmap(-1, nbytes + _HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     raw = torch.frombuffer(buf, dtype=torch.uint8)  # holds the mapping while it lives
