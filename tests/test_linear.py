@@ -151,3 +151,20 @@ def test_linear_packs_for_the_native_kernels_when_they_have_the_dtype(kernels, d
     x = torch.randn(9, 64).to(dtype)
     if native:
         _check_against_float(layer(x), x, weight, bias)
+
+
+def test_native_linear_writes_float_logits_rounded_as_its_dtype(kernels):
+    # float_out: the LM head's float32 logits in one pass, equal to the dtype's output
+    # widened (what .float() of it gives), so sampling sees the same values
+    for dtype in map(lambda name: getattr(torch, name), kernels.linear_dtypes()):
+        torch.manual_seed(4)
+        weight, x = torch.randn(170, 64).to(dtype), torch.randn(9, 64).to(dtype)
+        packed = kernels.pack_linear(weight)
+        got = kernels.linear(x, packed, None, 170, float_out=True)
+        assert got.dtype == torch.float32
+        assert torch.equal(got, kernels.linear(x, packed, None, 170).float())
+        layer = Linear(64, 170, bias=False).to(dtype)
+        layer.weight.data.copy_(weight)
+        dense = layer.forward_float(x)
+        layer.pack(kernels=kernels)
+        assert torch.equal(layer.forward_float(x), got) and dense.dtype == torch.float32

@@ -245,13 +245,12 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Float32 logits over the whole vocabulary; under TP they are gathered on rank 0
         (the sampler's rank) and the other ranks get None."""
-        logits = self.lm_head(hidden)
-        if self.tp is not None:
-            logits = self.tp.gather_last_dim(logits)
-            if logits is None:
-                return None
-            logits = logits[:, :self.shape.vocab_size]
-        return logits.float()
+        if self.tp is None:
+            return self.lm_head.forward_float(hidden)
+        logits = self.tp.gather_last_dim(self.lm_head(hidden))
+        if logits is None:
+            return None
+        return logits[:, :self.shape.vocab_size].float()
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         """Copy this rank's slice of each checkpoint tensor (HF names) into the fused

@@ -16,7 +16,7 @@ torch::Tensor sample_rows(torch::Tensor x, torch::Tensor inv_temp, torch::Tensor
 std::vector<std::string> linear_dtypes();
 torch::Tensor pack_linear(torch::Tensor weight);
 torch::Tensor linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
-                     int64_t out_features);
+                     int64_t out_features, bool float_out);
 void rotary_inplace(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
                     int64_t num_rotated_heads, int64_t head_dim);
 
@@ -34,8 +34,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sample_rows", &sample_rows, "one draw per row from softmax(x / T) at a given uniform");
   m.def("linear_dtypes", &linear_dtypes, "the weight dtypes pack_linear and linear take here");
   m.def("pack_linear", &pack_linear, "a linear's [out, in] weight in the layout linear reads");
-  m.def("linear", &linear, "x @ W.T (+ bias) on a weight from pack_linear",
-        py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("out_features"));
+  m.def("linear", &linear, "x @ W.T (+ bias) on a weight from pack_linear; float_out: "
+        "float32 output holding the values rounded to x's dtype (logits)",
+        py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("out_features"),
+        py::arg("float_out") = false);
   m.attr("isa") = flotilla::vec::kIsa;  // the vector path built: avx512, avx2, neon, sse2
   m.attr("lanes") = flotilla::vec::L;
 }

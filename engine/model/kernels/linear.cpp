@@ -23,8 +23,10 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
+#include "simd.h"
 #include "vec.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
@@ -59,9 +61,9 @@ struct F32 {
   static constexpr int64_t C = vec::L, P = 1;
   static constexpr int MR = vec::kRegs >= 32 ? 8 : 4, NR = 3;  // MR*NR accumulators
 
-  template <int R, int W>
+  template <int R, int W, typename O>
   static void tile(const float* a, int64_t lda, const float* b, int64_t steps, const float* bias,
-                   float* c, int64_t ldc, int64_t ncols, Prefetch& next) {
+                   O* c, int64_t ldc, int64_t ncols, Prefetch& next) {
     Prefetch pf = next;
     vec::vf acc[R][W];
     for (int j = 0; j < W; ++j) {
@@ -97,8 +99,8 @@ struct Bf16 {
   static constexpr int64_t C = 16, P = 2;
   static constexpr int MR = 8, NR = 3;  // 24 zmm accumulators
 
-  template <int R, int W>
-  static void tile(const T* a, int64_t lda, const T* b, int64_t steps, const float* bias, T* c,
+  template <int R, int W, typename O>
+  static void tile(const T* a, int64_t lda, const T* b, int64_t steps, const float* bias, O* c,
                    int64_t ldc, int64_t ncols, Prefetch& next) {
     Prefetch pf = next;
     __m512 acc[R][W];
@@ -120,45 +122,47 @@ struct Bf16 {
     next = pf;
     for (int i = 0; i < R; ++i)
       for (int j = 0; j < W; ++j) {
-        const __m256i out = (__m256i)_mm512_cvtneps_pbh(acc[i][j]);  // round to nearest even
         const int64_t c0 = j * C;
         if (c0 >= ncols) continue;
         const __mmask16 mask = c0 + C <= ncols ? 0xFFFF : (1u << (ncols - c0)) - 1;
-        _mm256_mask_storeu_epi16(c + i * ldc + c0, mask, out);
+        if constexpr (std::is_same_v<O, float>) {  // bf16 values, widened: logits
+          _mm512_mask_storeu_ps(c + i * ldc + c0, mask, flotilla::round_bf16(acc[i][j]));
+        } else {
+          const __m256i out = (__m256i)_mm512_cvtneps_pbh(acc[i][j]);  // round to nearest even
+          _mm256_mask_storeu_epi16(c + i * ldc + c0, mask, out);
+        }
       }
   }
 };
 #endif
 
 // Rows [0, rows) of a with one panel of W vectors: full MR tiles, then the remainder.
-template <class K, int W, int R = K::MR>
+template <class K, typename O, int W, int R = K::MR>
 void panel_tail(const typename K::T* a, int64_t lda, const typename K::T* b, int64_t steps,
-                const float* bias, typename K::T* c, int64_t ldc, int64_t ncols, int64_t rows,
-                Prefetch& pf) {
+                const float* bias, O* c, int64_t ldc, int64_t ncols, int64_t rows, Prefetch& pf) {
   if constexpr (R > 0) {
-    if (rows == R) return K::template tile<R, W>(a, lda, b, steps, bias, c, ldc, ncols, pf);
-    panel_tail<K, W, R - 1>(a, lda, b, steps, bias, c, ldc, ncols, rows, pf);
+    if (rows == R) return K::template tile<R, W, O>(a, lda, b, steps, bias, c, ldc, ncols, pf);
+    panel_tail<K, O, W, R - 1>(a, lda, b, steps, bias, c, ldc, ncols, rows, pf);
   }
 }
 
-template <class K, int W>
+template <class K, typename O, int W>
 void panel(const typename K::T* a, int64_t lda, const typename K::T* b, int64_t steps,
-           const float* bias, typename K::T* c, int64_t ldc, int64_t ncols, int64_t rows,
-           Prefetch& pf) {
+           const float* bias, O* c, int64_t ldc, int64_t ncols, int64_t rows, Prefetch& pf) {
   int64_t m = 0;
   for (; m + K::MR <= rows; m += K::MR)
-    K::template tile<K::MR, W>(a + m * lda, lda, b, steps, bias, c + m * ldc, ldc, ncols, pf);
+    K::template tile<K::MR, W, O>(a + m * lda, lda, b, steps, bias, c + m * ldc, ldc, ncols, pf);
   if (m < rows)
-    panel_tail<K, W>(a + m * lda, lda, b, steps, bias, c + m * ldc, ldc, ncols, rows - m, pf);
+    panel_tail<K, O, W>(a + m * lda, lda, b, steps, bias, c + m * ldc, ldc, ncols, rows - m, pf);
 }
 
-template <class K, int W = K::NR>
+template <class K, typename O, int W = K::NR>
 void panel_any(int64_t width, const typename K::T* a, int64_t lda, const typename K::T* b,
-               int64_t steps, const float* bias, typename K::T* c, int64_t ldc, int64_t ncols,
-               int64_t rows, Prefetch& pf) {
+               int64_t steps, const float* bias, O* c, int64_t ldc, int64_t ncols, int64_t rows,
+               Prefetch& pf) {
   if constexpr (W > 0) {
-    if (width == W) return panel<K, W>(a, lda, b, steps, bias, c, ldc, ncols, rows, pf);
-    panel_any<K, W - 1>(width, a, lda, b, steps, bias, c, ldc, ncols, rows, pf);
+    if (width == W) return panel<K, O, W>(a, lda, b, steps, bias, c, ldc, ncols, rows, pf);
+    panel_any<K, O, W - 1>(width, a, lda, b, steps, bias, c, ldc, ncols, rows, pf);
   }
 }
 
@@ -189,7 +193,8 @@ torch::Tensor pack(const torch::Tensor& weight) {
   return out;
 }
 
-template <class K>
+// O: the output's element type, K::T or float32 (holding values rounded to K::T).
+template <class K, typename O = typename K::T>
 torch::Tensor run(const torch::Tensor& input, const torch::Tensor& packed,
                   const c10::optional<torch::Tensor>& bias, int64_t n) {
   using T = typename K::T;
@@ -204,7 +209,7 @@ torch::Tensor run(const torch::Tensor& input, const torch::Tensor& packed,
   const int64_t lda = x.size(1);
   std::vector<int64_t> shape(input.sizes().begin(), input.sizes().end());
   shape.back() = n;
-  torch::Tensor y = torch::empty({m, n}, input.options());
+  torch::Tensor y = torch::empty({m, n}, input.options().dtype(c10::CppTypeToScalarType<O>::value));
   if (m == 0 || n == 0) return y.reshape(shape);
 
   const int64_t vectors = (n + K::C - 1) / K::C, panels = (vectors + K::NR - 1) / K::NR;
@@ -226,7 +231,7 @@ torch::Tensor run(const torch::Tensor& input, const torch::Tensor& packed,
   const int64_t panel_elems = K::NR * K::C * steps * K::P;
   const T* xp = x.data_ptr<T>();
   const T* wp = packed.data_ptr<T>();
-  T* yp = y.data_ptr<T>();
+  O* yp = y.data_ptr<O>();
   const float* bp = bias_f.empty() ? nullptr : bias_f.data();
 
   at::parallel_for(0, chunks * panels, 1, [&](int64_t begin, int64_t end) {
@@ -245,7 +250,7 @@ torch::Tensor run(const torch::Tensor& input, const torch::Tensor& packed,
         const int64_t lines = (pf.end - pf.p + 63) / 64, tile_steps = (rows + K::MR - 1) / K::MR * steps;
         pf.per_step = (lines + tile_steps - 1) / tile_steps;
       }
-      panel_any<K>(width, xp + r0 * lda, lda, b, steps, bp ? bp + col0 : nullptr,
+      panel_any<K, O>(width, xp + r0 * lda, lda, b, steps, bp ? bp + col0 : nullptr,
                    yp + r0 * n + col0, n, ncols, rows, pf);
     }
   });
@@ -272,12 +277,15 @@ torch::Tensor pack_linear(torch::Tensor weight) {
 }
 
 torch::Tensor linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
-                     int64_t out_features) {
+                     int64_t out_features, bool float_out) {
   TORCH_CHECK(x.scalar_type() == packed.scalar_type(), "linear: input ", x.scalar_type(),
               " against a ", packed.scalar_type(), " weight");
   if (x.scalar_type() == torch::kFloat32) return run<F32>(x, packed, bias, out_features);
 #if FLOTILLA_DPBF16
-  if (x.scalar_type() == torch::kBFloat16) return run<Bf16>(x, packed, bias, out_features);
+  if (x.scalar_type() == torch::kBFloat16) {
+    return float_out ? run<Bf16, float>(x, packed, bias, out_features)
+                     : run<Bf16>(x, packed, bias, out_features);
+  }
 #endif
   TORCH_CHECK(false, "linear: no kernel for ", x.scalar_type(), " in this build");
 }

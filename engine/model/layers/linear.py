@@ -70,6 +70,14 @@ class Linear(nn.Linear):
                                                               "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
+    def forward_float(self, x: torch.Tensor) -> torch.Tensor:
+        """forward(x).float() in one pass where the native kernel runs it (the LM head: it
+        writes float32 logits holding the dtype-rounded values, with no bf16 copy between)."""
+        if self._native_linear is not None:
+            return self._native_linear(x, self.packed_weight, self.bias, self.out_features,
+                                       float_out=True)
+        return self(x).float()
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, packed={self.packing()}")
