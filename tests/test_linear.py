@@ -52,6 +52,7 @@ def test_cpu_engine_packs_its_linears(tiny_llama):
     core = EngineCore(EngineConfig(model=str(tiny_llama), dtype="float32"))
     linears = [m for m in core.runner.model.modules() if isinstance(m, Linear)]
     assert linears and all(m.packing() == "native" for m in linears)  # float32: any build
+    assert all(layer.mlp.gate_up_proj.fuses_glu for layer in core.runner.model.layers)
     assert core.runner.memory_usage()["weights_bytes"] > 0
 
 
@@ -168,3 +169,62 @@ def test_native_linear_writes_float_logits_rounded_as_its_dtype(kernels):
         dense = layer.forward_float(x)
         layer.pack(kernels=kernels)
         assert torch.equal(layer.forward_float(x), got) and dense.dtype == torch.float32
+
+
+@pytest.mark.parametrize("half,in_features,rows,bias", [(50, 64, 9, True), (16, 32, 600, False),
+                                                        (1, 8, 13, True), (96, 97, 64, False)])
+def test_paired_linear_writes_the_product_or_its_swiglu(kernels, half, in_features, rows, bias):
+    # A [gate | up] weight packed paired: the plain output is the unpaired product; glu
+    # is silu(gate) * up as silu_and_mul computes it from that product (bf16: rounded at
+    # the same points; a half off the vector width takes silu_and_mul's scalar tail, whose
+    # exp may land one bf16 step away).
+    for dtype in map(lambda name: getattr(torch, name), kernels.linear_dtypes()):
+        torch.manual_seed(half + rows)
+        weight = (torch.randn(2 * half, in_features) * in_features ** -0.5).to(dtype)
+        b = torch.randn(2 * half).to(dtype) if bias else None
+        x = torch.randn(rows, in_features).to(dtype)
+        paired = kernels.pack_linear(weight, paired=True)
+        product = kernels.linear(x, paired, b, 2 * half, paired=True)
+        assert torch.equal(product, kernels.linear(x, kernels.pack_linear(weight), b, 2 * half))
+        _check_against_float(product, x, weight, b)
+        got = kernels.linear(x, paired, b, 2 * half, paired=True, glu=True)
+        want = kernels.silu_and_mul(product)
+        assert got.shape == (rows, half) and got.dtype == dtype
+        if dtype == torch.bfloat16 and half % 16 == 0:
+            assert torch.equal(got, want)
+        else:
+            err = (got.float() - want.float()).abs()
+            assert (err <= want.float().abs() * 2 ** -7 + 1e-5).all(), err.max()
+
+
+def test_paired_linear_refuses_what_it_cannot_run(kernels):
+    with pytest.raises(RuntimeError, match="even row count, got 7"):
+        kernels.pack_linear(torch.randn(7, 8), paired=True)
+    paired = kernels.pack_linear(torch.randn(8, 8), paired=True)
+    with pytest.raises(RuntimeError, match="glu needs a weight packed paired"):
+        kernels.linear(torch.randn(2, 8), paired, None, 8, glu=True)
+    with pytest.raises(RuntimeError, match="float_out and glu"):
+        kernels.linear(torch.randn(2, 8), paired, None, 8, float_out=True, paired=True,
+                       glu=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_glu_halves_layer_fuses_its_activation_only_when_native(kernels, dtype):
+    torch.manual_seed(5)
+    layer = Linear(32, 2 * 48, bias=False).to(dtype)
+    layer.glu_halves = True
+    weight = layer.weight.detach().clone()
+    x = torch.randn(5, 32).to(dtype)
+    gate, up = F.linear(x.float(), weight.float()).to(dtype).split(48, dim=-1)
+    want = (F.silu(gate.float()).to(dtype).float() * up.float())
+    assert not layer.fuses_glu
+    with pytest.raises(RuntimeError, match="forward_glu needs"):
+        layer.forward_glu(x)
+    layer.pack(kernels=kernels)
+    if str(dtype).removeprefix("torch.") not in kernels.linear_dtypes():
+        assert not layer.fuses_glu  # oneDNN's packing: the plain product only
+        return
+    assert layer.fuses_glu
+    _check_against_float(layer(x), x, weight, None)  # the [gate | up] product still
+    torch.testing.assert_close(layer.forward_glu(x).float(), want,
+                               rtol=2 ** -7 if dtype == torch.bfloat16 else 1e-5, atol=1e-4)

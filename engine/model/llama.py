@@ -152,10 +152,15 @@ class LlamaMLP(nn.Module):
         self.intermediate = plan.intermediate_size
         self.gate_up_proj = Linear(shape.hidden_size, 2 * plan.intermediate_size,
                                    bias=shape.mlp_bias)
+        self.gate_up_proj.glu_halves = True
         self.down_proj = Linear(plan.intermediate_size, shape.hidden_size,
                                 bias=shape.mlp_bias and plan.rank == 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.lora is None and self.gate_up_proj.fuses_glu:  # one pass, no gate_up tensor
+            act = self.gate_up_proj.forward_glu(x)
+            out = self.down_proj(act)
+            return self.tp.all_reduce(out) if self.tp is not None else out
         gate_up = self.gate_up_proj(x)
         if self.lora is not None:
             self.lora.add(self.layer_index, "gate_up_proj", x, gate_up)

@@ -14,9 +14,9 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up);
 torch::Tensor argmax_rows(torch::Tensor x);
 torch::Tensor sample_rows(torch::Tensor x, torch::Tensor inv_temp, torch::Tensor u);
 std::vector<std::string> linear_dtypes();
-torch::Tensor pack_linear(torch::Tensor weight);
+torch::Tensor pack_linear(torch::Tensor weight, bool paired);
 torch::Tensor linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
-                     int64_t out_features, bool float_out);
+                     int64_t out_features, bool float_out, bool paired, bool glu);
 void rotary_inplace(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
                     int64_t num_rotated_heads, int64_t head_dim);
 
@@ -33,11 +33,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, "first index of each row's maximum (float32)");
   m.def("sample_rows", &sample_rows, "one draw per row from softmax(x / T) at a given uniform");
   m.def("linear_dtypes", &linear_dtypes, "the weight dtypes pack_linear and linear take here");
-  m.def("pack_linear", &pack_linear, "a linear's [out, in] weight in the layout linear reads");
+  m.def("pack_linear", &pack_linear, "a linear's [out, in] weight in the layout linear reads; "
+        "paired: the rows' two halves (gate, up) side by side, for glu",
+        py::arg("weight"), py::arg("paired") = false);
   m.def("linear", &linear, "x @ W.T (+ bias) on a weight from pack_linear; float_out: "
-        "float32 output holding the values rounded to x's dtype (logits)",
+        "float32 output holding the values rounded to x's dtype (logits); paired: the weight "
+        "was packed paired; glu: write silu(first half) * second half (SwiGLU)",
         py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("out_features"),
-        py::arg("float_out") = false);
+        py::arg("float_out") = false, py::arg("paired") = false, py::arg("glu") = false);
   m.attr("isa") = flotilla::vec::kIsa;  // the vector path built: avx512, avx2, neon, sse2
   m.attr("lanes") = flotilla::vec::L;
 }

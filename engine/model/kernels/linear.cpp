@@ -16,6 +16,13 @@
 // [k-step][its columns][P], P the k values a step takes (bf16: the pair vdpbf16ps
 // multiplies; float32: 1). Columns past N and k past K are zero.
 //
+// Paired layout (the MLP's fused gate_up projection): panel g holds gate vector g and up
+// vector g, so one tile has both halves of its columns and can write silu(gate) * up
+// directly (the SwiGLU activation, rounded where engine/model/kernels/fused_ops.cpp's
+// silu_and_mul rounds): no [rows, 2 x intermediate] product, no separate pass over it.
+// W1 (Zen 5, bf16): silu_and_mul took 0.13 s of a 4.4 s run. Without the activation
+// (LoRA adds to the product first) a paired weight writes the plain product.
+//
 // Kinds: bf16 with AVX512_BF16's vdpbf16ps (the products exact, summed in float32 as
 // oneDNN's bf16 matmuls do); float32 on vec.h's vectors (AVX-512, AVX2 + FMA, NEON).
 #include <torch/extension.h>
@@ -55,19 +62,32 @@ struct Prefetch {
   }
 };
 
+// Where a tile's accumulators go. Vector j of a row: bias at bias + j * bstride; output
+// at c + j * vstride with ncols - j * vskip valid lanes (a plain panel: vstride = vskip
+// = C; a paired one: vstride = N / 2 apart, both vectors with ncols lanes, vskip = 0).
+// glu: one vector per row, silu(vector 0) * vector 1.
+template <typename O>
+struct Out {
+  O* c;
+  int64_t ldc, ncols, vstride, vskip;
+  const float* bias;
+  int64_t bstride;
+};
+
 // ---- float32 on vec.h vectors ------------------------------------------------------
 struct F32 {
   using T = float;
   static constexpr int64_t C = vec::L, P = 1;
   static constexpr int MR = vec::kRegs >= 32 ? 8 : 4, NR = 3;  // MR*NR accumulators
+  static constexpr int MR2 = vec::kRegs >= 32 ? 8 : 6;           // rows of a paired tile
 
-  template <int R, int W, typename O>
-  static void tile(const float* a, int64_t lda, const float* b, int64_t steps, const float* bias,
-                   O* c, int64_t ldc, int64_t ncols, Prefetch& next) {
+  template <int R, int W, bool GLU, typename O>
+  static void tile(const float* a, int64_t lda, const float* b, int64_t steps, const Out<O>& out,
+                   Prefetch& next) {
     Prefetch pf = next;
     vec::vf acc[R][W];
     for (int j = 0; j < W; ++j) {
-      const vec::vf init = bias ? vec::load(bias + j * C) : vec::splat(0.f);
+      const vec::vf init = out.bias ? vec::load(out.bias + j * out.bstride) : vec::splat(0.f);
       for (int i = 0; i < R; ++i) acc[i][j] = init;
     }
     for (int64_t k = 0; k < steps; ++k) {
@@ -80,15 +100,22 @@ struct F32 {
       }
     }
     next = pf;
-    for (int i = 0; i < R; ++i)
-      for (int j = 0; j < W; ++j) {
-        const int64_t c0 = j * C;
-        if (c0 + C <= ncols) {
-          vec::store(c + i * ldc + c0, acc[i][j]);
-        } else {
-          for (int64_t l = 0; c0 + l < ncols; ++l) c[i * ldc + c0 + l] = acc[i][j][l];
-        }
+    for (int i = 0; i < R; ++i) {
+      O* row = out.c + i * out.ldc;
+      if constexpr (GLU) {
+        static_assert(W == 2, "glu tiles hold a gate and an up vector");
+        const vec::vf g = acc[i][0];
+        store(row, g / (1.f + vec::exp(-g)) * acc[i][1], out.ncols);
+      } else {
+        for (int j = 0; j < W; ++j)
+          store(row + j * out.vstride, acc[i][j], out.ncols - j * out.vskip);
       }
+    }
+  }
+
+  static void store(float* c, vec::vf v, int64_t lanes) {
+    if (lanes >= C) return vec::store(c, v);
+    for (int64_t l = 0; l < lanes; ++l) c[l] = v[l];
   }
 };
 
@@ -98,14 +125,16 @@ struct Bf16 {
   using T = c10::BFloat16;
   static constexpr int64_t C = 16, P = 2;
   static constexpr int MR = 8, NR = 3;  // 24 zmm accumulators
+  static constexpr int MR2 = 8;          // rows of a paired tile (12 measured no faster)
 
-  template <int R, int W, typename O>
-  static void tile(const T* a, int64_t lda, const T* b, int64_t steps, const float* bias, O* c,
-                   int64_t ldc, int64_t ncols, Prefetch& next) {
+  template <int R, int W, bool GLU, typename O>
+  static void tile(const T* a, int64_t lda, const T* b, int64_t steps, const Out<O>& out,
+                   Prefetch& next) {
     Prefetch pf = next;
     __m512 acc[R][W];
     for (int j = 0; j < W; ++j) {
-      const __m512 init = bias ? _mm512_loadu_ps(bias + j * C) : _mm512_setzero_ps();
+      const __m512 init = out.bias ? _mm512_loadu_ps(out.bias + j * out.bstride)
+                                   : _mm512_setzero_ps();
       for (int i = 0; i < R; ++i) acc[i][j] = init;
     }
     const auto* ap = reinterpret_cast<const int32_t*>(a);  // a row's k pairs
@@ -120,75 +149,111 @@ struct Bf16 {
       }
     }
     next = pf;
-    for (int i = 0; i < R; ++i)
-      for (int j = 0; j < W; ++j) {
-        const int64_t c0 = j * C;
-        if (c0 >= ncols) continue;
-        const __mmask16 mask = c0 + C <= ncols ? 0xFFFF : (1u << (ncols - c0)) - 1;
-        if constexpr (std::is_same_v<O, float>) {  // bf16 values, widened: logits
-          _mm512_mask_storeu_ps(c + i * ldc + c0, mask, flotilla::round_bf16(acc[i][j]));
-        } else {
-          const __m256i out = (__m256i)_mm512_cvtneps_pbh(acc[i][j]);  // round to nearest even
-          _mm256_mask_storeu_epi16(c + i * ldc + c0, mask, out);
-        }
+    for (int i = 0; i < R; ++i) {
+      O* row = out.c + i * out.ldc;
+      if constexpr (GLU) {  // gate and up rounded to bf16 first, as silu_and_mul reads them
+        static_assert(W == 2, "glu tiles hold a gate and an up vector");
+        const __m512 g = flotilla::round_bf16(acc[i][0]);
+        const __m512 e = flotilla::exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+        const __m512 act = flotilla::round_bf16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
+        store(row, _mm512_mul_ps(act, flotilla::round_bf16(acc[i][1])), out.ncols);
+      } else {
+        for (int j = 0; j < W; ++j)
+          store(row + j * out.vstride, acc[i][j], out.ncols - j * out.vskip);
       }
+    }
+  }
+
+  template <typename O>
+  static void store(O* c, __m512 v, int64_t lanes) {
+    if (lanes <= 0) return;
+    const __mmask16 mask = lanes >= C ? 0xFFFF : (1u << lanes) - 1;
+    if constexpr (std::is_same_v<O, float>) {  // bf16 values, widened: logits
+      _mm512_mask_storeu_ps(c, mask, flotilla::round_bf16(v));
+    } else {
+      _mm256_mask_storeu_epi16(c, mask, (__m256i)_mm512_cvtneps_pbh(v));  // nearest even
+    }
   }
 };
 #endif
 
-// Rows [0, rows) of a with one panel of W vectors: full MR tiles, then the remainder.
-template <class K, typename O, int W, int R = K::MR>
+// Rows [0, rows) of a with one panel of W vectors: full tiles of MR rows, then the rest.
+template <class K, int W, bool GLU, typename O, int R>
 void panel_tail(const typename K::T* a, int64_t lda, const typename K::T* b, int64_t steps,
-                const float* bias, O* c, int64_t ldc, int64_t ncols, int64_t rows, Prefetch& pf) {
+                Out<O> out, int64_t rows, Prefetch& pf) {
   if constexpr (R > 0) {
-    if (rows == R) return K::template tile<R, W, O>(a, lda, b, steps, bias, c, ldc, ncols, pf);
-    panel_tail<K, O, W, R - 1>(a, lda, b, steps, bias, c, ldc, ncols, rows, pf);
+    if (rows == R) return K::template tile<R, W, GLU, O>(a, lda, b, steps, out, pf);
+    panel_tail<K, W, GLU, O, R - 1>(a, lda, b, steps, out, rows, pf);
   }
 }
 
-template <class K, typename O, int W>
+template <class K, int W, bool GLU, typename O, int MR = K::MR>
 void panel(const typename K::T* a, int64_t lda, const typename K::T* b, int64_t steps,
-           const float* bias, O* c, int64_t ldc, int64_t ncols, int64_t rows, Prefetch& pf) {
+           Out<O> out, int64_t rows, Prefetch& pf) {
   int64_t m = 0;
-  for (; m + K::MR <= rows; m += K::MR)
-    K::template tile<K::MR, W, O>(a + m * lda, lda, b, steps, bias, c + m * ldc, ldc, ncols, pf);
-  if (m < rows)
-    panel_tail<K, O, W>(a + m * lda, lda, b, steps, bias, c + m * ldc, ldc, ncols, rows - m, pf);
+  for (; m + MR <= rows; m += MR, out.c += MR * out.ldc)
+    K::template tile<MR, W, GLU, O>(a + m * lda, lda, b, steps, out, pf);
+  if (m < rows) panel_tail<K, W, GLU, O, MR - 1>(a + m * lda, lda, b, steps, out, rows - m, pf);
 }
 
 template <class K, typename O, int W = K::NR>
 void panel_any(int64_t width, const typename K::T* a, int64_t lda, const typename K::T* b,
-               int64_t steps, const float* bias, O* c, int64_t ldc, int64_t ncols, int64_t rows,
-               Prefetch& pf) {
+               int64_t steps, const Out<O>& out, int64_t rows, Prefetch& pf) {
   if constexpr (W > 0) {
-    if (width == W) return panel<K, O, W>(a, lda, b, steps, bias, c, ldc, ncols, rows, pf);
-    panel_any<K, O, W - 1>(width, a, lda, b, steps, bias, c, ldc, ncols, rows, pf);
+    if (width == W) return panel<K, W, false, O>(a, lda, b, steps, out, rows, pf);
+    panel_any<K, O, W - 1>(width, a, lda, b, steps, out, rows, pf);
   }
 }
 
+// Which weight row feeds each column of each panel, and where panels lie.
 template <class K>
-int64_t packed_numel(int64_t n, int64_t k) {
-  return (n + K::C - 1) / K::C * K::C * ((k + K::P - 1) / K::P) * K::P;
-}
+struct Geometry {
+  int64_t n, k, steps;
+  bool paired;
+  int64_t half;     // paired: N / 2, the columns of each half
+  int64_t vectors;  // plain: vectors of C columns; paired: pairs of them
+  int64_t panels;
+
+  Geometry(int64_t n_, int64_t k_, bool paired_)
+      : n(n_), k(k_), steps((k_ + K::P - 1) / K::P), paired(paired_), half(n_ / 2) {
+    vectors = paired ? (half + K::C - 1) / K::C : (n + K::C - 1) / K::C;
+    panels = paired ? vectors : (vectors + K::NR - 1) / K::NR;
+  }
+  int64_t width(int64_t g) const { return paired ? 2 : std::min<int64_t>(K::NR, vectors - g * K::NR); }
+  int64_t step_elems(int64_t g) const { return width(g) * K::C * K::P; }
+  int64_t offset(int64_t g) const { return g * (paired ? 2 : K::NR) * K::C * steps * K::P; }
+  int64_t numel() const { return (paired ? 2 : 1) * vectors * K::C * steps * K::P; }
+  // The weight row of column `col` of panel g, or -1 for padding.
+  int64_t source_row(int64_t g, int64_t col) const {
+    if (!paired) {
+      const int64_t row = g * K::NR * K::C + col;
+      return row < n ? row : -1;
+    }
+    const int64_t in_half = g * K::C + col % K::C;
+    return in_half < half ? in_half + (col < K::C ? 0 : half) : -1;
+  }
+};
 
 template <class K>
-torch::Tensor pack(const torch::Tensor& weight) {
+torch::Tensor pack(const torch::Tensor& weight, bool paired) {
   using T = typename K::T;
   const torch::Tensor w = weight.contiguous();
-  const int64_t n = w.size(0), k = w.size(1), steps = (k + K::P - 1) / K::P;
-  const int64_t vectors = (n + K::C - 1) / K::C;
-  torch::Tensor out = torch::zeros({packed_numel<K>(n, k)}, w.options());
+  TORCH_CHECK(!paired || w.size(0) % 2 == 0,
+              "pack_linear: a paired weight needs an even row count, got ", w.size(0));
+  const Geometry<K> geo(w.size(0), w.size(1), paired);
+  torch::Tensor out = torch::zeros({geo.numel()}, w.options());
   const T* src = w.data_ptr<T>();
   T* dst = out.data_ptr<T>();
-  for (int64_t v0 = 0; v0 < vectors; v0 += K::NR) {
-    const int64_t width = std::min<int64_t>(K::NR, vectors - v0);
-    T* base = dst + v0 * K::C * steps * K::P;
-    for (int64_t s = 0; s < steps; ++s)
-      for (int64_t col = 0; col < width * K::C; ++col)
-        for (int64_t p = 0; p < K::P; ++p) {
-          const int64_t row = v0 * K::C + col, kk = s * K::P + p;
-          if (row < n && kk < k) base[(s * width * K::C + col) * K::P + p] = src[row * k + kk];
-        }
+  for (int64_t g = 0; g < geo.panels; ++g) {
+    T* base = dst + geo.offset(g);
+    const int64_t cols = geo.width(g) * K::C;
+    for (int64_t col = 0; col < cols; ++col) {
+      const int64_t row = geo.source_row(g, col);
+      if (row < 0) continue;
+      for (int64_t s = 0; s < geo.steps; ++s)
+        for (int64_t p = 0; p < K::P && s * K::P + p < geo.k; ++p)
+          base[(s * cols + col) * K::P + p] = src[row * geo.k + s * K::P + p];
+    }
   }
   return out;
 }
@@ -196,39 +261,50 @@ torch::Tensor pack(const torch::Tensor& weight) {
 // O: the output's element type, K::T or float32 (holding values rounded to K::T).
 template <class K, typename O = typename K::T>
 torch::Tensor run(const torch::Tensor& input, const torch::Tensor& packed,
-                  const c10::optional<torch::Tensor>& bias, int64_t n) {
+                  const c10::optional<torch::Tensor>& bias, int64_t n, bool paired, bool glu) {
   using T = typename K::T;
   const int64_t k = input.size(-1);
+  TORCH_CHECK(!glu || paired, "linear: glu needs a weight packed paired");
+  TORCH_CHECK(!paired || n % 2 == 0, "linear: a paired weight has an even out_features");
+  const Geometry<K> geo(n, k, paired);
   // The packed size pins K (to the k-step) and N to the vector width: out_features is
   // the caller's (Linear keeps it), the check catches a weight packed for other shapes.
-  TORCH_CHECK(packed.numel() == packed_numel<K>(n, k),
-              "linear: the packed weight does not hold ", n, " x ", k);
+  TORCH_CHECK(packed.numel() == geo.numel(), "linear: the packed weight does not hold ", n,
+              " x ", k);
   torch::Tensor x = input.reshape({-1, k}).contiguous();
-  const int64_t m = x.size(0), steps = (k + K::P - 1) / K::P;
+  const int64_t m = x.size(0), steps = geo.steps, width_out = glu ? geo.half : n;
   if (k % K::P) x = torch::constant_pad_nd(x, {0, K::P - k % K::P});  // whole k-steps
   const int64_t lda = x.size(1);
   std::vector<int64_t> shape(input.sizes().begin(), input.sizes().end());
-  shape.back() = n;
-  torch::Tensor y = torch::empty({m, n}, input.options().dtype(c10::CppTypeToScalarType<O>::value));
+  shape.back() = width_out;
+  torch::Tensor y = torch::empty({m, width_out},
+                                 input.options().dtype(c10::CppTypeToScalarType<O>::value));
   if (m == 0 || n == 0) return y.reshape(shape);
 
-  const int64_t vectors = (n + K::C - 1) / K::C, panels = (vectors + K::NR - 1) / K::NR;
-  std::vector<float> bias_f;  // float32, padded to whole vectors
+  // float32 bias, padded to whole vectors (paired: each half padded on its own)
+  const int64_t span = paired ? geo.vectors * K::C : 0;
+  std::vector<float> bias_f;
   if (bias && bias->defined()) {
     const torch::Tensor bf = bias->to(torch::kFloat32).contiguous();
-    bias_f.assign(vectors * K::C, 0.f);
-    std::copy(bf.data_ptr<float>(), bf.data_ptr<float>() + n, bias_f.begin());
+    const float* src = bf.data_ptr<float>();
+    bias_f.assign(paired ? 2 * span : geo.vectors * K::C, 0.f);
+    if (paired) {
+      std::copy(src, src + geo.half, bias_f.begin());
+      std::copy(src + geo.half, src + n, bias_f.begin() + span);
+    } else {
+      std::copy(src, src + n, bias_f.begin());
+    }
   }
   // Work items (row chunk, panel), chunk-major; each thread takes a contiguous run, so
   // its next item is usually the next panel. Rows are split only when there are fewer
   // panels than threads, or a chunk would outgrow kMaxChunkRows.
+  const int64_t panels = geo.panels;
   const int64_t threads = at::get_num_threads(), tiles = (m + K::MR - 1) / K::MR;
   int64_t chunks = std::max<int64_t>((m + kMaxChunkRows - 1) / kMaxChunkRows,
                                      panels < threads ? (threads + panels - 1) / panels : 1);
   chunks = std::min(chunks, tiles);
   const int64_t chunk_rows = (tiles + chunks - 1) / chunks * K::MR;
   chunks = (m + chunk_rows - 1) / chunk_rows;
-  const int64_t panel_elems = K::NR * K::C * steps * K::P;
   const T* xp = x.data_ptr<T>();
   const T* wp = packed.data_ptr<T>();
   O* yp = y.data_ptr<O>();
@@ -238,20 +314,32 @@ torch::Tensor run(const torch::Tensor& input, const torch::Tensor& packed,
     for (int64_t item = begin; item < end; ++item) {
       const int64_t chunk = item / panels, g = item % panels;
       const int64_t r0 = chunk * chunk_rows, rows = std::min(chunk_rows, m - r0);
-      const int64_t width = std::min<int64_t>(K::NR, vectors - g * K::NR);
-      const int64_t col0 = g * K::NR * K::C, ncols = std::min(width * K::C, n - col0);
-      const T* b = wp + g * panel_elems;
       Prefetch pf{nullptr, nullptr, 0};
       if (item + 1 < end && (item + 1) % panels != g) {
         const int64_t g2 = (item + 1) % panels;
-        const int64_t width2 = std::min<int64_t>(K::NR, vectors - g2 * K::NR);
-        pf.p = reinterpret_cast<const char*>(wp + g2 * panel_elems);
-        pf.end = pf.p + width2 * K::C * steps * K::P * sizeof(T);
-        const int64_t lines = (pf.end - pf.p + 63) / 64, tile_steps = (rows + K::MR - 1) / K::MR * steps;
+        pf.p = reinterpret_cast<const char*>(wp + geo.offset(g2));
+        pf.end = pf.p + geo.step_elems(g2) * steps * sizeof(T);
+        const int64_t mr = paired ? K::MR2 : K::MR;
+        const int64_t lines = (pf.end - pf.p + 63) / 64, tile_steps = (rows + mr - 1) / mr * steps;
         pf.per_step = (lines + tile_steps - 1) / tile_steps;
       }
-      panel_any<K, O>(width, xp + r0 * lda, lda, b, steps, bp ? bp + col0 : nullptr,
-                   yp + r0 * n + col0, n, ncols, rows, pf);
+      const T* a = xp + r0 * lda;
+      const T* b = wp + geo.offset(g);
+      if (paired) {
+        const int64_t col0 = g * K::C, ncols = std::min<int64_t>(K::C, geo.half - col0);
+        Out<O> out{yp + r0 * width_out + col0, width_out, ncols, geo.half, 0,
+                   bp ? bp + col0 : nullptr, span};
+        if (glu) {
+          panel<K, 2, true, O, K::MR2>(a, lda, b, steps, out, rows, pf);
+        } else {
+          panel<K, 2, false, O, K::MR2>(a, lda, b, steps, out, rows, pf);
+        }
+      } else {
+        const int64_t col0 = g * K::NR * K::C, width = geo.width(g);
+        Out<O> out{yp + r0 * n + col0, n, std::min(width * K::C, n - col0), K::C, K::C,
+                   bp ? bp + col0 : nullptr, K::C};
+        panel_any<K, O>(width, a, lda, b, steps, out, rows, pf);
+      }
     }
   });
   return y.reshape(shape);
@@ -267,24 +355,26 @@ std::vector<std::string> linear_dtypes() {
 #endif
 }
 
-torch::Tensor pack_linear(torch::Tensor weight) {
+torch::Tensor pack_linear(torch::Tensor weight, bool paired) {
   TORCH_CHECK(weight.dim() == 2, "pack_linear: the weight must be 2-D, got ", weight.dim(), "-D");
-  if (weight.scalar_type() == torch::kFloat32) return pack<F32>(weight);
+  if (weight.scalar_type() == torch::kFloat32) return pack<F32>(weight, paired);
 #if FLOTILLA_DPBF16
-  if (weight.scalar_type() == torch::kBFloat16) return pack<Bf16>(weight);
+  if (weight.scalar_type() == torch::kBFloat16) return pack<Bf16>(weight, paired);
 #endif
   TORCH_CHECK(false, "pack_linear: no kernel for ", weight.scalar_type(), " in this build");
 }
 
 torch::Tensor linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
-                     int64_t out_features, bool float_out) {
+                     int64_t out_features, bool float_out, bool paired, bool glu) {
   TORCH_CHECK(x.scalar_type() == packed.scalar_type(), "linear: input ", x.scalar_type(),
               " against a ", packed.scalar_type(), " weight");
-  if (x.scalar_type() == torch::kFloat32) return run<F32>(x, packed, bias, out_features);
+  TORCH_CHECK(!(float_out && glu), "linear: float_out and glu do not go together");
+  if (x.scalar_type() == torch::kFloat32)
+    return run<F32>(x, packed, bias, out_features, paired, glu);
 #if FLOTILLA_DPBF16
   if (x.scalar_type() == torch::kBFloat16) {
-    return float_out ? run<Bf16, float>(x, packed, bias, out_features)
-                     : run<Bf16>(x, packed, bias, out_features);
+    return float_out ? run<Bf16, float>(x, packed, bias, out_features, paired, glu)
+                     : run<Bf16>(x, packed, bias, out_features, paired, glu);
   }
 #endif
   TORCH_CHECK(false, "linear: no kernel for ", x.scalar_type(), " in this build");

@@ -42,6 +42,10 @@ class Linear(nn.Linear):
 
     packed_weight: torch.Tensor | None = None
     _native_linear = None  # kernels.linear when packed_weight is in the native layout
+    # Set by the owner when the output is [gate | up] halves (the MLP's gate_up_proj):
+    # the native packing then pairs them, and forward_glu writes silu(gate) * up.
+    glu_halves = False
+    _paired = False
 
     def pack(self, keep_dense: bool = False, kernels=None) -> None:
         """Prepack the weight: for the native kernels `kernels` when they have this
@@ -49,7 +53,8 @@ class Linear(nn.Linear):
         reads it); otherwise it is released, so packing costs no memory."""
         weight = self.weight.detach()
         if native_packs(kernels, weight.dtype):
-            self.packed_weight = kernels.pack_linear(weight)
+            self._paired = self.glu_halves and self.out_features % 2 == 0
+            self.packed_weight = kernels.pack_linear(weight, paired=self._paired)
             self._native_linear = kernels.linear
         else:
             self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight,
@@ -64,11 +69,26 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._native_linear is not None:
-            return self._native_linear(x, self.packed_weight, self.bias, self.out_features)
+            return self._native_linear(x, self.packed_weight, self.bias, self.out_features,
+                                       paired=self._paired)
         if self.packed_weight is not None:  # the resolved overload: no per-call lookup
             return torch.ops.mkldnn._linear_pointwise.default(x, self.packed_weight, self.bias,
                                                               "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+    @property
+    def fuses_glu(self) -> bool:
+        """Whether forward_glu runs (a glu_halves layer packed for the native kernels)."""
+        return self._paired
+
+    def forward_glu(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of this layer's [gate | up] output, in the matmul's own pass
+        (rounded as the kernels' silu_and_mul rounds). Needs fuses_glu."""
+        if not self._paired:
+            raise RuntimeError("forward_glu needs a glu_halves layer packed for the native "
+                               "kernels")
+        return self._native_linear(x, self.packed_weight, self.bias, self.out_features,
+                                   paired=True, glu=True)
 
     def forward_float(self, x: torch.Tensor) -> torch.Tensor:
         """forward(x).float() in one pass where the native kernel runs it (the LM head: it
