@@ -2,8 +2,8 @@
 
 The engine works without them (pure torch ops); when a compiler is present the
 attention kernel reads the paged cache directly instead of gathering it.
-Set FLOTILLA_NATIVE_KERNELS=0 to use the torch path (this also turns off the
-oneDNN-prepacked linear weights of engine.model.layers.linear).
+Set FLOTILLA_NATIVE_KERNELS=0 to use the torch path (this also turns off the packed
+linear weights of engine.model.layers.linear: the kernels' own matmul and oneDNN's).
 """
 from __future__ import annotations
 
