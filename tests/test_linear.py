@@ -127,6 +127,8 @@ def test_native_linear_refuses_what_it_cannot_run(kernels):
         kernels.linear(torch.randn(3, 30), packed, None, 40)
     with pytest.raises(RuntimeError, match="input Double against a Float weight"):
         kernels.linear(torch.randn(3, 32, dtype=torch.float64), packed, None, 40)
+    with pytest.raises(RuntimeError, match="a bias of 39 for 40 output features"):
+        kernels.linear(torch.randn(3, 32), packed, torch.randn(39), 40)
     with pytest.raises(RuntimeError, match="must be 2-D"):
         kernels.pack_linear(torch.randn(2, 40, 32))
     with pytest.raises(RuntimeError, match="no kernel for Half"):
@@ -197,6 +199,31 @@ def test_paired_linear_writes_the_product_or_its_swiglu(kernels, half, in_featur
             assert (err <= want.float().abs() * 2 ** -7 + 1e-5).all(), err.max()
 
 
+def test_paired_linear_splits_rows_and_writes_float_logits(kernels):
+    # two threads over a single pair: the rows are split; float_out of a paired product
+    # is its widened values
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for dtype in map(lambda name: getattr(torch, name), kernels.linear_dtypes()):
+            torch.manual_seed(6)
+            weight, x = torch.randn(32, 24).to(dtype), torch.randn(70, 24).to(dtype)
+            b = torch.randn(32).to(dtype)
+            paired = kernels.pack_linear(weight, paired=True)
+            product = kernels.linear(x, paired, b, 32, paired=True)
+            assert torch.equal(product, kernels.linear(x, kernels.pack_linear(weight), b, 32))
+            assert torch.equal(kernels.linear(x, paired, b, 32, paired=True, float_out=True),
+                               product.float())
+            glu = kernels.linear(x, paired, b, 32, paired=True, glu=True)
+            if dtype == torch.bfloat16:
+                assert torch.equal(glu, kernels.silu_and_mul(product))
+            else:
+                torch.testing.assert_close(glu, kernels.silu_and_mul(product), rtol=1e-5,
+                                           atol=1e-6)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_paired_linear_refuses_what_it_cannot_run(kernels):
     with pytest.raises(RuntimeError, match="even row count, got 7"):
         kernels.pack_linear(torch.randn(7, 8), paired=True)
@@ -226,5 +253,6 @@ def test_a_glu_halves_layer_fuses_its_activation_only_when_native(kernels, dtype
         return
     assert layer.fuses_glu
     _check_against_float(layer(x), x, weight, None)  # the [gate | up] product still
+    assert torch.equal(layer.forward_float(x), layer(x).float())
     torch.testing.assert_close(layer.forward_glu(x).float(), want,
                                rtol=2 ** -7 if dtype == torch.bfloat16 else 1e-5, atol=1e-4)

@@ -36,7 +36,7 @@
 #include "simd.h"
 #include "vec.h"
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #define FLOTILLA_DPBF16 1
 #else
@@ -285,6 +285,8 @@ torch::Tensor run(const torch::Tensor& input, const torch::Tensor& packed,
   const int64_t span = paired ? geo.vectors * K::C : 0;
   std::vector<float> bias_f;
   if (bias && bias->defined()) {
+    TORCH_CHECK(bias->numel() == n, "linear: a bias of ", bias->numel(), " for ", n,
+                " output features");
     const torch::Tensor bf = bias->to(torch::kFloat32).contiguous();
     const float* src = bf.data_ptr<float>();
     bias_f.assign(paired ? 2 * span : geo.vectors * K::C, 0.f);

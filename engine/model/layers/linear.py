@@ -95,7 +95,7 @@ class Linear(nn.Linear):
         writes float32 logits holding the dtype-rounded values, with no bf16 copy between)."""
         if self._native_linear is not None:
             return self._native_linear(x, self.packed_weight, self.bias, self.out_features,
-                                       float_out=True)
+                                       float_out=True, paired=self._paired)
         return self(x).float()
 
     def extra_repr(self) -> str:
