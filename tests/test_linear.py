@@ -1,6 +1,7 @@
 """Packed linear layers give the same results as nn.Linear and cost no memory: oneDNN's
 packing, and the native kernels' matmul (engine/model/kernels/linear.cpp) on every
 vector path this host builds (the `kernels` fixture), against a float32 reference."""
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -56,6 +57,21 @@ def test_cpu_engine_packs_its_linears(tiny_llama):
     assert core.runner.memory_usage()["weights_bytes"] > 0
 
 
+def _linear_dtypes(kernels) -> list[torch.dtype]:
+    return [getattr(torch, name) for name in kernels.linear_dtypes()]
+
+
+@contextlib.contextmanager
+def _torch_threads(n: int):
+    """torch's thread count set to n for the block (tests default to one)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _bf16_flags() -> bool:
     flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines()
                   if line.startswith("flags")), "").split()
@@ -84,7 +100,7 @@ def _check_against_float(got: torch.Tensor, x, weight, bias) -> None:
 def test_native_linear_matches_float_reference(kernels, rows, out_features, in_features, bias):
     # Widths off every vector and panel size (170, 3), odd K (97, 5), more rows than a
     # row tile (8) and than a row chunk (512).
-    for dtype in map(lambda name: getattr(torch, name), kernels.linear_dtypes()):
+    for dtype in _linear_dtypes(kernels):
         torch.manual_seed(rows)
         weight = torch.randn(out_features, in_features).to(dtype)
         b = torch.randn(out_features).to(dtype) if bias else None
@@ -95,16 +111,12 @@ def test_native_linear_matches_float_reference(kernels, rows, out_features, in_f
 
 def test_native_linear_splits_rows_when_panels_are_fewer_than_threads(kernels):
     # 16 columns are one panel: with two threads the rows are split between them.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        for dtype in map(lambda name: getattr(torch, name), kernels.linear_dtypes()):
+    with _torch_threads(2):
+        for dtype in _linear_dtypes(kernels):
             torch.manual_seed(1)
             weight, x = torch.randn(16, 64).to(dtype), torch.randn(77, 64).to(dtype)
             got = kernels.linear(x, kernels.pack_linear(weight), None, 16)
             _check_against_float(got, x, weight, None)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def test_native_linear_takes_leading_dims_and_views(kernels):
@@ -159,7 +171,7 @@ def test_linear_packs_for_the_native_kernels_when_they_have_the_dtype(kernels, d
 def test_native_linear_writes_float_logits_rounded_as_its_dtype(kernels):
     # float_out: the LM head's float32 logits in one pass, equal to the dtype's output
     # widened (what .float() of it gives), so sampling sees the same values
-    for dtype in map(lambda name: getattr(torch, name), kernels.linear_dtypes()):
+    for dtype in _linear_dtypes(kernels):
         torch.manual_seed(4)
         weight, x = torch.randn(170, 64).to(dtype), torch.randn(9, 64).to(dtype)
         packed = kernels.pack_linear(weight)
@@ -180,7 +192,7 @@ def test_paired_linear_writes_the_product_or_its_swiglu(kernels, half, in_featur
     # is silu(gate) * up as silu_and_mul computes it from that product (bf16: rounded at
     # the same points; a half off the vector width takes silu_and_mul's scalar tail, whose
     # exp may land one bf16 step away).
-    for dtype in map(lambda name: getattr(torch, name), kernels.linear_dtypes()):
+    for dtype in _linear_dtypes(kernels):
         torch.manual_seed(half + rows)
         weight = (torch.randn(2 * half, in_features) * in_features ** -0.5).to(dtype)
         b = torch.randn(2 * half).to(dtype) if bias else None
@@ -202,10 +214,8 @@ def test_paired_linear_writes_the_product_or_its_swiglu(kernels, half, in_featur
 def test_paired_linear_splits_rows_and_writes_float_logits(kernels):
     # two threads over a single pair: the rows are split; float_out of a paired product
     # is its widened values
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        for dtype in map(lambda name: getattr(torch, name), kernels.linear_dtypes()):
+    with _torch_threads(2):
+        for dtype in _linear_dtypes(kernels):
             torch.manual_seed(6)
             weight, x = torch.randn(32, 24).to(dtype), torch.randn(70, 24).to(dtype)
             b = torch.randn(32).to(dtype)
@@ -220,8 +230,6 @@ def test_paired_linear_splits_rows_and_writes_float_logits(kernels):
             else:
                 torch.testing.assert_close(glu, kernels.silu_and_mul(product), rtol=1e-5,
                                            atol=1e-6)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def test_paired_linear_refuses_what_it_cannot_run(kernels):
