@@ -60,8 +60,9 @@ def timed(fn: Callable[[], object], min_s: float = 0.3) -> float:
     return best * 1e6
 
 
-def cases(dtype: torch.dtype) -> dict[str, tuple[Callable, Callable]]:
-    """name -> (call with a kernel module, the torch equivalent)."""
+def cases(dtype: torch.dtype) -> dict[str, tuple[Callable, Callable, Callable]]:
+    """name -> (call with a kernel module, the torch equivalent, whether a module has
+    that kernel for dtype)."""
     g = torch.Generator().manual_seed(0)
     blocks = SEQS * (CONTEXT // BS) * 2
     k_cache = torch.randn(KV_HEADS, blocks, HEAD_DIM, BS, generator=g).to(dtype)
@@ -161,9 +162,10 @@ def cases(dtype: torch.dtype) -> dict[str, tuple[Callable, Callable]]:
     packs: dict[int, list[list[torch.Tensor]]] = {}
     layer_turns = itertools.cycle(range(STREAM_LAYERS))
 
+    def has_linear(m):
+        return str(dtype).removeprefix("torch.") in m.linear_dtypes()
+
     def linears(m, layer=None):
-        if args_dtype not in m.linear_dtypes():
-            raise NotImplementedError
         if id(m) not in packs:
             packs[id(m)] = [[m.pack_linear(w) for w in ws] for ws in weights]
         i = next(layer_turns) if layer is None else layer
@@ -173,21 +175,25 @@ def cases(dtype: torch.dtype) -> dict[str, tuple[Callable, Callable]]:
         i = next(layer_turns) if layer is None else layer
         return [module(x) for module, x in zip(onednn[i], inputs)]
 
-    args_dtype = str(dtype).removeprefix("torch.")
+    def always(_):
+        return True
+
     return {
-        f"decode attention ({SEQS} seqs x {CONTEXT} ctx)": (decode, decode_torch),
-        f"  same, {STREAM_LAYERS} layers' caches in turn": (streamed, streamed_torch),
-        f"prefill attention ({PREFILL} rows)": (prefill, prefill_torch),
+        f"decode attention ({SEQS} seqs x {CONTEXT} ctx)": (decode, decode_torch, always),
+        f"  same, {STREAM_LAYERS} layers' caches in turn": (streamed, streamed_torch, always),
+        f"prefill attention ({PREFILL} rows)": (prefill, prefill_torch, always),
         f"add + RMSNorm ({SEQS} x {HIDDEN})": (
-            lambda m: m.fused_add_rms_norm(x, res, w, 1e-5), norm_torch),
+            lambda m: m.fused_add_rms_norm(x, res, w, 1e-5), norm_torch, always),
         f"RoPE ({SEQS} rows, 12 heads)": (
             lambda m: m.rotary_inplace(qkv, positions, cos, sin, HEADS + KV_HEADS, HEAD_DIM),
-            rope_torch),
-        f"SiLU * up ({SEQS} x {INTER})": (lambda m: m.silu_and_mul(gate_up), silu_torch),
+            rope_torch, always),
+        f"SiLU * up ({SEQS} x {INTER})": (lambda m: m.silu_and_mul(gate_up), silu_torch, always),
         f"argmax ({SEQS} x {VOCAB}, float32)": (
-            lambda m: m.argmax_rows(logits), lambda _: logits.argmax(dim=-1)),
-        f"a layer's 4 linears ({SEQS} rows)": (lambda m: linears(m, 0), lambda _: linears_torch(0)),
-        f"  same, {STREAM_LAYERS} layers' weights in turn": (linears, lambda _: linears_torch()),
+            lambda m: m.argmax_rows(logits), lambda _: logits.argmax(dim=-1), always),
+        f"a layer's 4 linears ({SEQS} rows)": (lambda m: linears(m, 0),
+                                               lambda _: linears_torch(0), has_linear),
+        f"  same, {STREAM_LAYERS} layers' weights in turn": (
+            linears, lambda _: linears_torch(), has_linear),
     }
 
 
@@ -212,13 +218,10 @@ def main() -> None:
     print(f"CPU: {cpu_name()}; {args.dtype}, {args.threads} thread(s); microseconds per call")
     names = list(modules) + ["torch"]
     print(f"{'kernel':<42}" + "".join(f"{n:>22}" for n in names))
-    for name, (native, reference) in cases(dtype).items():
-        cells = []
-        for m in list(modules.values()) + [None]:
-            try:
-                cells.append(f"{timed(lambda m=m: native(m) if m else reference(None)):>22.1f}")
-            except NotImplementedError:  # no kernel for this dtype in this build
-                cells.append(f"{'n/a':>22}")
+    for name, (native, reference, available) in cases(dtype).items():
+        cells = [f"{timed(lambda m=m: native(m)):>22.1f}" if available(m) else f"{'n/a':>22}"
+                 for m in modules.values()]
+        cells.append(f"{timed(lambda: reference(None)):>22.1f}")
         print(f"{name:<42}" + "".join(cells))
 
 

@@ -111,8 +111,9 @@ class ModelRunner:
         self.checkpoint = checkpoint
         self.hf_config = hf_config
         self.max_model_len = max_model_len
-        self.kernels = cpu_kernels() if device.type == "cpu" else None
+        self.kernels = None
         if device.type == "cpu":
+            self.kernels = cpu_kernels()
             keep_freed_memory()  # steps reuse their freed activations: no page faults
         self.native_attention = self.kernels.paged_attention if self.kernels else None
         self.model = self._load_model()

@@ -157,22 +157,24 @@ class LlamaMLP(nn.Module):
                                 bias=shape.mlp_bias and plan.rank == 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.lora is None and self.gate_up_proj.fuses_glu:  # one pass, no gate_up tensor
-            act = self.gate_up_proj.forward_glu(x)
-            out = self.down_proj(act)
-            return self.tp.all_reduce(out) if self.tp is not None else out
-        gate_up = self.gate_up_proj(x)
-        if self.lora is not None:
-            self.lora.add(self.layer_index, "gate_up_proj", x, gate_up)
-        if self.kernels is not None:
-            act = self.kernels.silu_and_mul(gate_up)
-        else:
-            gate, up = gate_up.split(self.intermediate, dim=-1)
-            act = F.silu(gate) * up
+        act = self._activation(x)
         out = self.down_proj(act)
         if self.lora is not None:
             self.lora.add(self.layer_index, "down_proj", act, out)
         return self.tp.all_reduce(out) if self.tp is not None else out
+
+    def _activation(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up: in the gate_up matmul's own pass where it fuses it (no LoRA,
+        which adds to the [gate | up] product first), else from that product."""
+        if self.lora is None and self.gate_up_proj.fuses_glu:
+            return self.gate_up_proj.forward_glu(x)
+        gate_up = self.gate_up_proj(x)
+        if self.lora is not None:
+            self.lora.add(self.layer_index, "gate_up_proj", x, gate_up)
+        if self.kernels is not None:
+            return self.kernels.silu_and_mul(gate_up)
+        gate, up = gate_up.split(self.intermediate, dim=-1)
+        return F.silu(gate) * up
 
 
 class LlamaDecoderLayer(nn.Module):
