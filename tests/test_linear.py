@@ -57,8 +57,26 @@ def test_cpu_engine_packs_its_linears(tiny_llama):
     assert core.runner.memory_usage()["weights_bytes"] > 0
 
 
-def _linear_dtypes(kernels) -> list[torch.dtype]:
-    return [getattr(torch, name) for name in kernels.linear_dtypes()]
+def _linear_dtypes(kernels):
+    """Each dtype the build's linear takes; bf16 once per kernel this CPU runs (amx
+    where it has AMX, and dpbf16), forced in turn and the chosen one restored after."""
+    for name in kernels.linear_dtypes():
+        if name != "bfloat16":
+            yield getattr(torch, name)
+            continue
+        chosen = kernels.linear_bf16_kernel()
+        try:
+            for kind in ("amx", "dpbf16"):
+                if kernels.set_linear_bf16_kernel(kind):
+                    assert kernels.linear_bf16_kernel() == kind
+                    yield torch.bfloat16
+        finally:
+            kernels.set_linear_bf16_kernel(chosen)
+
+
+def _cpu_flags() -> list[str]:
+    return next((line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                 if line.startswith("flags")), "").split()
 
 
 @contextlib.contextmanager
@@ -73,9 +91,7 @@ def _torch_threads(n: int):
 
 
 def _bf16_flags() -> bool:
-    flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines()
-                  if line.startswith("flags")), "").split()
-    return "avx512_bf16" in flags
+    return "avx512_bf16" in _cpu_flags()
 
 
 def _check_against_float(got: torch.Tensor, x, weight, bias) -> None:
@@ -151,6 +167,23 @@ def test_the_native_build_has_a_bf16_linear_where_the_cpu_does():
     from engine.model.kernels import cpu_kernels
     assert "float32" in cpu_kernels().linear_dtypes()
     assert ("bfloat16" in cpu_kernels().linear_dtypes()) == _bf16_flags()
+
+
+def test_the_bf16_linear_runs_on_amx_where_the_cpu_has_it(kernels):
+    # AMX where the CPU has it (Linux 5.16+ grants the tile state), else vdpbf16ps; the
+    # two kinds read one packed layout, so a weight packed under one runs under the other
+    chosen = kernels.linear_bf16_kernel()
+    if "bfloat16" not in kernels.linear_dtypes():
+        assert chosen == "" and not kernels.set_linear_bf16_kernel("dpbf16")
+        return
+    assert chosen == ("amx" if "amx_bf16" in _cpu_flags() else "dpbf16")
+    assert not kernels.set_linear_bf16_kernel("tiles")
+    torch.manual_seed(7)
+    weight, x = torch.randn(100, 70).bfloat16(), torch.randn(37, 70).bfloat16()
+    packed = kernels.pack_linear(weight)
+    for _ in _linear_dtypes(kernels):
+        _check_against_float(kernels.linear(x, packed, None, 100), x, weight, None)
+    assert kernels.linear_bf16_kernel() == chosen
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

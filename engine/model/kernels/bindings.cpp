@@ -14,6 +14,8 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up);
 torch::Tensor argmax_rows(torch::Tensor x);
 torch::Tensor sample_rows(torch::Tensor x, torch::Tensor inv_temp, torch::Tensor u);
 std::vector<std::string> linear_dtypes();
+std::string linear_bf16_kernel();
+bool set_linear_bf16_kernel(const std::string& name);
 torch::Tensor pack_linear(torch::Tensor weight, bool paired);
 torch::Tensor linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
                      int64_t out_features, bool float_out, bool paired, bool glu);
@@ -33,6 +35,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, "first index of each row's maximum (float32)");
   m.def("sample_rows", &sample_rows, "one draw per row from softmax(x / T) at a given uniform");
   m.def("linear_dtypes", &linear_dtypes, "the weight dtypes pack_linear and linear take here");
+  m.def("linear_bf16_kernel", &linear_bf16_kernel,
+        "the bf16 linear kernel in use: amx (where the CPU and Linux allow it) or dpbf16; "
+        "empty where the build has no bf16 linear");
+  m.def("set_linear_bf16_kernel", &set_linear_bf16_kernel,
+        "force amx or dpbf16 for bf16 linears (False where the build cannot run it); both "
+        "read one packed layout");
   m.def("pack_linear", &pack_linear, "a linear's [out, in] weight in the layout linear reads; "
         "paired: the rows' two halves (gate, up) side by side, for glu",
         py::arg("weight"), py::arg("paired") = false);

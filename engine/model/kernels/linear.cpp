@@ -23,13 +23,21 @@
 // W1 (Zen 5, bf16): silu_and_mul took 0.13 s of a 4.4 s run. Without the activation
 // (LoRA adds to the product first) a paired weight writes the plain product.
 //
-// Kinds: bf16 with AVX512_BF16's vdpbf16ps (the products exact, summed in float32 as
-// oneDNN's bf16 matmuls do); float32 on vec.h's vectors (AVX-512, AVX2 + FMA, NEON).
+// Kinds: bf16 with AMX's tile product tdpbf16ps where the CPU has AMX_BF16 and Linux
+// grants the tile state, else with AVX512_BF16's vdpbf16ps (either way the products
+// exact, summed in float32 as oneDNN's bf16 matmuls do); float32 on vec.h's vectors
+// (AVX-512, AVX2 + FMA, NEON). Both bf16 kinds read one packed layout (a panel's 16
+// k-steps of one vector are an AMX B tile), so a process can switch between them.
+// Why AMX: on a Xeon with it (Granite Rapids class, 2 threads), vdpbf16ps peaks at 158
+// GFLOP/s and tdpbf16ps at 4,470 (bench/peak_flops.cpp); the vdpbf16ps kernel ran a
+// layer's 4 linears at 64 rows 5x slower than oneDNN's AMX matmul.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -41,6 +49,13 @@
 #define FLOTILLA_DPBF16 1
 #else
 #define FLOTILLA_DPBF16 0
+#endif
+#if FLOTILLA_DPBF16 && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define FLOTILLA_AMX 1
+#else
+#define FLOTILLA_AMX 0
 #endif
 
 namespace {
@@ -77,7 +92,7 @@ struct Out {
 // ---- float32 on vec.h vectors ------------------------------------------------------
 struct F32 {
   using T = float;
-  static constexpr int64_t C = vec::L, P = 1;
+  static constexpr int64_t C = vec::L, P = 1, KS = 1, KALIGN = 1;
   static constexpr int MR = vec::kRegs >= 32 ? 8 : 4, NR = 3;  // MR*NR accumulators
   static constexpr int MR2 = vec::kRegs >= 32 ? 8 : 6;           // rows of a paired tile
 
@@ -124,6 +139,8 @@ struct F32 {
 struct Bf16 {
   using T = c10::BFloat16;
   static constexpr int64_t C = 16, P = 2;
+  static constexpr int64_t KS = 1;      // k-steps an iteration of the tile loop takes
+  static constexpr int64_t KALIGN = 16;  // the layout's k-steps: whole AMX B tiles
   static constexpr int MR = 8, NR = 3;  // 24 zmm accumulators
   static constexpr int MR2 = 8;          // rows of a paired tile (12 measured no faster)
 
@@ -149,18 +166,21 @@ struct Bf16 {
       }
     }
     next = pf;
-    for (int i = 0; i < R; ++i) {
-      O* row = out.c + i * out.ldc;
-      if constexpr (GLU) {  // gate and up rounded to bf16 first, as silu_and_mul reads them
-        static_assert(W == 2, "glu tiles hold a gate and an up vector");
-        const __m512 g = flotilla::round_bf16(acc[i][0]);
-        const __m512 e = flotilla::exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
-        const __m512 act = flotilla::round_bf16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
-        store(row, _mm512_mul_ps(act, flotilla::round_bf16(acc[i][1])), out.ncols);
-      } else {
-        for (int j = 0; j < W; ++j)
-          store(row + j * out.vstride, acc[i][j], out.ncols - j * out.vskip);
-      }
+    for (int i = 0; i < R; ++i) emit<W, GLU>(out.c + i * out.ldc, acc[i], out);
+  }
+
+  // One output row from its W float32 accumulators (bias included).
+  template <int W, bool GLU, typename O>
+  static void emit(O* row, const __m512* acc, const Out<O>& out) {
+    if constexpr (GLU) {  // gate and up rounded to bf16 first, as silu_and_mul reads them
+      static_assert(W == 2, "glu tiles hold a gate and an up vector");
+      const __m512 g = flotilla::round_bf16(acc[0]);
+      const __m512 e = flotilla::exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+      const __m512 act = flotilla::round_bf16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
+      store(row, _mm512_mul_ps(act, flotilla::round_bf16(acc[1])), out.ncols);
+    } else {
+      for (int j = 0; j < W; ++j)
+        store(row + j * out.vstride, acc[j], out.ncols - j * out.vskip);
     }
   }
 
@@ -173,6 +193,107 @@ struct Bf16 {
     } else {
       _mm256_mask_storeu_epi16(c, mask, (__m256i)_mm512_cvtneps_pbh(v));  // nearest even
     }
+  }
+};
+#endif
+
+// ---- bf16 on AMX tiles --------------------------------------------------------------
+#if FLOTILLA_AMX
+// A unit of up to 2 row blocks (16 rows each) x a panel of up to 3 vectors: the float32
+// products in tiles 0-5 (row block i, vector j in tile 3i + j), the A tile (16 rows x 32
+// k) in tile 6, the B tile (32 k x 16 columns, a panel's 16 k-steps of one vector, read
+// in place at the panel's row stride) in tile 7. Each B tile is loaded once a k-tile and
+// multiplied with each row block's A tile (those come from L1). A unit's products go
+// through a float32 scratch to Bf16::emit, which adds the bias and rounds. No software
+// prefetch: the vector kinds' next-panel prefetch made AMX slower on the Xeon measured
+// (a layer's 4 linears at 64 rows, weights from memory: 574 us with it, 446 without;
+// the hardware prefetchers follow the tile loads' stream).
+struct Amx : Bf16 {
+  static constexpr int64_t KS = 16;  // a B tile's k-steps
+  static constexpr int MR = 32;      // rows of a unit (x's rows are padded to 16)
+
+  struct alignas(64) Config {
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+  };
+  static const Config& config() {  // every tile 16 rows x 64 bytes
+    static const Config cfg = [] {
+      Config c;
+      for (int t = 0; t < 8; ++t) c.colsb[t] = 64, c.rows[t] = 16;
+      return c;
+    }();
+    return cfg;
+  }
+
+  // Linux hands out the tile state only on request; once per process.
+  static bool granted() {
+    static const bool ok = [] {
+      constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+      return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+    }();
+    return ok;
+  }
+
+  // The tiles, configured for the calling thread (a parallel region's start) and
+  // released at its end, so a context switch does not save 8 KB of tile state.
+  struct Tiles {
+    Tiles() { _tile_loadconfig(&config()); }
+    ~Tiles() { _tile_release(); }
+  };
+
+  template <int R, int W, bool GLU, typename O>
+  static void unit(const T* a, int64_t lda, const T* b, int64_t steps, const Out<O>& out,
+                   int64_t rows) {
+    const long as = lda * sizeof(T), bs = W * C * P * sizeof(T);
+    _tile_zero(0); if constexpr (W > 1) _tile_zero(1); if constexpr (W > 2) _tile_zero(2);
+    if constexpr (R > 1) {
+      _tile_zero(3); if constexpr (W > 1) _tile_zero(4); if constexpr (W > 2) _tile_zero(5);
+    }
+    const T* a1 = a + 16 * lda;
+    for (int64_t s = 0; s < steps; s += KS) {
+      const T* bt = b + s * W * C * P;
+#define FLOTILLA_AMX_VECTOR(J, C0, C1)                                   \
+  _tile_loadd(7, bt + J * C * P, bs);                                    \
+  _tile_loadd(6, a + s * P, as);                                         \
+  _tile_dpbf16ps(C0, 6, 7);                                              \
+  if constexpr (R > 1) {                                                 \
+    _tile_loadd(6, a1 + s * P, as);                                      \
+    _tile_dpbf16ps(C1, 6, 7);                                            \
+  }
+      FLOTILLA_AMX_VECTOR(0, 0, 3)
+      if constexpr (W > 1) { FLOTILLA_AMX_VECTOR(1, 1, 4) }
+      if constexpr (W > 2) { FLOTILLA_AMX_VECTOR(2, 2, 5) }
+#undef FLOTILLA_AMX_VECTOR
+    }
+    alignas(64) float acc[6][16 * 16];
+    _tile_stored(0, acc[0], 64);
+    if constexpr (W > 1) _tile_stored(1, acc[1], 64);
+    if constexpr (W > 2) _tile_stored(2, acc[2], 64);
+    if constexpr (R > 1) {
+      _tile_stored(3, acc[3], 64);
+      if constexpr (W > 1) _tile_stored(4, acc[4], 64);
+      if constexpr (W > 2) _tile_stored(5, acc[5], 64);
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      __m512 v[W];
+      const int64_t blk = r / 16, in = r % 16;
+      for (int j = 0; j < W; ++j) {
+        v[j] = _mm512_load_ps(acc[3 * blk + j] + in * 16);
+        if (out.bias) v[j] = _mm512_add_ps(v[j], _mm512_loadu_ps(out.bias + j * out.bstride));
+      }
+      emit<W, GLU>(out.c + r * out.ldc, v, out);
+    }
+  }
+
+  // Rows [0, rows) of a (padded to whole row blocks) with one panel of W vectors.
+  template <int W, bool GLU, typename O>
+  static void panel(const T* a, int64_t lda, const T* b, int64_t steps, Out<O> out,
+                    int64_t rows, Prefetch&) {
+    int64_t m = 0;
+    for (; m + 16 < rows; m += MR, out.c += MR * out.ldc)
+      unit<2, W, GLU, O>(a + m * lda, lda, b, steps, out, std::min<int64_t>(MR, rows - m));
+    if (m < rows) unit<1, W, GLU, O>(a + m * lda, lda, b, steps, out, rows - m);
   }
 };
 #endif
@@ -208,14 +329,16 @@ void panel_any(int64_t width, const typename K::T* a, int64_t lda, const typenam
 // Which weight row feeds each column of each panel, and where panels lie.
 template <class K>
 struct Geometry {
-  int64_t n, k, steps;
+  int64_t n, k, steps;  // steps: the layout's k-steps (whole K::KALIGN runs, zero past K)
+  int64_t ksteps;       // the k-steps holding K
   bool paired;
   int64_t half;     // paired: N / 2, the columns of each half
   int64_t vectors;  // plain: vectors of C columns; paired: pairs of them
   int64_t panels;
 
   Geometry(int64_t n_, int64_t k_, bool paired_)
-      : n(n_), k(k_), steps((k_ + K::P - 1) / K::P), paired(paired_), half(n_ / 2) {
+      : n(n_), k(k_), steps(((k_ + K::P - 1) / K::P + K::KALIGN - 1) / K::KALIGN * K::KALIGN),
+        ksteps((k_ + K::P - 1) / K::P), paired(paired_), half(n_ / 2) {
     vectors = paired ? (half + K::C - 1) / K::C : (n + K::C - 1) / K::C;
     panels = paired ? vectors : (vectors + K::NR - 1) / K::NR;
   }
@@ -272,8 +395,12 @@ torch::Tensor run(const torch::Tensor& input, const torch::Tensor& packed,
   TORCH_CHECK(packed.numel() == geo.numel(), "linear: the packed weight does not hold ", n,
               " x ", k);
   torch::Tensor x = input.reshape({-1, k}).contiguous();
-  const int64_t m = x.size(0), steps = geo.steps, width_out = glu ? geo.half : n;
-  if (k % K::P) x = torch::constant_pad_nd(x, {0, K::P - k % K::P});  // whole k-steps
+  const int64_t m = x.size(0), width_out = glu ? geo.half : n;
+  // The k-steps a tile runs: all of K (vector kinds), or whole B tiles (AMX: x padded
+  // with zeros to them, and its rows to whole 16-row blocks).
+  const int64_t steps = K::KS > 1 ? geo.steps : geo.ksteps;
+  const int64_t pad_k = steps * K::P - k, pad_m = K::KS > 1 ? (16 - m % 16) % 16 : 0;
+  if (pad_k || pad_m) x = torch::constant_pad_nd(x, {0, pad_k, 0, pad_m});
   const int64_t lda = x.size(1);
   std::vector<int64_t> shape(input.sizes().begin(), input.sizes().end());
   shape.back() = width_out;
@@ -313,11 +440,15 @@ torch::Tensor run(const torch::Tensor& input, const torch::Tensor& packed,
   const float* bp = bias_f.empty() ? nullptr : bias_f.data();
 
   at::parallel_for(0, chunks * panels, 1, [&](int64_t begin, int64_t end) {
+#if FLOTILLA_AMX
+    std::conditional_t<std::is_same_v<K, Amx>, Amx::Tiles, int> tiles_in_use{};
+    (void)tiles_in_use;
+#endif
     for (int64_t item = begin; item < end; ++item) {
       const int64_t chunk = item / panels, g = item % panels;
       const int64_t r0 = chunk * chunk_rows, rows = std::min(chunk_rows, m - r0);
       Prefetch pf{nullptr, nullptr, 0};
-      if (item + 1 < end && (item + 1) % panels != g) {
+      if (K::KS == 1 && item + 1 < end && (item + 1) % panels != g) {
         const int64_t g2 = (item + 1) % panels;
         pf.p = reinterpret_cast<const char*>(wp + geo.offset(g2));
         pf.end = pf.p + geo.step_elems(g2) * steps * sizeof(T);
@@ -331,7 +462,10 @@ torch::Tensor run(const torch::Tensor& input, const torch::Tensor& packed,
         const int64_t col0 = g * K::C, ncols = std::min<int64_t>(K::C, geo.half - col0);
         Out<O> out{yp + r0 * width_out + col0, width_out, ncols, geo.half, 0,
                    bp ? bp + col0 : nullptr, span};
-        if (glu) {
+        if constexpr (K::KS > 1) {
+          if (glu) K::template panel<2, true, O>(a, lda, b, steps, out, rows, pf);
+          else K::template panel<2, false, O>(a, lda, b, steps, out, rows, pf);
+        } else if (glu) {
           panel<K, 2, true, O, K::MR2>(a, lda, b, steps, out, rows, pf);
         } else {
           panel<K, 2, false, O, K::MR2>(a, lda, b, steps, out, rows, pf);
@@ -340,14 +474,59 @@ torch::Tensor run(const torch::Tensor& input, const torch::Tensor& packed,
         const int64_t col0 = g * K::NR * K::C, width = geo.width(g);
         Out<O> out{yp + r0 * n + col0, n, std::min(width * K::C, n - col0), K::C, K::C,
                    bp ? bp + col0 : nullptr, K::C};
-        panel_any<K, O>(width, a, lda, b, steps, out, rows, pf);
+        if constexpr (K::KS > 1) {
+          if (width == 3) K::template panel<3, false, O>(a, lda, b, steps, out, rows, pf);
+          else if (width == 2) K::template panel<2, false, O>(a, lda, b, steps, out, rows, pf);
+          else K::template panel<1, false, O>(a, lda, b, steps, out, rows, pf);
+        } else {
+          panel_any<K, O>(width, a, lda, b, steps, out, rows, pf);
+        }
       }
     }
   });
   return y.reshape(shape);
 }
 
+#if FLOTILLA_DPBF16
+// The bf16 kind in use: AMX where the CPU has it and Linux grants its tile state (the
+// faster by far, see the top), else vdpbf16ps; set_linear_bf16_kernel forces one.
+std::atomic<bool> g_bf16_amx{FLOTILLA_AMX && [] {
+#if FLOTILLA_AMX
+  return Amx::granted();
+#else
+  return false;
+#endif
+}()};
+
+template <typename O = c10::BFloat16>
+torch::Tensor run_bf16(const torch::Tensor& x, const torch::Tensor& packed,
+                       const c10::optional<torch::Tensor>& bias, int64_t n, bool paired, bool glu) {
+#if FLOTILLA_AMX
+  if (g_bf16_amx.load(std::memory_order_relaxed)) return run<Amx, O>(x, packed, bias, n, paired, glu);
+#endif
+  return run<Bf16, O>(x, packed, bias, n, paired, glu);
+}
+#endif
+
 }  // namespace
+
+std::string linear_bf16_kernel() {
+#if FLOTILLA_DPBF16
+  return g_bf16_amx.load() ? "amx" : "dpbf16";
+#else
+  return "";
+#endif
+}
+
+bool set_linear_bf16_kernel(const std::string& name) {
+#if FLOTILLA_DPBF16
+  if (name == "dpbf16") return g_bf16_amx.store(false), true;
+#if FLOTILLA_AMX
+  if (name == "amx" && Amx::granted()) return g_bf16_amx.store(true), true;
+#endif
+#endif
+  return false;
+}
 
 std::vector<std::string> linear_dtypes() {
 #if FLOTILLA_DPBF16
@@ -375,8 +554,8 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch:
     return run<F32>(x, packed, bias, out_features, paired, glu);
 #if FLOTILLA_DPBF16
   if (x.scalar_type() == torch::kBFloat16) {
-    return float_out ? run<Bf16, float>(x, packed, bias, out_features, paired, glu)
-                     : run<Bf16>(x, packed, bias, out_features, paired, glu);
+    return float_out ? run_bf16<float>(x, packed, bias, out_features, paired, glu)
+                     : run_bf16(x, packed, bias, out_features, paired, glu);
   }
 #endif
   TORCH_CHECK(false, "linear: no kernel for ", x.scalar_type(), " in this build");
