@@ -14,6 +14,7 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up);
 torch::Tensor argmax_rows(torch::Tensor x);
 torch::Tensor sample_rows(torch::Tensor x, torch::Tensor inv_temp, torch::Tensor u);
 std::vector<std::string> linear_dtypes();
+std::vector<std::string> linear_bf16_kernels();
 std::string linear_bf16_kernel();
 bool set_linear_bf16_kernel(const std::string& name);
 torch::Tensor pack_linear(torch::Tensor weight, bool paired);
@@ -35,6 +36,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, "first index of each row's maximum (float32)");
   m.def("sample_rows", &sample_rows, "one draw per row from softmax(x / T) at a given uniform");
   m.def("linear_dtypes", &linear_dtypes, "the weight dtypes pack_linear and linear take here");
+  m.def("linear_bf16_kernels", &linear_bf16_kernels,
+        "the bf16 linear kernels this build, CPU and kernel can run, the default first");
   m.def("linear_bf16_kernel", &linear_bf16_kernel,
         "the bf16 linear kernel in use: amx (where the CPU and Linux allow it) or dpbf16; "
         "empty where the build has no bf16 linear");

@@ -217,6 +217,8 @@ struct Amx : Bf16 {
     uint16_t colsb[16] = {};
     uint8_t rows[16] = {};
   };
+  // A static: GCC's _tile_loadconfig declares only an 8-byte read of the 64, so a local
+  // config's other bytes could be dropped as dead stores.
   static const Config& config() {  // every tile 16 rows x 64 bytes
     static const Config cfg = [] {
       Config c;
@@ -399,14 +401,14 @@ torch::Tensor run(const torch::Tensor& input, const torch::Tensor& packed,
   // The k-steps a tile runs: all of K (vector kinds), or whole B tiles (AMX: x padded
   // with zeros to them, and its rows to whole 16-row blocks).
   const int64_t steps = K::KS > 1 ? geo.steps : geo.ksteps;
-  const int64_t pad_k = steps * K::P - k, pad_m = K::KS > 1 ? (16 - m % 16) % 16 : 0;
-  if (pad_k || pad_m) x = torch::constant_pad_nd(x, {0, pad_k, 0, pad_m});
-  const int64_t lda = x.size(1);
   std::vector<int64_t> shape(input.sizes().begin(), input.sizes().end());
   shape.back() = width_out;
   torch::Tensor y = torch::empty({m, width_out},
                                  input.options().dtype(c10::CppTypeToScalarType<O>::value));
   if (m == 0 || n == 0) return y.reshape(shape);
+  const int64_t pad_k = steps * K::P - k, pad_m = K::KS > 1 ? (16 - m % 16) % 16 : 0;
+  if (pad_k || pad_m) x = torch::constant_pad_nd(x, {0, pad_k, 0, pad_m});
+  const int64_t lda = x.size(1);
 
   // float32 bias, padded to whole vectors (paired: each half padded on its own)
   const int64_t span = paired ? geo.vectors * K::C : 0;
@@ -488,21 +490,36 @@ torch::Tensor run(const torch::Tensor& input, const torch::Tensor& packed,
 }
 
 #if FLOTILLA_DPBF16
-// The bf16 kind in use: AMX where the CPU has it and Linux grants its tile state (the
-// faster by far, see the top), else vdpbf16ps; set_linear_bf16_kernel forces one.
-std::atomic<bool> g_bf16_amx{FLOTILLA_AMX && [] {
+// Whether this process can run the AMX kind: the build has it and Linux granted the tile
+// state. Asked on first use, not at load: once granted, every signal frame of the process
+// grows by the 8 KB of tile state, which a bf16-free process should not pay for.
+bool amx_runs() {
 #if FLOTILLA_AMX
   return Amx::granted();
 #else
   return false;
 #endif
-}()};
+}
+
+// The bf16 kind in use: -1 until the first bf16 call picks AMX where it runs (the faster
+// by far, see the top), else vdpbf16ps; set_linear_bf16_kernel forces one.
+enum Bf16Kind : int { kUnresolved = -1, kDpbf16 = 0, kAmx = 1 };
+std::atomic<int> g_bf16_kind{kUnresolved};
+
+Bf16Kind bf16_kind() {
+  int kind = g_bf16_kind.load(std::memory_order_relaxed);
+  if (kind == kUnresolved) {
+    kind = amx_runs() ? kAmx : kDpbf16;
+    g_bf16_kind.store(kind);
+  }
+  return Bf16Kind(kind);
+}
 
 template <typename O = c10::BFloat16>
 torch::Tensor run_bf16(const torch::Tensor& x, const torch::Tensor& packed,
                        const c10::optional<torch::Tensor>& bias, int64_t n, bool paired, bool glu) {
 #if FLOTILLA_AMX
-  if (g_bf16_amx.load(std::memory_order_relaxed)) return run<Amx, O>(x, packed, bias, n, paired, glu);
+  if (bf16_kind() == kAmx) return run<Amx, O>(x, packed, bias, n, paired, glu);
 #endif
   return run<Bf16, O>(x, packed, bias, n, paired, glu);
 }
@@ -510,9 +527,18 @@ torch::Tensor run_bf16(const torch::Tensor& x, const torch::Tensor& packed,
 
 }  // namespace
 
+std::vector<std::string> linear_bf16_kernels() {
+#if FLOTILLA_DPBF16
+  if (amx_runs()) return {"amx", "dpbf16"};
+  return {"dpbf16"};
+#else
+  return {};
+#endif
+}
+
 std::string linear_bf16_kernel() {
 #if FLOTILLA_DPBF16
-  return g_bf16_amx.load() ? "amx" : "dpbf16";
+  return bf16_kind() == kAmx ? "amx" : "dpbf16";
 #else
   return "";
 #endif
@@ -520,10 +546,10 @@ std::string linear_bf16_kernel() {
 
 bool set_linear_bf16_kernel(const std::string& name) {
 #if FLOTILLA_DPBF16
-  if (name == "dpbf16") return g_bf16_amx.store(false), true;
-#if FLOTILLA_AMX
-  if (name == "amx" && Amx::granted()) return g_bf16_amx.store(true), true;
-#endif
+  if (name == "dpbf16" || (name == "amx" && amx_runs())) {
+    g_bf16_kind.store(name == "amx" ? kAmx : kDpbf16);
+    return true;
+  }
 #endif
   return false;
 }
