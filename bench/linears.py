@@ -60,11 +60,7 @@ def main() -> None:
     onednn = [[torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in ws] for ws in weights]
     pointwise = torch.ops.mkldnn._linear_pointwise.default
 
-    kinds = ["float32"]
-    if dtype == torch.bfloat16:
-        chosen = k.linear_bf16_kernel()
-        kinds = [n for n in ("amx", "dpbf16") if k.set_linear_bf16_kernel(n)]
-        k.set_linear_bf16_kernel(chosen)
+    kinds = k.linear_bf16_kernels() if dtype == torch.bfloat16 else ["float32"]
     print(f"CPU: {cpu_name()}; {args.dtype}, {args.threads} thread(s); a layer's 4 linears, "
           f"us per layer (GFLOP/s), cold = {LAYERS} layers' weights in turn, hot = one's")
     print(f"{'rows':>5} {'weights':>8}" + "".join(f"{n:>22}" for n in kinds + ["oneDNN"]))
@@ -89,13 +85,9 @@ def main() -> None:
         for layers, label in ((LAYERS, "cold"), (1, "hot")):
             cells = []
             for kind in kinds + ["oneDNN"]:
-                if kind in ("amx", "dpbf16"):
-                    previous = k.linear_bf16_kernel()
+                if dtype == torch.bfloat16 and kind != "oneDNN":
                     k.set_linear_bf16_kernel(kind)
-                    us = per_layer_us(native, layers, reps)
-                    k.set_linear_bf16_kernel(previous)
-                else:
-                    us = per_layer_us(native if kind == "float32" else reference, layers, reps)
+                us = per_layer_us(reference if kind == "oneDNN" else native, layers, reps)
                 cells.append(f"{us:>12.1f} ({flops / us / 1e3:>5.0f})")
             print(f"{rows:>5} {label:>8}" + "".join(f"{c:>22}" for c in cells), flush=True)
 

@@ -291,7 +291,7 @@ struct Amx : Bf16 {
   // Rows [0, rows) of a (padded to whole row blocks) with one panel of W vectors.
   template <int W, bool GLU, typename O>
   static void panel(const T* a, int64_t lda, const T* b, int64_t steps, Out<O> out,
-                    int64_t rows, Prefetch&) {
+                    int64_t rows) {
     int64_t m = 0;
     for (; m + 16 < rows; m += MR, out.c += MR * out.ldc)
       unit<2, W, GLU, O>(a + m * lda, lda, b, steps, out, std::min<int64_t>(MR, rows - m));
@@ -310,13 +310,18 @@ void panel_tail(const typename K::T* a, int64_t lda, const typename K::T* b, int
   }
 }
 
+// (The AMX kind walks its own units of row blocks and does not prefetch.)
 template <class K, int W, bool GLU, typename O, int MR = K::MR>
 void panel(const typename K::T* a, int64_t lda, const typename K::T* b, int64_t steps,
            Out<O> out, int64_t rows, Prefetch& pf) {
-  int64_t m = 0;
-  for (; m + MR <= rows; m += MR, out.c += MR * out.ldc)
-    K::template tile<MR, W, GLU, O>(a + m * lda, lda, b, steps, out, pf);
-  if (m < rows) panel_tail<K, W, GLU, O, MR - 1>(a + m * lda, lda, b, steps, out, rows - m, pf);
+  if constexpr (K::KS > 1) {
+    K::template panel<W, GLU, O>(a, lda, b, steps, out, rows);
+  } else {
+    int64_t m = 0;
+    for (; m + MR <= rows; m += MR, out.c += MR * out.ldc)
+      K::template tile<MR, W, GLU, O>(a + m * lda, lda, b, steps, out, pf);
+    if (m < rows) panel_tail<K, W, GLU, O, MR - 1>(a + m * lda, lda, b, steps, out, rows - m, pf);
+  }
 }
 
 template <class K, typename O, int W = K::NR>
@@ -464,10 +469,7 @@ torch::Tensor run(const torch::Tensor& input, const torch::Tensor& packed,
         const int64_t col0 = g * K::C, ncols = std::min<int64_t>(K::C, geo.half - col0);
         Out<O> out{yp + r0 * width_out + col0, width_out, ncols, geo.half, 0,
                    bp ? bp + col0 : nullptr, span};
-        if constexpr (K::KS > 1) {
-          if (glu) K::template panel<2, true, O>(a, lda, b, steps, out, rows, pf);
-          else K::template panel<2, false, O>(a, lda, b, steps, out, rows, pf);
-        } else if (glu) {
+        if (glu) {
           panel<K, 2, true, O, K::MR2>(a, lda, b, steps, out, rows, pf);
         } else {
           panel<K, 2, false, O, K::MR2>(a, lda, b, steps, out, rows, pf);
@@ -476,13 +478,7 @@ torch::Tensor run(const torch::Tensor& input, const torch::Tensor& packed,
         const int64_t col0 = g * K::NR * K::C, width = geo.width(g);
         Out<O> out{yp + r0 * n + col0, n, std::min(width * K::C, n - col0), K::C, K::C,
                    bp ? bp + col0 : nullptr, K::C};
-        if constexpr (K::KS > 1) {
-          if (width == 3) K::template panel<3, false, O>(a, lda, b, steps, out, rows, pf);
-          else if (width == 2) K::template panel<2, false, O>(a, lda, b, steps, out, rows, pf);
-          else K::template panel<1, false, O>(a, lda, b, steps, out, rows, pf);
-        } else {
-          panel_any<K, O>(width, a, lda, b, steps, out, rows, pf);
-        }
+        panel_any<K, O>(width, a, lda, b, steps, out, rows, pf);
       }
     }
   });
