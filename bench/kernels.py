@@ -6,7 +6,9 @@ times, per call, single-threaded by default (--threads): decode attention for 64
 sequences over a 128-token context in a churned (shuffled) block pool, the same with
 each call on the next of 30 layers' caches in the engine's block-major layout (W1's
 decode: every layer's KV streams from memory, ~190 MB at bf16), one prefill chunk
-of 64 rows, add+RMSNorm, RoPE, SiLU*up, greedy argmax over the vocabulary, and a layer's
+of 64 rows, one of 512 rows after 512 cached tokens (the second chunk of a 1,024-token
+prompt at the default step budget) on the per-row kernels and, in bf16 where the CPU
+has AMX, on tiles, add+RMSNorm, RoPE, SiLU*up, greedy argmax over the vocabulary, and a layer's
 four linears at 64 rows (with one layer's weights, and with each call on the next of 30
 layers' weights, as a decode step streams them); the torch column is what the engine runs
 without native kernels, except for the linears, where it is oneDNN's prepacked matmul
@@ -28,6 +30,7 @@ import torch.nn.functional as F
 
 HEADS, KV_HEADS, HEAD_DIM, HIDDEN, INTER, VOCAB, BS = 9, 3, 64, 576, 1536, 49152, 16
 SEQS, CONTEXT, PREFILL = 64, 128, 64
+CHUNK = 512  # a prefill chunk at the default step budget, after as many cached tokens
 STREAM_LAYERS = 30
 
 
@@ -116,6 +119,29 @@ def cases(dtype: torch.dtype) -> dict[str, tuple[Callable, Callable, Callable]]:
                                               pv.transpose(0, 1), is_causal=True, scale=scale,
                                               enable_gqa=True)
 
+    cq = torch.randn(CHUNK, HEADS, HEAD_DIM, generator=g).to(dtype)
+    ck = torch.randn(CHUNK, KV_HEADS, HEAD_DIM, generator=g).to(dtype)
+    cv = torch.randn(CHUNK, KV_HEADS, HEAD_DIM, generator=g).to(dtype)
+    ctable = torch.randperm(blocks, generator=g)[:2 * CHUNK // BS].view(1, -1)
+    cslots = (ctable[0, CHUNK // BS:][:, None] * BS + torch.arange(BS)).flatten()
+
+    def chunk_with(kernel):
+        def call(m):
+            m.set_attention_prefill_kernel(kernel)
+            return m.paged_attention(cq, ck, cv, k_cache, v_cache, cslots, ctable,
+                                     torch.tensor([2 * CHUNK]), torch.tensor([0, CHUNK]), scale)
+        return call
+
+    def chunk_torch(_):
+        keys = torch.cat((torch.randn(KV_HEADS, CHUNK, HEAD_DIM, generator=g).to(dtype),
+                          ck.transpose(0, 1)), 1)
+        mask = torch.ones(CHUNK, 2 * CHUNK, dtype=torch.bool).tril(CHUNK)
+        return F.scaled_dot_product_attention(cq.transpose(0, 1), keys, keys, attn_mask=mask,
+                                              scale=scale, enable_gqa=True)
+
+    def has_amx(m):
+        return dtype == torch.bfloat16 and m.set_attention_prefill_kernel("amx")
+
     x = torch.randn(SEQS, HIDDEN, generator=g).to(dtype)
     res = torch.randn(SEQS, HIDDEN, generator=g).to(dtype)
     w = torch.ones(HIDDEN, dtype=dtype)
@@ -182,6 +208,9 @@ def cases(dtype: torch.dtype) -> dict[str, tuple[Callable, Callable, Callable]]:
         f"decode attention ({SEQS} seqs x {CONTEXT} ctx)": (decode, decode_torch, always),
         f"  same, {STREAM_LAYERS} layers' caches in turn": (streamed, streamed_torch, always),
         f"prefill attention ({PREFILL} rows)": (prefill, prefill_torch, always),
+        f"prefill chunk ({CHUNK} rows after {CHUNK}), rows": (chunk_with("rows"), chunk_torch,
+                                                              always),
+        "  same, AMX tiles": (chunk_with("amx"), chunk_torch, has_amx),
         f"add + RMSNorm ({SEQS} x {HIDDEN})": (
             lambda m: m.fused_add_rms_norm(x, res, w, 1e-5), norm_torch, always),
         f"RoPE ({SEQS} rows, 12 heads)": (

@@ -1,4 +1,7 @@
 """Paged attention: the native CPU kernel and the torch path agree with plain attention."""
+import platform
+import re
+
 import pytest
 import torch
 
@@ -74,6 +77,31 @@ def _each_bf16_kernel(kernels, dtype):
             kernels.set_attention_bf16_kernel(chosen)
 
 
+def _each_prefill_kernel(kernels, dtype):
+    """For bf16: "amx" (tile products for chunks of 8 or more rows) where this build and
+    CPU run it, and "rows" (the per-row kernels), each forced in turn; the choice is
+    restored afterwards."""
+    if dtype != torch.bfloat16:
+        yield None
+        return
+    chosen = kernels.attention_prefill_kernel()
+    names = [n for n in ("amx", "rows") if kernels.set_attention_prefill_kernel(n)]
+    try:
+        for name in names:
+            kernels.set_attention_prefill_kernel(name)
+            assert kernels.attention_prefill_kernel() == name
+            yield name
+    finally:
+        kernels.set_attention_prefill_kernel(chosen)
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        return set(next(ln for ln in open("/proc/cpuinfo") if ln.startswith("flags")).split())
+    except (OSError, StopIteration):
+        return set()
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4), (8, 1)])
 def test_decode_paths_match_dense_attention(kernels, dtype, tol, heads, kv_heads):
@@ -120,13 +148,57 @@ def test_native_kernel_attends_decodes_and_prefill_chunks_causally(kernels, dtyp
         kc_t.copy_(kc.transpose(2, 3))
         vc_in.copy_(vc)
         assert not kc_t.is_contiguous() and not vc_in.is_contiguous()
-    for name in _each_bf16_kernel(kernels, dtype):
-        got = _native(kernels, q, kc_t, vc_in, tables, lens, starts, d ** -0.5)
-        if dtype == torch.float32:
-            assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5)
-        else:  # float32 math inside: within one bf16 rounding of the exact result
-            err = (got.float() - expected).abs()
-            assert (err <= expected.abs() * 2 ** -8 + 1e-3).all(), (name, err.max())
+    for prefill in _each_prefill_kernel(kernels, dtype):
+        for name in _each_bf16_kernel(kernels, dtype):
+            got = _native(kernels, q, kc_t, vc_in, tables, lens, starts, d ** -0.5)
+            if dtype == torch.float32:
+                assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5)
+            else:  # float32 math inside: within one bf16 rounding of the exact result
+                err = (got.float() - expected).abs()
+                assert (err <= expected.abs() * 2 ** -8 + 1e-3).all(), (prefill, name, err.max())
+
+
+@pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (16, 2, 128), (8, 8, 64)])
+def test_prefill_chunks_of_every_shape_match_dense_attention(kernels, heads, kv_heads, d):
+    """Chunks the AMX kernel tiles in 16-row items over pairs of 16-key blocks: lengths
+    off every boundary (7 rows stay per-row, 8 go to tiles), chunks after cached context
+    ending mid-block and mid-pair, two chunks of one sequence's size in one step, NaN in
+    every slot past a context, and a second call that reuses the threads' scratch."""
+    query_lens = [7, 8, 17, 33, 100, 16, 1]
+    lens = [7, 8, 40, 33, 130, 61, 90]
+    width = max(-(-n // 16) for n in lens) + 1
+    q, kc, vc, tables, lens, starts = _problem(torch.bfloat16, heads, kv_heads, d, 16, 80,
+                                               width, lens, query_lens, seed=11)
+    for s, n in enumerate(lens.tolist()):  # poison every slot past each length
+        flat_k = kc[:, tables[s]].reshape(kv_heads, -1, d)
+        flat_v = vc[:, tables[s]].reshape(kv_heads, -1, d)
+        flat_k[:, n:] = float("nan")
+        flat_v[:, n:] = float("nan")
+        kc[:, tables[s]] = flat_k.view(kv_heads, -1, 16, d)
+        vc[:, tables[s]] = flat_v.view(kv_heads, -1, 16, d)
+    expected = _reference(q, kc, vc, tables, lens, starts, d ** -0.5)
+    kc_t = kc.transpose(2, 3).contiguous()
+    for prefill in _each_prefill_kernel(kernels, torch.bfloat16):
+        for _ in range(2):
+            got = _native(kernels, q, kc_t, vc, tables, lens, starts, d ** -0.5).float()
+            err = (got - expected).abs()
+            assert not got.isnan().any(), prefill
+            assert (err <= expected.abs() * 2 ** -8 + 1e-3).all(), (prefill, err.max())
+
+
+def test_bf16_prefill_chunks_run_on_amx_where_the_cpu_has_it(kernels):
+    chosen = kernels.attention_prefill_kernel()
+    linux = tuple(int(v) for v in re.findall(r"\d+", platform.release())[:2])
+    amx = ("amx_bf16" in _cpu_flags() and platform.system() == "Linux" and linux >= (5, 16)
+           and kernels.isa == "avx512")
+    assert chosen == ("amx" if amx else "rows")
+    assert kernels.set_attention_prefill_kernel("amx") == amx
+    assert kernels.set_attention_prefill_kernel("rows")
+    assert kernels.attention_prefill_kernel() == "rows"
+    with pytest.raises(RuntimeError, match="amx or rows"):
+        kernels.set_attention_prefill_kernel("tiles")
+    kernels.set_attention_prefill_kernel(chosen)
+    assert kernels.attention_prefill_kernel() == chosen
 
 
 def test_native_kernel_ignores_garbage_past_the_context(kernels):

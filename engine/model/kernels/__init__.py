@@ -19,7 +19,7 @@ logger = logging.getLogger(__name__)
 _DIR = Path(__file__).parent
 _SOURCES = [_DIR / n for n in ("bindings.cpp", "paged_attention.cpp", "fused_ops.cpp",
                                    "linear.cpp")]
-_HEADERS = [_DIR / n for n in ("convert.h", "simd.h", "vec.h")]
+_HEADERS = [_DIR / n for n in ("amx.h", "convert.h", "simd.h", "vec.h")]
 
 
 def _build_tag(march: str) -> str:

@@ -9,6 +9,8 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
                               torch::Tensor query_start, double scale);
 std::string attention_bf16_kernel();
 bool set_attention_bf16_kernel(const std::string& name);
+std::string attention_prefill_kernel();
+bool set_attention_prefill_kernel(const std::string& name);
 void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
 torch::Tensor argmax_rows(torch::Tensor x);
@@ -30,6 +32,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the bf16 attention kernel in use: dpbf16, fma (both measured, the faster) or vec");
   m.def("set_attention_bf16_kernel", &set_attention_bf16_kernel,
         "force dpbf16 or fma for bf16 attention (False where the build has no dpbf16)");
+  m.def("attention_prefill_kernel", &attention_prefill_kernel,
+        "how bf16 prefill chunks are attended: amx (tile products) or rows (the per-row kernels)");
+  m.def("set_attention_prefill_kernel", &set_attention_prefill_kernel,
+        "force amx or rows for bf16 prefill chunks (False where AMX cannot run)");
   m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual add + RMSNorm, in place");
   m.def("silu_and_mul", &silu_and_mul, "SwiGLU activation");
   m.def("rotary_inplace", &rotary_inplace, "neox RoPE on q and k, in place");

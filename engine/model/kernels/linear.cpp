@@ -41,6 +41,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "amx.h"
 #include "simd.h"
 #include "vec.h"
 
@@ -49,13 +50,6 @@
 #define FLOTILLA_DPBF16 1
 #else
 #define FLOTILLA_DPBF16 0
-#endif
-#if FLOTILLA_DPBF16 && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#define FLOTILLA_AMX 1
-#else
-#define FLOTILLA_AMX 0
 #endif
 
 namespace {
@@ -212,37 +206,8 @@ struct Amx : Bf16 {
   static constexpr int64_t KS = 16;  // a B tile's k-steps
   static constexpr int MR = 32;      // rows of a unit (x's rows are padded to 16)
 
-  struct alignas(64) Config {
-    uint8_t palette = 1, start_row = 0, reserved[14] = {};
-    uint16_t colsb[16] = {};
-    uint8_t rows[16] = {};
-  };
-  // A static: GCC's _tile_loadconfig declares only an 8-byte read of the 64, so a local
-  // config's other bytes could be dropped as dead stores.
-  static const Config& config() {  // every tile 16 rows x 64 bytes
-    static const Config cfg = [] {
-      Config c;
-      for (int t = 0; t < 8; ++t) c.colsb[t] = 64, c.rows[t] = 16;
-      return c;
-    }();
-    return cfg;
-  }
-
-  // Linux hands out the tile state only on request; once per process.
-  static bool granted() {
-    static const bool ok = [] {
-      constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-      return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-    }();
-    return ok;
-  }
-
-  // The tiles, configured for the calling thread (a parallel region's start) and
-  // released at its end, so a context switch does not save 8 KB of tile state.
-  struct Tiles {
-    Tiles() { _tile_loadconfig(&config()); }
-    ~Tiles() { _tile_release(); }
-  };
+  static bool granted() { return flotilla::amx::granted(); }
+  using Tiles = flotilla::amx::Tiles;
 
   template <int R, int W, bool GLU, typename O>
   static void unit(const T* a, int64_t lda, const T* b, int64_t steps, const Out<O>& out,

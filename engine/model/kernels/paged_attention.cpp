@@ -21,6 +21,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "amx.h"
 #include "convert.h"
 #include "simd.h"
 #include "vec.h"
@@ -49,6 +50,8 @@ struct Problem {
   const T* v_new;
   int64_t k_new_row, v_new_row;
   const int64_t* slots;  // [T] cache slot of each row's token: block * bs + offset
+  std::vector<int64_t> seq_start;  // [S + 1] each sequence's first row
+  std::vector<int64_t> row_ids;  // the rows the per-row kernels attend (all unless AMX takes chunks)
 
   Problem(const torch::Tensor& q_, const torch::Tensor& k_, const torch::Tensor& v_,
           const torch::Tensor& k_cache, const torch::Tensor& v_cache, const torch::Tensor& slots_,
@@ -84,6 +87,9 @@ struct Problem {
     row_len.resize(rows);
     row_first.resize(rows);
     row_decode.resize(rows);
+    seq_start.assign(starts, starts + seqs + 1);
+    row_ids.resize(rows);
+    for (int64_t r = 0; r < rows; ++r) row_ids[r] = r;
     TORCH_CHECK(block_tables.size(0) == seqs, "one block table per sequence");
     for (int64_t s = 0; s < seqs; ++s) {
       TORCH_CHECK(starts[s + 1] >= starts[s] && starts[s + 1] - starts[s] <= lens[s] &&
@@ -138,10 +144,10 @@ void store_prefill_tokens(const Problem<T>& p) {
 template <typename T, int64_t BS, int64_t D>
 void run_generic(const Problem<T>& p) {
   const int64_t d = D ? D : p.d, bs = BS ? BS : p.bs, group = p.group;
-  at::parallel_for(0, int64_t(p.row_seq.size()) * p.kv_heads, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, int64_t(p.row_ids.size()) * p.kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * d), acc(group * d), scores, inv_sum(group);
     for (int64_t work = begin; work < end; ++work) {
-      const int64_t r = work / p.kv_heads, h = work % p.kv_heads;
+      const int64_t r = p.row_ids[work / p.kv_heads], h = work % p.kv_heads;
       const int64_t len = p.row_len[r], nblocks = (len + bs - 1) / bs;
       const int64_t* table = p.tables + p.row_seq[r] * p.max_blocks;
       if (p.row_decode[r]) store_token(p, r, h);
@@ -237,11 +243,11 @@ template <typename T>
 inline Item start_item(const Problem<T>& p, int64_t work, int64_t end) {
   constexpr int64_t BS = 16;
   Item it;
-  it.r = work / p.kv_heads, it.h = work % p.kv_heads;
+  it.r = p.row_ids[work / p.kv_heads], it.h = work % p.kv_heads;
   it.len = p.row_len[it.r], it.nblocks = (it.len + BS - 1) / BS, it.padded = it.nblocks * BS;
   it.table = p.tables + p.row_seq[it.r] * p.max_blocks;
   if (work + 1 < end) {
-    const int64_t next_r = (work + 1) / p.kv_heads;
+    const int64_t next_r = p.row_ids[(work + 1) / p.kv_heads];
     if (p.row_first[next_r]) {
       it.next_table = p.tables + p.row_seq[next_r] * p.max_blocks;
       it.next_blocks = (p.row_len[next_r] + BS - 1) / BS;
@@ -316,7 +322,7 @@ void run_vec(const Problem<T>& p) {
   static_assert(BS % L == 0 && D % L == 0, "blocks and heads must be whole vectors");
   constexpr int64_t GS = std::max<int64_t>(1, std::min<int64_t>(G, (vec::kRegs - NB) / NB * 3 / 4));
   constexpr int64_t GC = std::max<int64_t>(1, std::min<int64_t>(G, vec::kRegs * 3 / 4 / C));
-  at::parallel_for(0, int64_t(p.row_seq.size()) * p.kv_heads, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, int64_t(p.row_ids.size()) * p.kv_heads, 1, [&](int64_t begin, int64_t end) {
     alignas(64) float qf[G][D];
     std::vector<float> scores;
     for (int64_t work = begin; work < end; ++work) {
@@ -410,7 +416,7 @@ void run_fma(const Problem<T>& p) {
   constexpr int64_t BS = 16, C = D / 16;
   // value accumulators: heads per pass so that GC * C registers stay <= 24
   constexpr int64_t GC = std::max<int64_t>(1, std::min<int64_t>(G, 24 / C));
-  at::parallel_for(0, int64_t(p.row_seq.size()) * p.kv_heads, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, int64_t(p.row_ids.size()) * p.kv_heads, 1, [&](int64_t begin, int64_t end) {
     alignas(64) float qf[G][D];
     std::vector<float> scores;
     for (int64_t work = begin; work < end; ++work) {
@@ -508,7 +514,7 @@ void run_dpbf16(const Problem<c10::BFloat16>& p) {
   const __m512i val_lo = _mm512_load_si512(vlo), val_hi = _mm512_load_si512(vhi);
   const __m512 scale = _mm512_set1_ps(p.scale);
 
-  at::parallel_for(0, int64_t(p.row_seq.size()) * p.kv_heads, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, int64_t(p.row_ids.size()) * p.kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     std::vector<uint16_t> p_hi, p_lo;
     for (int64_t work = begin; work < end; ++work) {
@@ -643,6 +649,255 @@ bool use_dpbf16() {
 #define FLOTILLA_DPBF16 0
 #endif
 
+#if FLOTILLA_AMX
+// ---- prefill chunks on AMX tiles ------------------------------------------------------
+// A prefill chunk's rows all read the same keys and values, so they are tile products:
+// per item (16 consecutive rows of one sequence's chunk, one kv head) the scores of each
+// of the G query heads are S = Q K^T in tiles of 16 rows x 16 keys, an exact float32
+// softmax per row over its visible keys, then O = P V in tiles of 16 rows x 16 channels.
+// The per-row kernels above spend ~130 vector instructions per row, key block and head
+// on what this does in four tile products (a chunk's rows ran at ~140 GFLOP/s of
+// float32 FMA on the AMX Xeon measured; docs/benchmarks.md has the figures).
+// Layouts: a key block [D][16] becomes B tiles of 16 channel pairs x 16 keys (rows 2p and
+// 2p + 1 interleaved by one vpermw), two value blocks become B tiles of 16 key pairs x 16
+// channels (vpermt2w), both in a per-thread scratch that consecutive items of the same
+// sequence and head extend rather than rebuild. Probabilities go to bf16 as a head and a
+// remainder (p = hi + lo), two products each, keeping float32-class accuracy like the
+// vdpbf16ps kernel. Keys past a row's length are masked out of its softmax; value rows
+// past the item's context are zeros in the scratch (0 x NaN garbage would be NaN).
+constexpr int64_t kAmxMinRows = 8;  // chunks of fewer rows stay on the per-row kernels
+
+std::atomic<int> g_prefill_amx{-1};  // -1: not resolved; 0: per-row kernels; 1: AMX
+
+bool prefill_amx() {
+  int v = g_prefill_amx.load(std::memory_order_relaxed);
+  if (v < 0) {
+    v = flotilla::amx::granted() ? 1 : 0;
+    g_prefill_amx.store(v);
+  }
+  return v == 1;
+}
+
+// Rows [r0, r0 + rows) of sequence `seq`'s chunk at kv head h; len: the last row's
+// context (the item's widest).
+struct AmxItem {
+  int64_t seq, h, r0, rows, len;
+};
+
+// A thread's buffers, kept between calls (no page faults inside a step once warm).
+struct AmxScratch {
+  std::vector<uint16_t> q, kp, vp, p_hi, p_lo;
+  std::vector<float> s;
+  int64_t seq = -1, h = -1, keys = 0;  // what kp and vp hold: this sequence, head, keys
+};
+
+template <int64_t D, int64_t G>
+void amx_item(const Problem<c10::BFloat16>& p, const AmxItem& it, AmxScratch& sc) {
+  constexpr int64_t BS = 16, KT = D * BS;  // a key block's packed elements
+  const int64_t nblocks = (it.len + BS - 1) / BS, npairs = (nblocks + 1) / 2, padded = npairs * 32;
+  const int64_t* table = p.tables + it.seq * p.max_blocks;
+  const uint16_t* kp = reinterpret_cast<const uint16_t*>(p.k) + it.h * p.k_hs;
+  const uint16_t* vp = reinterpret_cast<const uint16_t*>(p.v) + it.h * p.v_hs;
+  alignas(64) int16_t kidx[32], vlo[32], vhi[32];
+  for (int j = 0; j < 16; ++j) {
+    kidx[2 * j] = j, kidx[2 * j + 1] = 16 + j;
+    vlo[2 * j] = j, vlo[2 * j + 1] = 32 + j;
+    vhi[2 * j] = 16 + j, vhi[2 * j + 1] = 48 + j;
+  }
+  const __m512i key_perm = _mm512_load_si512(kidx);
+  const __m512i val_lo = _mm512_load_si512(vlo), val_hi = _mm512_load_si512(vhi);
+
+  // the queries, 16 rows x G heads (rows past the chunk zero)
+  sc.q.resize(16 * G * D);
+  for (int64_t m = 0; m < 16; ++m) {
+    uint16_t* dst = sc.q.data() + m * G * D;
+    if (m < it.rows)
+      std::memcpy(dst, reinterpret_cast<const uint16_t*>(p.q) + (it.r0 + m) * p.q_row + it.h * G * D,
+                  G * D * 2);
+    else
+      std::memset(dst, 0, G * D * 2);
+  }
+  // keys and values, packed from where the scratch's copy of this sequence and head ends
+  const bool extend = sc.seq == it.seq && sc.h == it.h && sc.keys <= it.len;
+  const int64_t from = extend ? sc.keys : 0;
+  sc.kp.resize(2 * npairs * KT);
+  sc.vp.resize(npairs * 32 * D);
+  for (int64_t b = from / BS; b < nblocks; ++b) {
+    const uint16_t* kb = kp + table[b] * p.k_bs;
+    uint16_t* dst = sc.kp.data() + b * KT;
+    for (int64_t i = 0; i < D; i += 2)
+      _mm512_storeu_si512(dst + i * 16, _mm512_permutexvar_epi16(key_perm, _mm512_loadu_si512(kb + i * 16)));
+  }
+  for (int64_t pair = from / 32; pair < npairs; ++pair) {
+    uint16_t* dst = sc.vp.data() + pair * 32 * D;  // column tile e at dst + e * 512
+    for (int64_t t = 0; t < 16; ++t) {
+      const int64_t key = pair * 32 + 2 * t;
+      if (key >= it.len) {
+        for (int64_t e = 0; e < D / 16; ++e) std::memset(dst + e * 512 + t * 32, 0, 64);
+        continue;
+      }
+      const uint16_t* row = vp + table[key / BS] * p.v_bs + (key % BS) * D;
+      const __mmask32 second = key + 1 < it.len ? __mmask32(0xFFFFFFFFu) : __mmask32(0);
+      for (int64_t c = 0; c < D / 32; ++c) {
+        const __m512i r0 = _mm512_loadu_si512(row + c * 32);
+        const __m512i r1 = _mm512_maskz_loadu_epi16(second, row + D + c * 32);
+        _mm512_storeu_si512(dst + 2 * c * 512 + t * 32, _mm512_permutex2var_epi16(r0, val_lo, r1));
+        _mm512_storeu_si512(dst + (2 * c + 1) * 512 + t * 32, _mm512_permutex2var_epi16(r0, val_hi, r1));
+      }
+    }
+  }
+  sc.seq = it.seq, sc.h = it.h, sc.keys = it.len;
+
+  sc.s.resize(16 * padded);
+  sc.p_hi.resize(16 * padded);
+  sc.p_lo.resize(16 * padded);
+  float* s = sc.s.data();
+  uint16_t* phi = sc.p_hi.data();
+  uint16_t* plo = sc.p_lo.data();
+  const uint16_t* kt = sc.kp.data();
+  const uint16_t* vt = sc.vp.data();
+  const long qstride = G * D * 2, sstride = padded * 4, pstride = padded * 2;
+  const __m512 scale = _mm512_set1_ps(p.scale);
+  alignas(64) float o[16 * D];
+  float inv[16];
+  for (int64_t g = 0; g < G; ++g) {
+    const uint16_t* qg = sc.q.data() + g * D;
+    // S = Q K^T, two key blocks a pass (tiles 0 and 1)
+    if constexpr (D == 64) {
+      _tile_loadd(2, qg, qstride);
+      _tile_loadd(3, qg + 32, qstride);
+      for (int64_t pair = 0; pair < npairs; ++pair) {
+        const uint16_t* k0 = kt + 2 * pair * KT;
+        const uint16_t* k1 = k0 + KT;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_loadd(4, k0, 64);
+        _tile_loadd(5, k1, 64);
+        _tile_loadd(6, k0 + 512, 64);
+        _tile_loadd(7, k1 + 512, 64);
+        _tile_dpbf16ps(0, 2, 4);
+        _tile_dpbf16ps(1, 2, 5);
+        _tile_dpbf16ps(0, 3, 6);
+        _tile_dpbf16ps(1, 3, 7);
+        _tile_stored(0, s + pair * 32, sstride);
+        _tile_stored(1, s + pair * 32 + 16, sstride);
+      }
+    } else {
+      static_assert(D == 128, "the AMX prefill kernel takes head sizes 64 and 128");
+      _tile_loadd(2, qg, qstride);
+      _tile_loadd(3, qg + 32, qstride);
+      _tile_loadd(4, qg + 64, qstride);
+      _tile_loadd(5, qg + 96, qstride);
+      for (int64_t pair = 0; pair < npairs; ++pair) {
+        const uint16_t* k0 = kt + 2 * pair * KT;
+        const uint16_t* k1 = k0 + KT;
+        _tile_zero(0);
+        _tile_zero(1);
+#define FLOTILLA_AMX_KEYS(C, Q)          \
+  _tile_loadd(6, k0 + C * 512, 64);      \
+  _tile_loadd(7, k1 + C * 512, 64);      \
+  _tile_dpbf16ps(0, Q, 6);               \
+  _tile_dpbf16ps(1, Q, 7);
+        FLOTILLA_AMX_KEYS(0, 2)
+        FLOTILLA_AMX_KEYS(1, 3)
+        FLOTILLA_AMX_KEYS(2, 4)
+        FLOTILLA_AMX_KEYS(3, 5)
+#undef FLOTILLA_AMX_KEYS
+        _tile_stored(0, s + pair * 32, sstride);
+        _tile_stored(1, s + pair * 32 + 16, sstride);
+      }
+    }
+    // softmax of each row over its own keys; probabilities as bf16 head + remainder
+    for (int64_t m = 0; m < 16; ++m) {
+      const int64_t len = m < it.rows ? p.row_len[it.r0 + m] : it.len;
+      const float* sr = s + m * padded;
+      __m512 mx = _mm512_set1_ps(-FLT_MAX);
+      for (int64_t t = 0; t < len; t += 16) {
+        const __mmask16 live = t + 16 <= len ? __mmask16(0xFFFF) : __mmask16((1u << (len - t)) - 1);
+        mx = _mm512_mask_max_ps(mx, live, mx, _mm512_loadu_ps(sr + t));
+      }
+      const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(mx) * p.scale);
+      __m512 sum = _mm512_setzero_ps();
+      for (int64_t t = 0; t < padded; t += 32) {
+        __m512 e[2];
+        for (int64_t u = 0; u < 2; ++u) {
+          const int64_t at = t + 16 * u;
+          const __mmask16 live = at + 16 <= len ? __mmask16(0xFFFF)
+                                 : at < len ? __mmask16((1u << (len - at)) - 1) : __mmask16(0);
+          e[u] = live ? _mm512_maskz_mov_ps(live, flotilla::exp16(_mm512_fmsub_ps(
+                            _mm512_loadu_ps(sr + at), scale, shift)))
+                      : _mm512_setzero_ps();
+          sum = _mm512_add_ps(sum, e[u]);
+        }
+        const __m512bh hi = _mm512_cvtne2ps_pbh(e[1], e[0]);
+        const __m512i hbits = reinterpret_cast<__m512i>(hi);
+        const __m512 h0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(hbits)), 16));
+        const __m512 h1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(hbits, 1)), 16));
+        const __m512bh lo = _mm512_cvtne2ps_pbh(_mm512_sub_ps(e[1], h1), _mm512_sub_ps(e[0], h0));
+        _mm512_storeu_si512(phi + m * padded + t, hbits);
+        _mm512_storeu_si512(plo + m * padded + t, reinterpret_cast<__m512i>(lo));
+      }
+      inv[m] = 1.f / _mm512_reduce_add_ps(sum);
+    }
+    // O = P V, 16 rows x 64 channels a pass (tiles 0-3), P's head in tile 4, remainder in 5
+    for (int64_t half = 0; half < D / 64; ++half) {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t pair = 0; pair < npairs; ++pair) {
+        const uint16_t* v = vt + pair * 32 * D + half * 4 * 512;
+        _tile_loadd(4, phi + pair * 32, pstride);
+        _tile_loadd(5, plo + pair * 32, pstride);
+#define FLOTILLA_AMX_VALUES(E, VT)         \
+  _tile_loadd(VT, v + E * 512, 64);        \
+  _tile_dpbf16ps(E, 4, VT);                \
+  _tile_dpbf16ps(E, 5, VT);
+        FLOTILLA_AMX_VALUES(0, 6)
+        FLOTILLA_AMX_VALUES(1, 7)
+        FLOTILLA_AMX_VALUES(2, 6)
+        FLOTILLA_AMX_VALUES(3, 7)
+#undef FLOTILLA_AMX_VALUES
+      }
+      float* oh = o + half * 64;
+      _tile_stored(0, oh, D * 4);
+      _tile_stored(1, oh + 16, D * 4);
+      _tile_stored(2, oh + 32, D * 4);
+      _tile_stored(3, oh + 48, D * 4);
+    }
+    for (int64_t m = 0; m < it.rows; ++m) {
+      c10::BFloat16* out = p.out + ((it.r0 + m) * p.heads + it.h * G + g) * D;
+      const __m512 f = _mm512_set1_ps(inv[m]);
+      for (int64_t c = 0; c < D; c += 16)
+        flotilla::store16(out + c, _mm512_mul_ps(_mm512_load_ps(o + m * D + c), f));
+    }
+  }
+}
+
+// The items split over the threads by their context lengths (a chunk's later rows see
+// more keys; equal counts of items left one thread waiting on the other).
+template <int64_t D, int64_t G>
+void run_amx_prefill(const Problem<c10::BFloat16>& p, const std::vector<AmxItem>& items) {
+  std::vector<int64_t> ends(items.size());
+  int64_t total = 0;
+  for (size_t i = 0; i < items.size(); ++i) ends[i] = total += items[i].len + 32;
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items.size()));
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    flotilla::amx::Tiles tiles_in_use;
+    thread_local AmxScratch scratch;
+    scratch.seq = -1;  // the cache may have changed since the last call
+    for (int64_t t = begin; t < end; ++t) {
+      // item i goes to the thread whose share holds the middle of its cost
+      for (size_t i = 0; i < items.size(); ++i) {
+        const int64_t mid = 2 * ends[i] - (items[i].len + 32);  // 2 x the item's middle
+        if (mid * threads >= 2 * t * total && mid * threads < 2 * (t + 1) * total)
+          amx_item<D, G>(p, items[i], scratch);
+      }
+    }
+  });
+}
+#endif
+
 // The specialised kernels for block size 16, head size 64 or 128 and up to 8 query heads
 // per kv head; false where none applies.
 template <typename T, int64_t D, int64_t G>
@@ -681,6 +936,54 @@ bool dispatch_group(const Problem<T>& p) {
   }
 }
 
+#if FLOTILLA_AMX
+template <int64_t D>
+void amx_group(const Problem<c10::BFloat16>& p, const std::vector<AmxItem>& items) {
+  switch (p.group) {
+    case 1: return run_amx_prefill<D, 1>(p, items);
+    case 2: return run_amx_prefill<D, 2>(p, items);
+    case 3: return run_amx_prefill<D, 3>(p, items);
+    case 4: return run_amx_prefill<D, 4>(p, items);
+    case 5: return run_amx_prefill<D, 5>(p, items);
+    case 6: return run_amx_prefill<D, 6>(p, items);
+    case 7: return run_amx_prefill<D, 7>(p, items);
+    default: return run_amx_prefill<D, 8>(p, items);
+  }
+}
+#endif
+
+// Where the AMX kernel runs (bf16, block size 16, head size 64 or 128, up to 8 query
+// heads per kv head): it attends every prefill chunk of kAmxMinRows rows or more, and the
+// per-row kernels are left the other rows (decodes, short chunks).
+template <typename T>
+void run_prefill_chunks(Problem<T>& p) {
+#if FLOTILLA_AMX
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (p.bs != 16 || (p.d != 64 && p.d != 128) || p.group > 8 || !prefill_amx()) return;
+    std::vector<AmxItem> items;  // ordered by sequence, head, rows: a thread's run extends its scratch
+    std::vector<char> taken(p.row_seq.size(), 0);
+    for (size_t s = 0; s + 1 < p.seq_start.size(); ++s) {
+      const int64_t r0 = p.seq_start[s], n = p.seq_start[s + 1] - r0;
+      if (n < kAmxMinRows) continue;
+      for (int64_t h = 0; h < p.kv_heads; ++h)
+        for (int64_t j = 0; j < n; j += 16) {
+          const int64_t rows = std::min<int64_t>(16, n - j);
+          items.push_back({int64_t(s), h, r0 + j, rows, p.row_len[r0 + j + rows - 1]});
+        }
+      std::fill(taken.begin() + r0, taken.begin() + r0 + n, 1);
+    }
+    if (items.empty()) return;
+    if (p.d == 64) amx_group<64>(p, items);
+    else amx_group<128>(p, items);
+    p.row_ids.clear();
+    for (size_t r = 0; r < taken.size(); ++r)
+      if (!taken[r]) p.row_ids.push_back(int64_t(r));
+  }
+#else
+  (void)p;
+#endif
+}
+
 template <typename T>
 void dispatch(const Problem<T>& p) {
   if (p.bs == 16 && p.d == 64 && dispatch_group<T, 64>(p)) return;
@@ -717,6 +1020,29 @@ bool set_attention_bf16_kernel(const std::string& name) {
 #endif
 }
 
+// How bf16 prefill chunks are attended here: "amx" (tile products, where the build has
+// AMX and Linux grants the tile state) or "rows" (the per-row kernels, as decodes).
+std::string attention_prefill_kernel() {
+#if FLOTILLA_AMX
+  if (prefill_amx()) return "amx";
+#endif
+  return "rows";
+}
+
+// Forces one (tests and benchmarks run both); false where the build or CPU cannot run it.
+bool set_attention_prefill_kernel(const std::string& name) {
+  TORCH_CHECK(name == "amx" || name == "rows", "prefill attention kernel: amx or rows");
+#if FLOTILLA_AMX
+  if (name == "rows" || flotilla::amx::granted()) {
+    g_prefill_amx.store(name == "amx" ? 1 : 0);
+    return true;
+  }
+  return false;
+#else
+  return name == "rows";
+#endif
+}
+
 // Writes this step's keys and values into the cache, then attends every query row.
 // q: [T, H, D], k, v: [T, KVH, D] (heads contiguous within a row; rows may be strided
 // views into the fused qkv); k_cache [KVH, num_blocks, D, bs]; v_cache [KVH, num_blocks,
@@ -749,6 +1075,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
     using T = decltype(tag);
     Problem<T> p(q, k, v, k_cache, v_cache, slots_, tables, lens, starts, out, scale);
     store_prefill_tokens(p);
+    run_prefill_chunks(p);
     dispatch(p);
   };
   if (q.scalar_type() == torch::kBFloat16) {
