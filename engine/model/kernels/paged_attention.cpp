@@ -720,7 +720,7 @@ void amx_item(const Problem<c10::BFloat16>& p, const AmxItem& it, AmxScratch& sc
   // keys and values, packed from where the scratch's copy of this sequence and head ends
   const bool extend = sc.seq == it.seq && sc.h == it.h && sc.keys <= it.len;
   const int64_t from = extend ? sc.keys : 0;
-  sc.kp.resize(2 * npairs * KT);
+  sc.kp.resize(2 * npairs * KT);  // whole pairs: a pass may read a block past the context
   sc.vp.resize(npairs * 32 * D);
   for (int64_t b = from / BS; b < nblocks; ++b) {
     const uint16_t* kb = kp + table[b] * p.k_bs;
@@ -763,22 +763,45 @@ void amx_item(const Problem<c10::BFloat16>& p, const AmxItem& it, AmxScratch& sc
   for (int64_t g = 0; g < G; ++g) {
     const uint16_t* qg = sc.q.data() + g * D;
     // S = Q K^T, two key blocks a pass (tiles 0 and 1)
-    if constexpr (D == 64) {
-      _tile_loadd(2, qg, qstride);
-      _tile_loadd(3, qg + 32, qstride);
-      for (int64_t pair = 0; pair < npairs; ++pair) {
+    if constexpr (D == 64) {  // Q in tiles 4 and 5, keys in 6 and 7
+      _tile_loadd(4, qg, qstride);
+      _tile_loadd(5, qg + 32, qstride);
+      int64_t pair = 0;
+      for (; pair + 1 < npairs; pair += 2) {  // four key blocks a pass: four chains in flight
         const uint16_t* k0 = kt + 2 * pair * KT;
-        const uint16_t* k1 = k0 + KT;
         _tile_zero(0);
         _tile_zero(1);
-        _tile_loadd(4, k0, 64);
-        _tile_loadd(5, k1, 64);
+        _tile_zero(2);
+        _tile_zero(3);
+#define FLOTILLA_AMX_KEYS(C, Q)                  \
+  _tile_loadd(6, k0 + C * 512, 64);              \
+  _tile_dpbf16ps(0, Q, 6);                       \
+  _tile_loadd(7, k0 + KT + C * 512, 64);         \
+  _tile_dpbf16ps(1, Q, 7);                       \
+  _tile_loadd(6, k0 + 2 * KT + C * 512, 64);     \
+  _tile_dpbf16ps(2, Q, 6);                       \
+  _tile_loadd(7, k0 + 3 * KT + C * 512, 64);     \
+  _tile_dpbf16ps(3, Q, 7);
+        FLOTILLA_AMX_KEYS(0, 4)
+        FLOTILLA_AMX_KEYS(1, 5)
+#undef FLOTILLA_AMX_KEYS
+        _tile_stored(0, s + pair * 32, sstride);
+        _tile_stored(1, s + pair * 32 + 16, sstride);
+        _tile_stored(2, s + pair * 32 + 32, sstride);
+        _tile_stored(3, s + pair * 32 + 48, sstride);
+      }
+      if (pair < npairs) {
+        const uint16_t* k0 = kt + 2 * pair * KT;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_loadd(6, k0, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_loadd(7, k0 + KT, 64);
+        _tile_dpbf16ps(1, 4, 7);
         _tile_loadd(6, k0 + 512, 64);
-        _tile_loadd(7, k1 + 512, 64);
-        _tile_dpbf16ps(0, 2, 4);
-        _tile_dpbf16ps(1, 2, 5);
-        _tile_dpbf16ps(0, 3, 6);
-        _tile_dpbf16ps(1, 3, 7);
+        _tile_dpbf16ps(0, 5, 6);
+        _tile_loadd(7, k0 + KT + 512, 64);
+        _tile_dpbf16ps(1, 5, 7);
         _tile_stored(0, s + pair * 32, sstride);
         _tile_stored(1, s + pair * 32 + 16, sstride);
       }
@@ -829,12 +852,13 @@ void amx_item(const Problem<c10::BFloat16>& p, const AmxItem& it, AmxScratch& sc
                       : _mm512_setzero_ps();
           sum = _mm512_add_ps(sum, e[u]);
         }
-        const __m512bh hi = _mm512_cvtne2ps_pbh(e[1], e[0]);
-        const __m512i hbits = reinterpret_cast<__m512i>(hi);
-        const __m512 h0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(hbits)), 16));
-        const __m512 h1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(hbits, 1)), 16));
+        // hi: e truncated to bf16 (exact in bf16), lo: the exact remainder rounded
+        const __m512i top = _mm512_set1_epi32(int(0xFFFF0000u));
+        const __m512 h0 = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(e[0]), top));
+        const __m512 h1 = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(e[1]), top));
+        const __m512bh hi = _mm512_cvtne2ps_pbh(h1, h0);
         const __m512bh lo = _mm512_cvtne2ps_pbh(_mm512_sub_ps(e[1], h1), _mm512_sub_ps(e[0], h0));
-        _mm512_storeu_si512(phi + m * padded + t, hbits);
+        _mm512_storeu_si512(phi + m * padded + t, reinterpret_cast<__m512i>(hi));
         _mm512_storeu_si512(plo + m * padded + t, reinterpret_cast<__m512i>(lo));
       }
       inv[m] = 1.f / _mm512_reduce_add_ps(sum);
