@@ -18,15 +18,13 @@ import argparse
 import json
 import os
 import random
-import re
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from throughput import auto_dtype  # noqa: E402  (bench scripts import each other by path)
+from throughput import auto_dtype, cpu_flags, rate, vllm_cpu_env  # noqa: E402  (by path)
 
 NUM_PROMPTS, PROMPT_LEN = 16, 1024
 
@@ -79,23 +77,10 @@ if __name__ == "__main__":
 """
 
 
-def _rate(cmd: list[str], env: dict[str, str], label: str) -> float:
-    run = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **env})
-    found = re.findall(r"= ([0-9.]+) prompt tok/s", run.stdout)
-    if run.returncode != 0 or not found:
-        raise RuntimeError(f"{label} failed ({run.returncode}):\n{run.stdout[-2000:]}\n"
-                           f"{run.stderr[-3000:]}")
-    print("  " + next(ln for ln in run.stdout.splitlines() if "prompt tok/s" in ln), flush=True)
-    return float(found[-1])
-
-
 def vllm_pairs(args, prompts) -> None:
     from engine.model.loader import resolve_model
-    from throughput import cpu_flags
     model = str(resolve_model(args.model))
     cores = sorted(os.sched_getaffinity(0))
-    vllm_env = {"VLLM_CPU_OMP_THREADS_BIND": f"{cores[0]}-{cores[-1]}",
-                "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "4"}
     ours = [sys.executable, str(Path(__file__).resolve()), "--model", args.model,
             "--dtype", args.dtype]
     if args.max_num_batched_tokens:
@@ -106,8 +91,8 @@ def vllm_pairs(args, prompts) -> None:
     ratios = []
     for pair in range(args.pairs):
         print(f"pair {pair + 1}:", flush=True)
-        f = _rate(ours, {}, "flotilla")
-        v = _rate(theirs, vllm_env, "vllm")
+        f = rate(ours, {}, "flotilla", "prompt tok/s")
+        v = rate(theirs, vllm_cpu_env(), "vllm", "prompt tok/s")
         ratios.append(f / v)
         print(f"  flotilla / vllm = {f / v:.2f}x", flush=True)
     amx = "AMX" if "amx_bf16" in cpu_flags() else "no AMX"

