@@ -132,11 +132,12 @@ def cases(dtype: torch.dtype) -> dict[str, tuple[Callable, Callable, Callable]]:
                                      torch.tensor([2 * CHUNK]), torch.tensor([0, CHUNK]), scale)
         return call
 
+    ckeys = torch.cat((torch.randn(KV_HEADS, CHUNK, HEAD_DIM, generator=g).to(dtype),
+                       ck.transpose(0, 1)), 1)  # cached context, then the chunk's own
+    cmask = torch.ones(CHUNK, 2 * CHUNK, dtype=torch.bool).tril(CHUNK)
+
     def chunk_torch(_):
-        keys = torch.cat((torch.randn(KV_HEADS, CHUNK, HEAD_DIM, generator=g).to(dtype),
-                          ck.transpose(0, 1)), 1)
-        mask = torch.ones(CHUNK, 2 * CHUNK, dtype=torch.bool).tril(CHUNK)
-        return F.scaled_dot_product_attention(cq.transpose(0, 1), keys, keys, attn_mask=mask,
+        return F.scaled_dot_product_attention(cq.transpose(0, 1), ckeys, ckeys, attn_mask=cmask,
                                               scale=scale, enable_gqa=True)
 
     def has_amx(m):

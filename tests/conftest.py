@@ -47,6 +47,23 @@ def kernels(request):
     return module
 
 
+
+def cpu_flags() -> list[str]:
+    """This CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+    try:
+        return next((line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith("flags")), "").split()
+    except OSError:
+        return []
+
+
+def amx_granted_here() -> bool:
+    """Whether the native kernels must run AMX tiles here: the CPU has AMX_BF16 and Linux
+    (5.16 on) grants the tile state."""
+    import re
+    linux = tuple(int(v) for v in re.findall(r"\d+", platform.release())[:2])
+    return "amx_bf16" in cpu_flags() and platform.system() == "Linux" and linux >= (5, 16)
+
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
     return resolve_model("default")

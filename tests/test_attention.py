@@ -1,7 +1,4 @@
 """Paged attention: the native CPU kernel and the torch path agree with plain attention."""
-import platform
-import re
-
 import pytest
 import torch
 
@@ -10,6 +7,7 @@ from engine.model.layers.attention import (
     _decode_attention,
     cache_views,
 )
+from tests.conftest import amx_granted_here
 
 
 def _reference(q, kc, vc, tables, lens, starts, scale):
@@ -93,13 +91,6 @@ def _each_prefill_kernel(kernels, dtype):
             yield name
     finally:
         kernels.set_attention_prefill_kernel(chosen)
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        return set(next(ln for ln in open("/proc/cpuinfo") if ln.startswith("flags")).split())
-    except (OSError, StopIteration):
-        return set()
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
@@ -188,9 +179,7 @@ def test_prefill_chunks_of_every_shape_match_dense_attention(kernels, heads, kv_
 
 def test_bf16_prefill_chunks_run_on_amx_where_the_cpu_has_it(kernels):
     chosen = kernels.attention_prefill_kernel()
-    linux = tuple(int(v) for v in re.findall(r"\d+", platform.release())[:2])
-    amx = ("amx_bf16" in _cpu_flags() and platform.system() == "Linux" and linux >= (5, 16)
-           and kernels.isa == "avx512")
+    amx = amx_granted_here() and kernels.isa == "avx512"
     assert chosen == ("amx" if amx else "rows")
     assert kernels.set_attention_prefill_kernel("amx") == amx
     assert kernels.set_attention_prefill_kernel("rows")

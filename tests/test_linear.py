@@ -2,15 +2,13 @@
 packing, and the native kernels' matmul (engine/model/kernels/linear.cpp) on every
 vector path this host builds (the `kernels` fixture), against a float32 reference."""
 import contextlib
-import platform
-import re
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from engine.model.layers.linear import Linear, can_pack, pack_linears
+from tests.conftest import amx_granted_here, cpu_flags
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -84,11 +82,6 @@ def _linear_dtypes(kernels):
             yield torch.bfloat16
 
 
-def _cpu_flags() -> list[str]:
-    return next((line for line in Path("/proc/cpuinfo").read_text().splitlines()
-                 if line.startswith("flags")), "").split()
-
-
 @contextlib.contextmanager
 def _torch_threads(n: int):
     """torch's thread count set to n for the block (tests default to one)."""
@@ -101,7 +94,7 @@ def _torch_threads(n: int):
 
 
 def _bf16_flags() -> bool:
-    return "avx512_bf16" in _cpu_flags()
+    return "avx512_bf16" in cpu_flags()
 
 
 def _check_against_float(got: torch.Tensor, x, weight, bias) -> None:
@@ -191,8 +184,7 @@ def test_the_bf16_linear_runs_on_amx_where_the_cpu_has_it(kernels):
     assert chosen == kinds[0] and kinds[-1] == "dpbf16"
     # Linux grants AMX's tile state from 5.16 on: a CPU with AMX must get it, or its bf16
     # linears run on vdpbf16ps at a fraction of the speed
-    linux = tuple(int(v) for v in re.findall(r"\d+", platform.release())[:2])
-    if "amx_bf16" in _cpu_flags() and platform.system() == "Linux" and linux >= (5, 16):
+    if amx_granted_here():
         assert kinds == ["amx", "dpbf16"]
     assert not kernels.set_linear_bf16_kernel("tiles")
     torch.manual_seed(7)

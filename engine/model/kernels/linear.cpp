@@ -206,9 +206,6 @@ struct Amx : Bf16 {
   static constexpr int64_t KS = 16;  // a B tile's k-steps
   static constexpr int MR = 32;      // rows of a unit (x's rows are padded to 16)
 
-  static bool granted() { return flotilla::amx::granted(); }
-  using Tiles = flotilla::amx::Tiles;
-
   template <int R, int W, bool GLU, typename O>
   static void unit(const T* a, int64_t lda, const T* b, int64_t steps, const Out<O>& out,
                    int64_t rows) {
@@ -413,7 +410,7 @@ torch::Tensor run(const torch::Tensor& input, const torch::Tensor& packed,
 
   at::parallel_for(0, chunks * panels, 1, [&](int64_t begin, int64_t end) {
 #if FLOTILLA_AMX
-    std::conditional_t<std::is_same_v<K, Amx>, Amx::Tiles, int> tiles_in_use{};
+    std::conditional_t<std::is_same_v<K, Amx>, flotilla::amx::Tiles, int> tiles_in_use{};
     (void)tiles_in_use;
 #endif
     for (int64_t item = begin; item < end; ++item) {
@@ -456,7 +453,7 @@ torch::Tensor run(const torch::Tensor& input, const torch::Tensor& packed,
 // grows by the 8 KB of tile state, which a bf16-free process should not pay for.
 bool amx_runs() {
 #if FLOTILLA_AMX
-  return Amx::granted();
+  return flotilla::amx::granted();
 #else
   return false;
 #endif

@@ -497,6 +497,26 @@ inline __m512bh bcast_pair(const uint16_t* p) {
   return as_bh(_mm512_set1_epi32(int(w)));
 }
 
+// The vpermw / vpermt2w indices that pair bf16 rows for a dot product of pairs: `key`
+// interleaves rows i, i + 1 of a [D][16] key block (token j's two channels side by side),
+// `val_lo` / `val_hi` two value rows t, t + 1 by channel (channels 0..15, 16..31 of 32).
+struct PairPerms {
+  __m512i key, val_lo, val_hi;
+};
+
+inline const PairPerms& pair_perms() {
+  static const PairPerms perms = [] {
+    alignas(64) int16_t kidx[32], vlo[32], vhi[32];
+    for (int j = 0; j < 16; ++j) {
+      kidx[2 * j] = j, kidx[2 * j + 1] = 16 + j;
+      vlo[2 * j] = j, vlo[2 * j + 1] = 32 + j;
+      vhi[2 * j] = 16 + j, vhi[2 * j + 1] = 48 + j;
+    }
+    return PairPerms{_mm512_load_si512(kidx), _mm512_load_si512(vlo), _mm512_load_si512(vhi)};
+  }();
+  return perms;
+}
+
 template <int64_t D, int64_t G>
 void run_dpbf16(const Problem<c10::BFloat16>& p) {
   constexpr int64_t BS = 16, C = D / 32;  // value channels per pass: 32 (two accumulators)
@@ -504,14 +524,8 @@ void run_dpbf16(const Problem<c10::BFloat16>& p) {
   const uint16_t* qp = reinterpret_cast<const uint16_t*>(p.q);
   const uint16_t* kp = reinterpret_cast<const uint16_t*>(p.k);
   const uint16_t* vp = reinterpret_cast<const uint16_t*>(p.v);
-  alignas(64) int16_t kidx[32], vlo[32], vhi[32];
-  for (int j = 0; j < 16; ++j) {
-    kidx[2 * j] = j, kidx[2 * j + 1] = 16 + j;  // key rows i, i+1: token j paired
-    vlo[2 * j] = j, vlo[2 * j + 1] = 32 + j;     // value rows t, t+1: channels 0..15
-    vhi[2 * j] = 16 + j, vhi[2 * j + 1] = 48 + j;  // channels 16..31
-  }
-  const __m512i key_perm = _mm512_load_si512(kidx);
-  const __m512i val_lo = _mm512_load_si512(vlo), val_hi = _mm512_load_si512(vhi);
+  const PairPerms& perms = pair_perms();
+  const __m512i key_perm = perms.key, val_lo = perms.val_lo, val_hi = perms.val_hi;
   const __m512 scale = _mm512_set1_ps(p.scale);
 
   at::parallel_for(0, int64_t(p.row_ids.size()) * p.kv_heads, 1, [&](int64_t begin, int64_t end) {
@@ -698,14 +712,8 @@ void amx_item(const Problem<c10::BFloat16>& p, const AmxItem& it, AmxScratch& sc
   const int64_t* table = p.tables + it.seq * p.max_blocks;
   const uint16_t* kp = reinterpret_cast<const uint16_t*>(p.k) + it.h * p.k_hs;
   const uint16_t* vp = reinterpret_cast<const uint16_t*>(p.v) + it.h * p.v_hs;
-  alignas(64) int16_t kidx[32], vlo[32], vhi[32];
-  for (int j = 0; j < 16; ++j) {
-    kidx[2 * j] = j, kidx[2 * j + 1] = 16 + j;
-    vlo[2 * j] = j, vlo[2 * j + 1] = 32 + j;
-    vhi[2 * j] = 16 + j, vhi[2 * j + 1] = 48 + j;
-  }
-  const __m512i key_perm = _mm512_load_si512(kidx);
-  const __m512i val_lo = _mm512_load_si512(vlo), val_hi = _mm512_load_si512(vhi);
+  const PairPerms& perms = pair_perms();
+  const __m512i key_perm = perms.key, val_lo = perms.val_lo, val_hi = perms.val_hi;
 
   // the queries, 16 rows x G heads (rows past the chunk zero)
   sc.q.resize(16 * G * D);
@@ -762,7 +770,7 @@ void amx_item(const Problem<c10::BFloat16>& p, const AmxItem& it, AmxScratch& sc
   float inv[16];
   for (int64_t g = 0; g < G; ++g) {
     const uint16_t* qg = sc.q.data() + g * D;
-    // S = Q K^T, two key blocks a pass (tiles 0 and 1)
+    // S = Q K^T into s, two or four key blocks a pass (tiles 0-1 or 0-3)
     if constexpr (D == 64) {  // Q in tiles 4 and 5, keys in 6 and 7
       _tile_loadd(4, qg, qstride);
       _tile_loadd(5, qg + 32, qstride);
