@@ -94,8 +94,8 @@ def run_flotilla(args, prompts) -> float:
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     assert tokens == NUM_PROMPTS * OUTPUT_LEN
     core = llm.llm_engine.engine_core
-    from engine.model.kernels import cpu_kernels, engine_march
-    kernels = cpu_kernels(engine_march())
+    from engine.model.kernels import cpu_kernels
+    kernels = cpu_kernels()
     print(f"flotilla: dtype={core.dtype} threads={torch.get_num_threads()} "
           f"kernels={kernels.isa if kernels is not None else 'torch'} "
           f"torch={torch.backends.cpu.get_cpu_capability()} "

@@ -37,7 +37,7 @@ KERNEL_TARGETS = ({"x86-64-v3": "avx2", "x86-64": "sse2"} if platform.machine() 
 def kernels(request):
     """The CPU kernel module built for one target (parametrized over every target)."""
     from engine.model.kernels import cpu_kernels
-    native = cpu_kernels()
+    native = cpu_kernels("native")
     assert native is not None, "the native CPU kernels should build on this machine"
     if request.param == "native" or native.isa == KERNEL_TARGETS[request.param]:
         return native  # e.g. an AVX2 host: its native build is the AVX2 path, no second build

@@ -62,7 +62,7 @@ def _bf16_kernel_restored():
     """The native build's bf16 linear kernel as it was before the test, even when a test
     that forces one fails midway (the module is shared by the whole session)."""
     from engine.model.kernels import cpu_kernels
-    native = cpu_kernels()
+    native = cpu_kernels("native")
     chosen = native.linear_bf16_kernel() if native is not None else ""
     yield
     if chosen:
@@ -168,8 +168,8 @@ def test_native_linear_refuses_what_it_cannot_run(kernels):
 
 def test_the_native_build_has_a_bf16_linear_where_the_cpu_does():
     from engine.model.kernels import cpu_kernels
-    assert "float32" in cpu_kernels().linear_dtypes()
-    assert ("bfloat16" in cpu_kernels().linear_dtypes()) == _bf16_flags()
+    assert "float32" in cpu_kernels("native").linear_dtypes()
+    assert ("bfloat16" in cpu_kernels("native").linear_dtypes()) == _bf16_flags()
 
 
 def test_the_bf16_linear_runs_on_amx_where_the_cpu_has_it(kernels):

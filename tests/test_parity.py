@@ -55,7 +55,7 @@ def test_torch_attention_path_matches_hf(tiny_llama, monkeypatch):
     torch ops: equal-length prompts share an SDPA call, chunks after cached context and
     prefix-cache hits gather their blocks, decodes are batched."""
     import engine.executor.model_runner
-    monkeypatch.setattr(engine.executor.model_runner, "cpu_kernels", lambda march="native": None)
+    monkeypatch.setattr(engine.executor.model_runner, "cpu_kernels", lambda: None)
     monkeypatch.setattr(engine.executor.model_runner, "native_enabled", lambda: False)
     prompts = _prompts([17, 17, 17, 70, 5])
     llm = LLM(str(tiny_llama), dtype="float32", max_num_batched_tokens=48, block_size=8)

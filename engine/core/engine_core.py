@@ -30,7 +30,7 @@ from engine.executor.sampler import Sampler
 from engine.generation_defaults import sampling_defaults
 from engine.lora.manager import LoRAManager
 from engine.lora.request import LoRARequest, adapter_id
-from engine.model.kernels import cpu_kernels, engine_march
+from engine.model.kernels import cpu_kernels
 from engine.model.llama import ModelShape
 from engine.model.loader import load_hf_config, resolve_model
 from engine.pooling import Pooler, pooling_method
@@ -82,7 +82,7 @@ class EngineCore:
         self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv, self.max_model_len,
                                    config.step_token_budget(self.device))
-        kernels = cpu_kernels(engine_march()) if self.device.type == "cpu" else None
+        kernels = cpu_kernels() if self.device.type == "cpu" else None
         self.sampler = Sampler(self.shape.vocab_size,
                                kernels.argmax_rows if kernels is not None else None,
                                seed=config.seed, device=self.device,

@@ -30,7 +30,7 @@ from engine.model.hugepages import (
     collapse_new_regions,
     lazily_zeroed,
 )
-from engine.model.kernels import cpu_kernels, engine_march, native_enabled
+from engine.model.kernels import cpu_kernels, native_enabled
 from engine.model.layers.attention import AttentionMetadata, PrefillGroup, cache_views
 from engine.model.layers.linear import Linear, can_pack, pack_linears
 from engine.model.layers.rotary import RotaryEmbedding
@@ -113,7 +113,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.kernels = None
         if device.type == "cpu":
-            self.kernels = cpu_kernels(engine_march())
+            self.kernels = cpu_kernels()
             keep_freed_memory()  # steps reuse their freed activations: no page faults
         self.native_attention = self.kernels.paged_attention if self.kernels else None
         self.model = self._load_model()

@@ -44,19 +44,20 @@ def native_enabled() -> bool:
     return os.environ.get("FLOTILLA_NATIVE_KERNELS", "1") != "0"
 
 
-def engine_march() -> str:
-    """The -march the engine's kernels are built for: $FLOTILLA_KERNELS_MARCH, else native."""
-    return os.environ.get("FLOTILLA_KERNELS_MARCH") or "native"
+def cpu_kernels(march: str | None = None) -> ModuleType | None:
+    """The compiled CPU kernel module, or None when disabled or unbuildable.
+
+    `march` is the -march target: "native" vectorizes for this CPU (AVX-512, AVX2 + FMA,
+    NEON); a narrower target such as "x86-64-v3" (AVX2) or "x86-64" (SSE2) builds that
+    CPU family's path on a wider machine, for tests and benchmarks. Left out, it is what
+    the engine runs: $FLOTILLA_KERNELS_MARCH, else native. The module's `isa` says which
+    path it holds."""
+    return _build(march or os.environ.get("FLOTILLA_KERNELS_MARCH") or "native")
 
 
 @functools.cache
-def cpu_kernels(march: str = "native") -> ModuleType | None:
-    """The compiled CPU kernel module, or None when disabled or unbuildable.
-
-    `march` is the -march target: "native" (what the engine uses) vectorizes for this
-    CPU (AVX-512, AVX2 + FMA, NEON); a narrower target such as "x86-64-v3" (AVX2) or
-    "x86-64" (SSE2) builds that CPU family's path on a wider machine, for tests and
-    benchmarks. The module's `isa` says which path it holds."""
+def _build(march: str) -> ModuleType | None:
+    """cpu_kernels for one resolved target, built (or loaded) once per process."""
     if not native_enabled():
         return None
     try:
