@@ -12,7 +12,7 @@ clients that disconnect after a few events and requests whose `timeout` passes
 else: another status, a stream without [DONE], a missing usage, a connection error.
 
 Before the load (after a warm-up and a quiet spell) and after it (once the engines are
-idle again) it samples every process of the server (the CLI, Ray's processes, the
+idle again, and the ingress replicas have trimmed their heaps) it samples every process of the server (the CLI, Ray's processes, the
 replicas): RSS, threads, open sockets; and from /metrics the requests running or
 waiting and the KV cache in use. Printed: requests and errors, TTFT p99 in the first
 and the last minute, each process's RSS at start and end, and the checks (errors 0,
@@ -42,6 +42,7 @@ import httpx
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 from bench.serve import FLOTILLA, Server, start_server, stop_server  # noqa: E402
+from deployments.heap_trim import IDLE_S as TRIM_IDLE_S  # noqa: E402
 
 MODEL = "mock"
 RSS_GROWTH_LIMIT = 0.05
@@ -55,6 +56,10 @@ SELF_SIZING_POOLS = {"event_engine"}
 # (and restart HAProxy) in the middle of the leak checks
 INGRESS_REPLICAS = 2
 SETTLE_TIMEOUT_S = 120.0
+# once the engines are idle, the ingress replicas hand their free heap back to the OS
+# (deployments/heap_trim.py: TRIM_IDLE_S after their last request, polled every 0.5 s);
+# both samples wait for that, so RSS is what each process holds, not its busiest moment
+TRIM_WAIT_S = TRIM_IDLE_S + 2.0
 KINDS = ("stream", "plain", "chat_stream", "chat", "n", "stop", "disconnect", "timeout")
 WEIGHTS = (25, 15, 15, 10, 10, 10, 10, 5)
 
@@ -383,12 +388,14 @@ def soak(port: int, duration: float, concurrency: int, warmup: float = 15.0,
     try:
         asyncio.run(drive(base_url, concurrency, warmup, seed=1))  # pools grow to their size
         idle_load = _wait_idle(base_url, 60)
+        time.sleep(TRIM_WAIT_S)
         phase("warm-up")
         start, _ = settled_sample(proc.pid, SETTLE_TIMEOUT_S, quiet_s=quiet_s)
         phase("idle sample")
         tally = asyncio.run(drive(base_url, concurrency, duration))
         seconds = time.monotonic() - tally.started
         end_load = _wait_idle(base_url, 60)
+        time.sleep(TRIM_WAIT_S)
         phase("load")
         end, settle_s = settled_sample(proc.pid, SETTLE_TIMEOUT_S, target=_totals(start))
         phase("back to idle")

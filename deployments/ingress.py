@@ -12,6 +12,7 @@ import uuid
 from ray import serve
 
 from deployments.config import AppArgs
+from deployments.heap_trim import IdleHeapTrim
 from deployments.openai_app import IngressOptions, build_openai_app
 from deployments.tokenizers import tokenizer_for
 from engine.errors import NoEnginesError
@@ -87,6 +88,7 @@ class OpenAIIngress:
         self._lock = asyncio.Lock()
         self._app = None  # the ASGI app, once Serve built it
         self._control: CoordinatorControl | None = None
+        self._heap_trim = IdleHeapTrim()  # RSS back to what is live once a burst is over
 
     async def get_client(self) -> EngineClient:
         """The client for the current engines. The first call waits for them; a
@@ -131,6 +133,8 @@ class OpenAIIngress:
         pushed = time.monotonic()
         while True:
             await asyncio.sleep(MEMBERSHIP_POLL_S)
+            client = self._client
+            self._heap_trim.poll(client.num_in_flight, client.requests_submitted)
             if time.monotonic() - pushed >= METRICS_PUSH_S and self._app is not None:
                 pushed = time.monotonic()  # keep the coordinator's sum current between scrapes
                 await self._control.sum_metrics(self._app.state.metrics.snapshot())

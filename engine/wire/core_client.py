@@ -148,6 +148,7 @@ class EngineClient:
         self.processor: Processor | None = None
         self.output_processor: OutputProcessor | None = None
         self._streams: dict[str, _Stream] = {}  # user request id -> its consumer's link
+        self.requests_submitted = 0  # ever, so that a poll sees requests that came and went
         self._parent_of: dict[str, str] = {}  # engine request id -> user request id
         self._engine_of: dict[str, int] = {}  # engine request id -> engine index
         self._utility_waiters: dict[int, asyncio.Future] = {}
@@ -352,6 +353,7 @@ class EngineClient:
         """Register a request's stream and engine before its ADDs go out."""
         stream = _Stream()
         self._streams[request_id] = stream
+        self.requests_submitted += 1
         self.output_processor.add_request(request_id, text, requests, kind)
         for r in requests:
             self._parent_of[r.request_id] = request_id

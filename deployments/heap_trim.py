@@ -1,0 +1,83 @@
+"""Hands the heap's free memory back to the OS once an ingress replica goes idle after
+serving.
+
+glibc keeps what a burst of requests allocated and freed in its arenas, one per
+allocating thread (the event loop, ZMQ's I/O thread), so a replica's RSS stays at its
+busiest moment and creeps up as those arenas fragment: in the soak (c=256 over mock
+engines, session 20) an ingress process held ~100-130 MiB of free heap after each minute
+of load, and `malloc_trim(0)` gave it back (523 -> 414 MiB). A Kubernetes memory limit
+and the soak's leak check both see RSS, so the replica trims once per burst, after
+`idle_s` without a request in flight: the trim never competes with a request, and RSS
+at rest is what the replica really holds. Where the C library has no malloc_trim
+(musl, macOS) nothing is trimmed.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+import time
+from typing import Callable
+
+logger = logging.getLogger(__name__)
+IDLE_S = 2.0
+
+
+@functools.cache
+def malloc_trim() -> Callable[[int], int] | None:
+    """glibc's malloc_trim, or None where the C library has none."""
+    try:
+        fn = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_size_t]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def rss_bytes() -> int:
+    """This process's resident set (0 where /proc is absent)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
+
+
+class IdleHeapTrim:
+    """Polled from a replica's background loop with the requests in flight and a count
+    of requests ever submitted (so a request that came and went between two polls is
+    seen); trims once, `idle_s` after the replica went idle, and not again until more
+    requests are served."""
+
+    def __init__(self, idle_s: float = IDLE_S,
+                 trim: Callable[[int], int] | None = None) -> None:
+        self.idle_s = idle_s
+        self._trim = trim if trim is not None else malloc_trim()
+        self._seen = 0  # requests_submitted at the last poll
+        self._served = False  # requests ran since the last trim
+        self._idle_since: float | None = None
+        self.trims = 0
+
+    def poll(self, in_flight: int, submitted: int, now: float | None = None) -> bool:
+        """True when this call trimmed the heap."""
+        now = time.monotonic() if now is None else now
+        if in_flight or submitted != self._seen:
+            self._seen, self._served, self._idle_since = submitted, True, None
+            if in_flight:
+                return False
+        if not self._served or self._trim is None:
+            return False
+        if self._idle_since is None:
+            self._idle_since = now
+            return False
+        if now - self._idle_since < self.idle_s:
+            return False
+        before = rss_bytes()
+        self._trim(0)
+        self._served, self._idle_since = False, None
+        self.trims += 1
+        logger.debug("idle: returned %d MiB of free heap to the OS",
+                     (before - rss_bytes()) >> 20)
+        return True
