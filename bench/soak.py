@@ -12,8 +12,8 @@ clients that disconnect after a few events and requests whose `timeout` passes
 else: another status, a stream without [DONE], a missing usage, a connection error.
 
 Before the load (after a warm-up and a quiet spell) and after it (once the engines are
-idle again, and the ingress replicas have trimmed their heaps) it samples every process of the server (the CLI, Ray's processes, the
-replicas): RSS, threads, open sockets; and from /metrics the requests running or
+idle again and the ingress replicas have trimmed their heaps) it samples every process
+of the server (the CLI, Ray's processes, the replicas): RSS, threads, open sockets; and from /metrics the requests running or
 waiting and the KV cache in use. Printed: requests and errors, TTFT p99 in the first
 and the last minute, each process's RSS at start and end, and the checks (errors 0,
 RSS growth < 5 % per process, sockets / threads / in-flight / KV back at their idle

@@ -74,10 +74,12 @@ class IdleHeapTrim:
             return False
         if now - self._idle_since < self.idle_s:
             return False
-        before = rss_bytes()
+        debug = logger.isEnabledFor(logging.DEBUG)  # /proc read only for the log line
+        before = rss_bytes() if debug else 0
         self._trim(0)
         self._served, self._idle_since = False, None
         self.trims += 1
-        logger.debug("idle: returned %d MiB of free heap to the OS",
-                     (before - rss_bytes()) >> 20)
+        if debug:
+            logger.debug("idle: returned %d MiB of free heap to the OS",
+                         (before - rss_bytes()) >> 20)
         return True

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from deployments.heap_trim import rss_bytes
 from engine.model.hugepages import anonymous_regions, collapse_new_regions
 
 _THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
@@ -47,24 +48,20 @@ def test_memory_mapped_after_the_snapshot_is_collapsed_into_huge_pages():
         buf.close()
 
 
-def _rss_bytes() -> int:
-    return int(Path("/proc/self/statm").read_text().split()[1]) * mmap.PAGESIZE
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm")
 def test_lazily_zeroed_tensor_is_zero_aligned_and_resident_only_where_written():
     import torch
 
     from engine.model.hugepages import lazily_zeroed
     size = 256 << 20
-    before = _rss_bytes()
+    before = rss_bytes()
     t = lazily_zeroed((64, size // 64 // 4), torch.float32)
     assert t.shape == (64, size // 256) and t.dtype == torch.float32
     assert t.data_ptr() % (2 << 20) == 0  # every page of it can be a huge page
-    assert _rss_bytes() - before < 64 << 20  # nothing zeroed up front
+    assert rss_bytes() - before < 64 << 20  # nothing zeroed up front
     t[3, 5] = 7.0
     assert float(t[3].sum()) == 7.0 and float(t[:3].abs().sum()) == 0.0
-    assert _rss_bytes() - before < 128 << 20  # the rows read are zero pages, not copies
+    assert rss_bytes() - before < 128 << 20  # the rows read are zero pages, not copies
 
 
 def _resident(t) -> list[bool]:
