@@ -70,6 +70,15 @@ class EngineConfig:
     max_cpu_loras: int | None = option(None, "adapters cached in host memory; none: max_loras")
     lora_modules: dict | None = option(None, 'adapters loaded at start, {"name": "path"} '
                                              "(JSON)")
+    attention_backend: str = option(
+        "auto", "attention kernels: auto (the native kernels on CPU, FlexAttention on "
+        "CUDA), native (CPU only), flex (FlexAttention; eager, unfused on CPU) or torch (the "
+        "gather path)", choices=("auto", "native", "flex", "torch"))
+    enforce_eager: bool = option(False, "CUDA: run decode steps eagerly instead of "
+                                        "replaying CUDA graphs captured per batch size")
+    load_format: str = option("auto", "auto: the checkpoint's weights; dummy: random weights "
+                                      "of its shapes (benchmarks, no weight files needed)",
+                              choices=("auto", "dummy"))
     override_generation_config: dict | None = option(
         None, "sampling defaults (JSON) that take precedence over generation_config, "
         'e.g. {"temperature": 0.6}')
@@ -96,6 +105,11 @@ class EngineConfig:
             (self.log_stats_interval_s >= 0, "log_stats_interval_s must be >= 0"),
             (self.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1"),
             (self.max_loras >= 1, "max_loras must be >= 1"),
+            (self.attention_backend in ("auto", "native", "flex", "torch"),
+             f"attention_backend must be auto, native, flex or torch, got "
+             f"{self.attention_backend!r}"),
+            (self.load_format in ("auto", "dummy"),
+             f"load_format must be auto or dummy, got {self.load_format!r}"),
             (self.max_lora_rank >= 1, "max_lora_rank must be >= 1"),
             (self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras,
              "max_cpu_loras must be >= max_loras"),

@@ -31,7 +31,10 @@ from engine.model.hugepages import (
     lazily_zeroed,
 )
 from engine.model.kernels import cpu_kernels, native_enabled
+from engine.executor.cuda_graphs import DecodeGraphs
+from engine.model.layers import flex_paged
 from engine.model.layers.attention import AttentionMetadata, PrefillGroup, cache_views
+from engine.model.layers.flex_paged import FlexPagedAttention, build_group
 from engine.model.layers.linear import Linear, can_pack, pack_linears
 from engine.model.layers.rotary import RotaryEmbedding
 from engine.model.llama import LlamaForCausalLM, ModelShape
@@ -42,8 +45,9 @@ logger = logging.getLogger(__name__)
 # Prompt-logprob rows computed at once: 256 x a 128k vocabulary is 128 MiB of logits.
 _PROMPT_LOGIT_ROWS = 256
 
-# Room left on the GPU for activations of one max-size batch (beyond weights and KV).
-_GPU_ACTIVATION_RESERVE_BYTES = 1 << 30
+# GPU memory kept beside the profiled peak for what comes after the profile: the decode
+# CUDA graphs' pool (activations of up to 256 single-token rows) and allocator slack.
+_GPU_GRAPH_RESERVE_BYTES = 512 << 20
 
 
 class StepInput(msgspec.Struct, array_like=True, gc=False):
@@ -115,7 +119,12 @@ class ModelRunner:
         if device.type == "cpu":
             self.kernels = cpu_kernels()
             keep_freed_memory()  # steps reuse their freed activations: no page faults
-        self.native_attention = self.kernels.paged_attention if self.kernels else None
+        self.backend = self._attention_backend()
+        self.native_attention = (self.kernels.paged_attention if self.backend == "native"
+                                 else None)
+        self.flex = (FlexPagedAttention(compile=device.type == "cuda")
+                     if self.backend == "flex" else None)
+        self.graphs: DecodeGraphs | None = None
         self.model = self._load_model()
         self.lora_slots: LoRASlots | None = None
         self.lora_cache: AdapterCache | None = None
@@ -124,6 +133,38 @@ class ModelRunner:
         self.kv_caches: torch.Tensor | None = None
         self.layer_caches: list[tuple[torch.Tensor, torch.Tensor]] = []  # views, per layer
         self.num_blocks = 0
+
+    def _attention_backend(self) -> str:
+        """native (the CPU kernels), flex (FlexAttention; CUDA's default) or torch."""
+        choice = self.config.attention_backend
+        if choice == "auto":
+            return "native" if self.kernels is not None else (
+                "flex" if self.device.type == "cuda" else "torch")
+        if choice == "native" and self.kernels is None:
+            raise InvalidRequestError("attention_backend 'native' needs the CPU kernels "
+                                      f"(device {self.device}, kernels unavailable or off)")
+        return choice
+
+    def _use_graphs(self) -> bool:
+        """Decode steps replay CUDA graphs unless enforce_eager, LoRA (its per-step adapter
+        runs are host data) or tensor parallelism (every rank would have to replay
+        together) rules them out."""
+        return (self.device.type == "cuda" and self.flex is not None
+                and not self.config.enforce_eager and self.lora_slots is None
+                and self.tp is None)
+
+    def _capture_graphs(self) -> None:
+        if self._use_graphs() and self.model is not None and self.kv_caches is not None:
+            self.graphs = DecodeGraphs(self.model, self.layer_caches, self.flex,
+                                       self.num_blocks, self.block_size, self.max_model_len,
+                                       self.config.max_num_seqs, self.device)
+            self.graphs.capture()
+
+    def _drop_graphs(self) -> None:
+        """Before the weights or the cache move or go: the graphs point at them."""
+        if self.graphs is not None:
+            self.graphs = None
+            torch.cuda.empty_cache()
 
     def _load_model(self) -> LlamaForCausalLM:
         start = time.perf_counter()
@@ -137,7 +178,10 @@ class ModelRunner:
                                        self.max_model_len).to(self.device)
         if self.shape.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight
-        model.load_weights(iter_weights(self.checkpoint))
+        if self.config.load_format == "dummy":
+            _random_weights(model)
+        else:
+            model.load_weights(iter_weights(self.checkpoint))
         model = model.to(self.dtype).eval()
         model.requires_grad_(False)
         if native_enabled() and can_pack(self.device, self.dtype, self.kernels):
@@ -182,9 +226,9 @@ class ModelRunner:
             return self.config.num_gpu_blocks_override
         per_block = self.bytes_per_block()
         if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = free - (1 - self.config.gpu_memory_utilization) * total
-            budget -= _GPU_ACTIVATION_RESERVE_BYTES
+            budget = self._gpu_kv_budget()
+            if self.flex is not None:  # each block's entries in the steps' page maps
+                per_block += 4 * self.config.max_num_seqs
             if self.config.kv_cache_memory_bytes:
                 budget = min(budget, self.config.kv_cache_memory_bytes)
         else:
@@ -195,9 +239,71 @@ class ModelRunner:
                 f"KV cache budget of {int(budget)} bytes holds no block of {per_block} bytes")
         return blocks
 
-    def allocate_kv_cache(self, num_blocks: int) -> None:
+    def _gpu_kv_budget(self) -> float:
+        """Bytes left for the KV cache under gpu_memory_utilization, as vLLM finds it: run
+        the largest step the scheduler can make (its token budget, sampling rows for
+        max_num_seqs) and keep what its peak left of total * utilization, less memory
+        outside torch's allocator (the CUDA context, other processes) and the graphs'
+        reserve."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        outside_torch = (total - free) - torch.cuda.memory_reserved(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        peak = self._profile_peak()
+        budget = (self.config.gpu_memory_utilization * total - peak - outside_torch
+                  - _GPU_GRAPH_RESERVE_BYTES)
+        logger.info("GPU memory: %.2f GiB total, step peak %.2f GiB (weights included), "
+                    "%.2f GiB outside torch: %.2f GiB for the KV cache at utilization %.2f",
+                    total / 2**30, peak / 2**30, outside_torch / 2**30, budget / 2**30,
+                    self.config.gpu_memory_utilization)
+        return budget
+
+    def _profile_peak(self) -> int:
+        """Peak bytes torch holds while running the largest step (the profile's own small
+        cache excluded)."""
+        bs = self.block_size
+        tokens = self.config.step_token_budget(self.device)
+        longest = min(tokens, self.max_model_len)
+        lengths = [longest] * (tokens // longest) + ([tokens % longest] if tokens % longest
+                                                      else [])
+        lengths = lengths[:self.config.max_num_seqs]
+        step = StepInput([], [], [], [], [], [], [])
+        block = 0
+        for n in lengths:
+            table = list(range(block, block - (-n // bs)))
+            block += len(table)
+            step.ids.extend([0] * n)
+            step.positions.extend(range(n))
+            step.slots.extend(table[p // bs] * bs + p % bs for p in range(n))
+            step.query_lens.append(n)
+            step.seq_lens.append(n)
+            step.block_tables.append(table)
+        total = len(step.ids)
+        step.logit_positions = list(range(max(0, total - self.config.max_num_seqs), total))
+        self.allocate_kv_cache(block, capture=False)
+        cache_bytes = self.kv_caches.numel() * self.kv_caches.element_size()
+        try:
+            self.run(step)
+            torch.cuda.synchronize(self.device)
+            return torch.cuda.max_memory_allocated(self.device) - cache_bytes
+        finally:
+            self.free_kv_cache()
+            self.num_blocks = 0
+            torch.cuda.empty_cache()
+
+    def allocate_kv_cache(self, num_blocks: int, capture: bool = True) -> None:
+        """The cache, in the attention backend's layout; then (CUDA) the decode graphs."""
         s = self.shape
         self.num_blocks = num_blocks
+        if self.flex is not None:
+            shape = flex_paged.cache_shape(s.num_layers, num_blocks, self.plan.num_kv_heads,
+                                           self.block_size, s.head_dim)
+            self.kv_caches = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            self.layer_caches = [flex_paged.cache_views(layer) for layer in self.kv_caches]
+            if capture:
+                self._capture_graphs()
+            return
         # block-major (engine.model.layers.attention): a block's keys and values, all kv heads,
         # are one contiguous span
         shape = (s.num_layers, num_blocks, 2, self.plan.num_kv_heads, self.block_size, s.head_dim)
@@ -225,6 +331,7 @@ class ModelRunner:
                     time.perf_counter() - start)
 
     def free_kv_cache(self) -> None:
+        self._drop_graphs()
         self.kv_caches = None
         self.layer_caches = []
 
@@ -234,10 +341,12 @@ class ModelRunner:
 
     def offload_weights(self) -> None:
         """Move the weights to host memory (sleep level 1 on an accelerator)."""
+        self._drop_graphs()
         self.model.to("cpu")
 
     def free_weights(self) -> None:
         """Drop the weights (sleep level 2); restore_weights reloads the checkpoint."""
+        self._drop_graphs()
         self.model = None
 
     def restore_weights(self) -> None:
@@ -247,6 +356,8 @@ class ModelRunner:
                 self.model.attach_lora(self.lora_slots)
         elif not self.has_weights():
             self.model.to(self.device)
+        if self.graphs is None:
+            self._capture_graphs()
 
     def memory_usage(self) -> dict[str, int]:
         weights = 0
@@ -324,10 +435,14 @@ class ModelRunner:
         dev = self.device
         if self.lora_slots is not None:
             self.lora_slots.segments = [tuple(run) for run in step.lora_segments]
-        meta = self._attention_metadata(step)
-        input_ids = torch.tensor(step.ids, dtype=torch.long, device=dev)
-        pos = torch.tensor(step.positions, dtype=torch.long, device=dev)
-        hidden = self.model(input_ids, pos, self.layer_caches, meta)
+        if self._replayable(step):
+            hidden = self.graphs.run(step.ids, step.positions, step.slots, step.seq_lens,
+                                     step.block_tables)
+        else:
+            meta = self._attention_metadata(step)
+            input_ids = torch.tensor(step.ids, dtype=torch.long, device=dev)
+            pos = torch.tensor(step.positions, dtype=torch.long, device=dev)
+            hidden = self.model(input_ids, pos, self.layer_caches, meta)
         pooled = [hidden[start:end].float() for start, end in step.pool_spans]
         prompt_rows = self._prompt_logprobs(hidden, step) if step.prompt_spans else []
         if not step.logit_positions:
@@ -335,6 +450,13 @@ class ModelRunner:
             return empty, pooled, prompt_rows
         index = torch.tensor(step.logit_positions, dtype=torch.long, device=dev)
         return self.model.compute_logits(hidden.index_select(0, index)), pooled, prompt_rows
+
+    def _replayable(self, step: StepInput) -> bool:
+        """A decode-only step (one new token each, nothing pooled or scored) that a
+        captured graph holds."""
+        return (self.graphs is not None and len(step.ids) == len(step.query_lens)
+                and not step.pool_spans and not step.prompt_spans
+                and self.graphs.fits(len(step.ids), max(map(len, step.block_tables))))
 
     def _prompt_logprobs(self, hidden: torch.Tensor, step: StepInput) -> list | None:
         """Prompt logprobs of the step's prompt spans, a slice of rows at a time, so a
@@ -361,6 +483,8 @@ class ModelRunner:
         slot_mapping = torch.tensor(step.slots, dtype=torch.long, device=dev)
         num_decodes = next((i for i, n in enumerate(step.query_lens) if n != 1),
                            len(step.query_lens))
+        if self.flex is not None:
+            return self._flex_metadata(step, slot_mapping, num_decodes)
         if self.native_attention is not None:  # one kernel call for every row
             starts = [0]
             for n in step.query_lens:
@@ -384,6 +508,24 @@ class ModelRunner:
             num_decodes=num_decodes, block_tables=tables, seq_lens=lens, decode_bias=bias,
             prefills=self._prefill_groups(step, num_decodes))
 
+    def _flex_metadata(self, step: StepInput, slot_mapping: torch.Tensor,
+                       num_decodes: int) -> AttentionMetadata:
+        """Two FlexAttention calls at most: the decodes, then the prefill chunks."""
+        groups = []
+        width = None if self.device.type == "cuda" or not self.flex.compiled \
+            else self.num_blocks + 1  # the CPU compiled kernel reads one entry per page
+        spans = [(0, num_decodes), (num_decodes, len(step.query_lens))]
+        first = 0
+        for lo, hi in spans:
+            if hi > lo:
+                groups.append(build_group(first, step.query_lens[lo:hi], step.seq_lens[lo:hi],
+                                          step.block_tables[lo:hi], self.num_blocks,
+                                          self.block_size, self.device, width))
+                first += groups[-1].num_tokens
+        return AttentionMetadata(slot_mapping=slot_mapping, num_decodes=num_decodes,
+                                 block_tables=None, seq_lens=None, flex=self.flex,
+                                 flex_groups=groups, block_size=self.block_size)
+
     def _table_tensor(self, tables: list[list[int]]) -> torch.Tensor:
         """Block tables padded with block 0 to the longest (the kernels stop at seq_lens)."""
         width = max(len(t) for t in tables)
@@ -406,3 +548,13 @@ class ModelRunner:
                 groups.append(PrefillGroup(first, n, 1, n, None))
             first += n
         return groups
+
+
+def _random_weights(model: torch.nn.Module) -> None:
+    """load_format dummy: every parameter uniform in [-1e-3, 1e-3], as vLLM's dummy
+    format (what runs is all that matters: speed benchmarks at a model's real shapes)."""
+    generator = torch.Generator(device=next(model.parameters()).device)
+    generator.manual_seed(0)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.uniform_(-1e-3, 1e-3, generator=generator)

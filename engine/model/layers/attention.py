@@ -18,7 +18,8 @@ reads, a request may read blocks that another request fills in the same step
   and values and attends every row of the step, decodes and prefill chunks alike,
   reading the cache in place with a causal limit per row (a 64-token prefill spent
   4x longer in SDPA).
-- Otherwise (CUDA, or kernels off) with torch ops: single-token queries are batched:
+- On CUDA, FlexAttention over its own cache layout (engine/model/layers/flex_paged.py).
+- Otherwise (attention_backend torch, or CPU kernels off) with torch ops: single-token queries are batched:
   their blocks are gathered and attended with two batched matmuls and a masked
   softmax. Prefill chunks without cached context attend to their fresh k/v;
   consecutive chunks of equal length share one SDPA call. Prefill chunks with cached
@@ -32,6 +33,8 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+
+from engine.model.layers import flex_paged
 
 
 @dataclass
@@ -68,6 +71,10 @@ class AttentionMetadata:
     native_attention: Callable | None = None  # compiled CPU kernel (engine.model.kernels), if any
     slot_blocks: torch.Tensor | None = None  # [T] slot_mapping // block_size
     slot_offsets: torch.Tensor | None = None  # [T] slot_mapping % block_size
+    # FlexAttention (CUDA): the step's calls (engine.model.layers.flex_paged)
+    flex: Callable | None = None  # a FlexPagedAttention
+    flex_groups: list = field(default_factory=list)  # its FlexGroups: decodes, prefills
+    block_size: int = 0
 
 
 def cache_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,6 +102,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     Returns the attention output [T, H, D].
     """
     k_cache, v_cache = kv_cache
+    if meta.flex is not None:
+        flex_paged.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        return meta.flex(q, k_cache, v_cache, meta.flex_groups, scale, meta.block_size)
     if meta.native_attention is not None:
         return meta.native_attention(q, k, v, k_cache, v_cache, meta.slot_mapping,
                                      meta.block_tables, meta.seq_lens, meta.query_start, scale)

@@ -1,0 +1,124 @@
+"""Decode steps replayed from CUDA graphs, one captured per batch-size bucket.
+
+A decode step of a small model is hundreds of short kernels; launched one by one from
+Python the GPU waits on the host between them. A captured graph launches them all at
+once. Each graph reads its inputs from one static device buffer (one row per
+sequence: token id, position, cache slot, context length, block table) that the step
+fills with a single host-to-device copy from pinned memory, and writes its hidden
+states to a static output. A batch is padded to the next captured size: padding rows
+write their keys to the cache's scratch block and read nothing.
+
+What a graph holds on to (the weights, the KV cache, the buffers) must not move: the
+runner drops the graphs before sleep frees either and captures again on waking.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable
+
+import torch
+
+from engine.model.layers.attention import AttentionMetadata
+from engine.model.layers.flex_paged import FlexGroup, fill_logical
+
+logger = logging.getLogger(__name__)
+
+_COLUMNS = 4  # id, position, slot, context length; then the block table
+
+
+def capture_sizes(max_batch: int) -> list[int]:
+    """Batch sizes captured: 1, 2, 4, 8, then every 8 up to 64, every 32 up to 256, then
+    every 64 (vLLM's are 1, 2, 4 and multiples of 8; fewer here, captured faster)."""
+    sizes = [1, 2, 4] + list(range(8, 65, 8)) + list(range(96, 257, 32))
+    sizes += list(range(320, max(max_batch, 256) + 64, 64))
+    chosen = [s for s in sizes if s < max_batch] + [max_batch]
+    return sorted(set(chosen))
+
+
+class DecodeGraphs:
+    def __init__(self, model: Callable, layer_caches: list, flex: Callable, num_blocks: int,
+                 block_size: int, max_model_len: int, max_batch: int,
+                 device: torch.device) -> None:
+        """model(ids, positions, layer_caches, meta) -> hidden states; flex: the runner's
+        FlexPagedAttention; num_blocks: the cache's blocks (the scratch block is next)."""
+        self.model = model
+        self.layer_caches = layer_caches
+        self.flex = flex
+        self.block_size = block_size
+        self.scratch = num_blocks
+        self.width = -(-max_model_len // block_size)  # the longest block table
+        self.sizes = capture_sizes(max_batch)
+        rows, cols = self.sizes[-1], _COLUMNS + self.width
+        self.host = torch.zeros(rows, cols, dtype=torch.int64).pin_memory()
+        self.host_rows = self.host.numpy()
+        self.inputs = torch.zeros(rows, cols, dtype=torch.int64, device=device)
+        self.logical = torch.empty(rows, num_blocks + 1, dtype=torch.int16, device=device)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pad(0, rows)
+        self.inputs.copy_(self.host)
+
+    @property
+    def max_batch(self) -> int:
+        return self.sizes[-1]
+
+    def _pad(self, start: int, end: int) -> None:
+        """Host rows [start, end) as padding: token 0 at position 0, written to the scratch
+        block's first slot, no context, a table of scratch pages."""
+        rows = self.host_rows[start:end]
+        rows[:, :_COLUMNS] = (0, 0, self.scratch * self.block_size, 0)
+        rows[:, _COLUMNS:] = self.scratch
+
+    def _forward(self, size: int) -> torch.Tensor:
+        x = self.inputs[:size]
+        ids, positions, slots, lengths = x[:, 0], x[:, 1], x[:, 2], x[:, 3]
+        tables = x[:, _COLUMNS:]
+        logical = self.logical[:size]
+        fill_logical(logical, tables, self.scratch)
+        pages = (lengths + self.block_size - 1) // self.block_size
+        group = FlexGroup(0, size, size, 1, None, positions[:, None].to(torch.int32), logical,
+                          pages.to(torch.int32)[:, None, None],
+                          tables.to(torch.int32)[:, None, None, :])
+        meta = AttentionMetadata(slot_mapping=slots, num_decodes=size, block_tables=None,
+                                 seq_lens=None, flex=self.flex, flex_groups=[group],
+                                 block_size=self.block_size)
+        return self.model(ids, positions, self.layer_caches, meta)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every size, largest first, all in one memory pool."""
+        start = time.perf_counter()
+        pool = None
+        for size in reversed(self.sizes):
+            for _ in range(2):  # compile and warm up outside the capture
+                self._forward(size)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                out = self._forward(size)
+            pool = graph.pool()
+            self.graphs[size] = (graph, out)
+        torch.cuda.synchronize()
+        logger.info("captured %d decode CUDA graphs (batch 1..%d) in %.1fs", len(self.sizes),
+                    self.max_batch, time.perf_counter() - start)
+
+    def fits(self, batch: int, longest_table: int) -> bool:
+        return batch <= self.max_batch and longest_table <= self.width
+
+    def run(self, ids: list[int], positions: list[int], slots: list[int],
+            seq_lens: list[int], block_tables: list[list[int]]) -> torch.Tensor:
+        """Replay the smallest graph that holds the batch: its hidden states [B, H]."""
+        batch = len(ids)
+        size = next(s for s in self.sizes if s >= batch)
+        rows = self.host_rows
+        self._pad(0, size)
+        rows[:batch, 0] = ids
+        rows[:batch, 1] = positions
+        rows[:batch, 2] = slots
+        rows[:batch, 3] = seq_lens
+        for i, table in enumerate(block_tables):
+            rows[i, _COLUMNS:_COLUMNS + len(table)] = table
+        self.inputs[:size].copy_(self.host[:size], non_blocking=True)
+        graph, out = self.graphs[size]
+        graph.replay()
+        return out[:batch]
