@@ -86,9 +86,17 @@ def build_tiny_model(out: Path, arch: str, tokenizer_dir: Path, **overrides) -> 
 
 
 @pytest.fixture(scope="session")
-def tiny_models(tmp_path_factory, default_model_dir) -> dict[str, Path]:
+def tiny_tokenizer_dir() -> Path:
+    """The tiny models' tokenizer: the default model's, or FLOTILLA_TEST_TOKENIZER (a folder
+    holding its files, for a GPU machine without the shipped model package)."""
+    folder = os.environ.get("FLOTILLA_TEST_TOKENIZER")
+    return Path(folder) if folder else resolve_model("default")
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory, tiny_tokenizer_dir) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny")
-    return {arch: build_tiny_model(root / arch, arch, default_model_dir)
+    return {arch: build_tiny_model(root / arch, arch, tiny_tokenizer_dir)
             for arch in ("llama", "qwen2", "qwen3")}
 
 

@@ -1,36 +1,139 @@
-"""The engine on CUDA: greedy parity with the CPU engine, and tensor parallelism over nccl.
+"""The engine on CUDA: greedy parity with HF, the scheduler's paths (chunked prefill,
+preemption, prefix caching, n > 1) over FlexAttention and the decode CUDA graphs, sleep
+levels freeing GPU memory, the KV budget from gpu_memory_utilization, and tensor
+parallelism over NCCL.
 
 CI machines have no GPU: these tests skip there (and run wherever one is present)."""
+import gc
+
 import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from tests.conftest import hf_greedy
 from tests.test_parity import _prompts
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+pytestmark = needs_cuda
+N = 32
 
 
-def _greedy(llm, prompts, n=32):
-    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+def _greedy(llm, prompts, n=N, **extra):
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, **extra)
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-@needs_cuda
+def _llm(model, **kwargs) -> LLM:
+    """An engine on the GPU; its KV cache capped at 1 GiB unless the test sizes it, so the
+    engines a test module leaves to the garbage collector do not crowd the next."""
+    kwargs.setdefault("device", "cuda")
+    kwargs.setdefault("dtype", "float32")
+    if "gpu_memory_utilization" not in kwargs:
+        kwargs.setdefault("kv_cache_memory_bytes", 1 << 30)
+    return LLM(str(model), **kwargs)
+
+
+def _core(llm):
+    return llm.llm_engine.engine_core
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_cuda_greedy_matches_cpu(tiny_models, arch):
+def test_cuda_greedy_matches_hf(tiny_models, arch):
     prompts = _prompts([3, 17, 40, 64, 9])
-    cpu = _greedy(LLM(str(tiny_models[arch]), dtype="float32", device="cpu"), prompts)
-    gpu = LLM(str(tiny_models[arch]), dtype="float32", device="cuda")
-    assert gpu.llm_engine.engine_core.device.type == "cuda"
-    assert _greedy(gpu, prompts) == cpu
+    llm = _llm(tiny_models[arch])
+    core = _core(llm)
+    assert core.device.type == "cuda" and core.runner.flex is not None
+    assert core.runner.graphs is not None  # decodes replay captured graphs
+    assert _greedy(llm, prompts) == hf_greedy(tiny_models[arch], prompts, N)
 
 
-@needs_cuda
+@pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
+def test_cuda_chunks_preemption_prefix_hits_and_n(tiny_llama, eager):
+    prompts = _prompts([17, 17, 70, 5, 33])
+    llm = _llm(tiny_llama, max_num_batched_tokens=48, block_size=8,
+               num_gpu_blocks_override=24, enforce_eager=eager)
+    assert (_core(llm).runner.graphs is None) == eager
+    assert _greedy(llm, prompts) == hf_greedy(tiny_llama, prompts, N)
+    assert _core(llm).scheduler.num_preemptions > 0
+    shared = [prompts[2][:40] + p for p in _prompts([6, 11], seed=1)]
+    params = SamplingParams(temperature=0.0, max_tokens=N, ignore_eos=True, n=2)
+    out = llm.generate(shared, params, use_tqdm=False)
+    assert all(o.num_cached_tokens > 0 for o in out)
+    expected = hf_greedy(tiny_llama, shared, N)
+    assert [[c.token_ids for c in o.outputs] for o in out] == [[e, e] for e in expected]
+
+
+def test_cuda_graph_batches_of_every_bucket_match_eager(tiny_llama):
+    """Batches that pad to a larger captured size give the eager engine's tokens."""
+    prompts = _prompts([5 + 3 * i for i in range(37)])
+    eager = _greedy(_llm(tiny_llama, enforce_eager=True), prompts, 12)
+    llm = _llm(tiny_llama)
+    assert _greedy(llm, prompts, 12) == eager
+    assert _greedy(llm, prompts[:3], 12) == eager[:3]
+
+
+def test_cuda_bf16_logprobs_close_to_hf_fp32(tiny_llama):
+    """bf16 on the GPU against HF in float32: the first token's top logprobs agree within
+    bf16's rounding."""
+    from transformers import AutoModelForCausalLM
+    prompts = _prompts([9, 40, 77])
+    llm = _llm(tiny_llama, dtype="bfloat16")
+    out = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1, logprobs=5),
+                       use_tqdm=False)
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_llama), torch_dtype=torch.float32)
+    for prompt, o in zip(prompts, out):
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt])).logits[0, -1]
+        expected = torch.log_softmax(logits, -1)
+        top = o.outputs[0].logprobs[0]
+        for token, lp in top.items():
+            value = lp.logprob if hasattr(lp, "logprob") else lp
+            assert abs(value - expected[token].item()) < 0.05
+
+
+def test_cuda_sleep_levels_free_and_restore_gpu_memory(tiny_llama):
+    prompts = _prompts([20, 7])
+    llm = _llm(tiny_llama, gpu_memory_utilization=0.3)
+    core = _core(llm)
+    expected = _greedy(llm, prompts)
+    awake = torch.cuda.memory_allocated()
+    kv = core.get_memory_usage()["kv_cache_bytes"]
+    assert kv > 0
+    for level in (1, 2):
+        core.sleep(level)
+        assert core.get_memory_usage() == {"weights_bytes": 0, "kv_cache_bytes": 0}
+        assert torch.cuda.memory_allocated() <= awake - kv
+        core.wake_up()
+        assert not core.is_sleeping()
+        assert core.runner.graphs is not None
+        assert _greedy(llm, prompts) == expected
+
+
+def test_cuda_kv_budget_follows_gpu_memory_utilization(tiny_llama):
+    """num_gpu_blocks (the ready response's) is what was allocated, and the budget moves
+    with gpu_memory_utilization by about the share of the card it adds."""
+    total = torch.cuda.mem_get_info()[1]
+    blocks = {}
+    for share in (0.2, 0.3):
+        gc.collect()
+        torch.cuda.empty_cache()
+        llm = _llm(tiny_llama, gpu_memory_utilization=share)
+        core = _core(llm)
+        per_block = core.runner.bytes_per_block()
+        assert core.ready_response(0).num_gpu_blocks == core.num_blocks
+        assert core.get_memory_usage()["kv_cache_bytes"] >= core.num_blocks * per_block
+        assert core.num_blocks * per_block < share * total
+        blocks[share] = core.num_blocks * per_block
+        llm.shutdown()
+        del llm, core
+    assert abs((blocks[0.3] - blocks[0.2]) - 0.1 * total) < 0.02 * total
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_cuda_tp2_matches_tp1(tiny_llama):
     prompts = _prompts([70, 33, 5, 100, 17])
-    expected = _greedy(LLM(str(tiny_llama), dtype="float32", device="cuda"), prompts)
-    llm = LLM(str(tiny_llama), dtype="float32", device="cuda", tensor_parallel_size=2)
+    expected = _greedy(_llm(tiny_llama), prompts)
+    llm = _llm(tiny_llama, tensor_parallel_size=2)
     try:
         assert _greedy(llm, prompts) == expected
     finally:

@@ -57,7 +57,7 @@ class EngineCore:
         """worker_launcher starts the tensor-parallel workers (ranks 1..N-1) when
         config.tensor_parallel_size > 1; default: local processes."""
         self.config = config
-        self.checkpoint = resolve_model(config.model)
+        self.checkpoint = resolve_model(config.model, weights=config.load_format != "dummy")
         hf_config = load_hf_config(self.checkpoint)
         self.shape = ModelShape.from_hf_config(hf_config)
         self.device = config.torch_device()

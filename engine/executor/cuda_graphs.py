@@ -4,7 +4,8 @@ A decode step of a small model is hundreds of short kernels; launched one by one
 Python the GPU waits on the host between them. A captured graph launches them all at
 once. Each graph reads its inputs from one static device buffer (one row per
 sequence: token id, position, cache slot, context length, block table) that the step
-fills with a single host-to-device copy from pinned memory, and writes its hidden
+fills with a single host-to-device copy from pinned memory (stored field-major, so
+each field is one contiguous vector), and writes its hidden
 states to a static output. A batch is padded to the next captured size: padding rows
 write their keys to the cache's scratch block and read nothing.
 
@@ -49,10 +50,10 @@ class DecodeGraphs:
         self.scratch = num_blocks
         self.width = -(-max_model_len // block_size)  # the longest block table
         self.sizes = capture_sizes(max_batch)
-        rows, cols = self.sizes[-1], _COLUMNS + self.width
-        self.host = torch.zeros(rows, cols, dtype=torch.int64).pin_memory()
-        self.host_rows = self.host.numpy()
-        self.inputs = torch.zeros(rows, cols, dtype=torch.int64, device=device)
+        rows, fields = self.sizes[-1], _COLUMNS + self.width
+        self.host = torch.zeros(fields, rows, dtype=torch.int64).pin_memory()
+        self.host_fields = self.host.numpy()
+        self.inputs = torch.zeros(fields, rows, dtype=torch.int64, device=device)
         self.logical = torch.empty(rows, num_blocks + 1, dtype=torch.int16, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pad(0, rows)
@@ -65,14 +66,14 @@ class DecodeGraphs:
     def _pad(self, start: int, end: int) -> None:
         """Host rows [start, end) as padding: token 0 at position 0, written to the scratch
         block's first slot, no context, a table of scratch pages."""
-        rows = self.host_rows[start:end]
-        rows[:, :_COLUMNS] = (0, 0, self.scratch * self.block_size, 0)
-        rows[:, _COLUMNS:] = self.scratch
+        fields = self.host_fields[:, start:end]
+        fields[:_COLUMNS] = [[0], [0], [self.scratch * self.block_size], [0]]
+        fields[_COLUMNS:] = self.scratch
 
     def _forward(self, size: int) -> torch.Tensor:
-        x = self.inputs[:size]
-        ids, positions, slots, lengths = x[:, 0], x[:, 1], x[:, 2], x[:, 3]
-        tables = x[:, _COLUMNS:]
+        x = self.inputs[:, :size]
+        ids, positions, slots, lengths = x[0], x[1], x[2], x[3]
+        tables = x[_COLUMNS:].t()
         logical = self.logical[:size]
         fill_logical(logical, tables, self.scratch)
         pages = (lengths + self.block_size - 1) // self.block_size
@@ -110,15 +111,15 @@ class DecodeGraphs:
         """Replay the smallest graph that holds the batch: its hidden states [B, H]."""
         batch = len(ids)
         size = next(s for s in self.sizes if s >= batch)
-        rows = self.host_rows
+        fields = self.host_fields
         self._pad(0, size)
-        rows[:batch, 0] = ids
-        rows[:batch, 1] = positions
-        rows[:batch, 2] = slots
-        rows[:batch, 3] = seq_lens
+        fields[0, :batch] = ids
+        fields[1, :batch] = positions
+        fields[2, :batch] = slots
+        fields[3, :batch] = seq_lens
         for i, table in enumerate(block_tables):
-            rows[i, _COLUMNS:_COLUMNS + len(table)] = table
-        self.inputs[:size].copy_(self.host[:size], non_blocking=True)
+            fields[_COLUMNS:_COLUMNS + len(table), i] = table
+        self.inputs[:, :size].copy_(self.host[:, :size], non_blocking=True)
         graph, out = self.graphs[size]
         graph.replay()
         return out[:batch]

@@ -32,7 +32,7 @@ def run_worker(args: WorkerArgs) -> None:
     else:
         torch.set_num_threads(args.num_threads)
     dtype = config.torch_dtype(device)
-    checkpoint = resolve_model(config.model)
+    checkpoint = resolve_model(config.model, weights=config.load_format != "dummy")
     hf_config = load_hf_config(checkpoint)
     shape = ModelShape.from_hf_config(hf_config)
     tp = TPGroup(args.rank, args.size, args.init_method, device)

@@ -40,15 +40,16 @@ def cache_root() -> Path:
     return Path(os.environ.get("FLOTILLA_CACHE_DIR") or Path.home() / ".cache" / "flotilla")
 
 
-def resolve_model(model: str) -> Path:
-    """Return a directory with config.json, tokenizer files and safetensors weights."""
+def resolve_model(model: str, weights: bool = True) -> Path:
+    """Return a directory with config.json, tokenizer files and safetensors weights
+    (weights False: load_format dummy, where config.json is enough)."""
     if model in DEFAULT_MODEL_ALIASES:
         return _gguf_to_checkpoint(default_model_gguf())
     path = Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").exists():
             raise ModelNotFoundError(f"model directory {model!r} has no config.json")
-        if not list(path.glob("*.safetensors")):
+        if weights and not list(path.glob("*.safetensors")):
             raise ModelNotFoundError(f"model directory {model!r} has no *.safetensors weights")
         return path
     if path.is_file() and path.suffix == ".gguf":

@@ -74,7 +74,7 @@ def fill_logical(logical: torch.Tensor, tables: torch.Tensor, scratch: int) -> N
     """logical[r, page] = the page's index in row r's table, -1 elsewhere. tables [R, W]
     int64, padded with the scratch page (whose entry is reset to -1 after)."""
     logical.fill_(-1)
-    index = torch.arange(tables.shape[1], device=tables.device, dtype=logical.dtype)
+    index = torch.arange(tables.shape[1], device=tables.device).to(logical.dtype)
     logical.scatter_(1, tables, index.expand(tables.shape[0], -1))
     logical[:, scratch] = -1
 

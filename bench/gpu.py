@@ -1,0 +1,272 @@
+"""The GPU path measured against the device's own ceilings (issue: the GPU path).
+
+  python bench/gpu.py [--models 1b,8b] [--batches 1,16,64,256] [--context 512]
+
+1. Ceilings, measured here: HBM bandwidth (a device-to-device copy, bytes read + written
+   over its time) and the bf16 matmul rate (8192^3 on random data).
+2. Attention at block size 16: FlexAttention (the engine's) against the torch gather
+   path it replaced, decode (batch 64 x 1,024 context) and prefill (a fresh 2,048-token
+   prompt; a 512-token chunk after 1,536 of context).
+3. Decode step time of the engine (EngineCore.step, sampling and scheduling included;
+   the forward alone beside it) at each batch, random-weight Llama 3.2 1B and Llama 3.1
+   8B shapes in bf16 (load_format dummy), against the HBM bound: weights + the KV bytes
+   the step reads, over the measured bandwidth.
+4. Prefill tokens/s at 2,048-token prompts (8,192-token steps) against the matmul rate.
+Prints one table per part; needs a CUDA device.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from engine.config import EngineConfig  # noqa: E402
+from engine.core.engine_core import EngineCore  # noqa: E402
+from engine.model.layers import attention as torch_attention  # noqa: E402
+from engine.model.layers import flex_paged  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
+from engine.wire.protocol import EngineCoreRequest  # noqa: E402
+
+LLAMA = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256,
+             rms_norm_eps=1e-5, hidden_act="silu", rope_theta=500000.0,
+             max_position_embeddings=4096, torch_dtype="bfloat16")
+MODELS = {
+    "1b": dict(LLAMA, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+               num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+               tie_word_embeddings=True),
+    "8b": dict(LLAMA, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+               num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+               tie_word_embeddings=False),
+}
+
+
+def cuda_time(fn, reps: int = 20, warmup: int = 3) -> float:
+    """Median seconds of fn() by CUDA events."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def ceilings() -> tuple[float, float]:
+    """(bytes/s moved by a device copy, read + write; bf16 matmul FLOP/s)."""
+    src = torch.randn(1 << 30, device="cuda", dtype=torch.bfloat16)  # 2 GiB
+    dst = torch.empty_like(src)
+    t = cuda_time(lambda: dst.copy_(src))
+    bandwidth = 2 * src.numel() * src.element_size() / t
+    del src, dst
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    t = cuda_time(lambda: a @ b, reps=10)
+    return bandwidth, 2 * 8192 ** 3 / t
+
+
+def attention_table() -> list[tuple[str, float, float]]:
+    """(case, flex ms, torch ms) at Llama 3.2 1B's head shape, block size 16."""
+    bs, heads, kv_heads, dim = 16, 32, 8, 64
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    scale = dim ** -0.5
+    flex = flex_paged.FlexPagedAttention(compile=True)
+    rows = []
+    for case, seqs in (("decode 64 x 1024", [(1023, 1)] * 64),
+                       ("prefill 2048 fresh", [(0, 2048)]),
+                       ("prefill 512 after 1536", [(1536, 512)])):
+        pages = [-(-(c + n) // bs) for c, n in seqs]
+        num_blocks = sum(pages) + 8
+        perm = torch.randperm(num_blocks).tolist()  # pages scattered over the pool
+        tables, at = [], 0
+        for p in pages:
+            tables.append(perm[at:at + p])
+            at += p
+        t = sum(n for _, n in seqs)
+        q = torch.randn(t, heads, dim, device=dev, dtype=dt)
+        slots = [tb[pos // bs] * bs + pos % bs for (c, n), tb in zip(seqs, tables)
+                 for pos in range(c, c + n)]
+        slot_mapping = torch.tensor(slots, device=dev)
+        qlens, slens = [n for _, n in seqs], [c + n for c, n in seqs]
+        # FlexAttention, its cache layout
+        cache = torch.randn(flex_paged.cache_shape(1, num_blocks, kv_heads, bs, dim),
+                            device=dev, dtype=dt)
+        kc, vc = flex_paged.cache_views(cache[0])
+        groups = [flex_paged.build_group(0, qlens, slens, tables, num_blocks, bs, dev)]
+        flex_ms = cuda_time(lambda: flex(q, kc, vc, groups, scale, bs)) * 1e3
+        # the torch path, block-major cache
+        blocks = torch.randn(num_blocks, 2, kv_heads, bs, dim, device=dev, dtype=dt)
+        tk, tv = torch_attention.cache_views(blocks)
+        k = torch.randn(t, kv_heads, dim, device=dev, dtype=dt)
+        v = torch.randn_like(k)
+        if qlens[0] == 1:
+            table = torch.tensor(tables, device=dev)
+            lens = torch.tensor(slens, device=dev)
+            span = torch.arange(table.shape[1] * bs, device=dev)
+            bias = torch.zeros(len(seqs), table.shape[1] * bs, device=dev)
+            bias.masked_fill_(span[None] >= lens[:, None], float("-inf"))
+            meta = torch_attention.AttentionMetadata(
+                slot_mapping=slot_mapping, slot_blocks=slot_mapping // bs,
+                slot_offsets=slot_mapping % bs, num_decodes=len(seqs), block_tables=table,
+                seq_lens=lens, decode_bias=bias)
+        else:
+            c, n = seqs[0]
+            group = torch_attention.PrefillGroup(0, n, 1, c + n, torch.tensor(tables[0],
+                                                                              device=dev)
+                                                 if c else None)
+            meta = torch_attention.AttentionMetadata(
+                slot_mapping=slot_mapping, slot_blocks=slot_mapping // bs,
+                slot_offsets=slot_mapping % bs, num_decodes=0, block_tables=None,
+                seq_lens=None, prefills=[group])
+        torch_ms = cuda_time(lambda: torch_attention.paged_attention(
+            q, k, v, (tk, tv), meta, scale)) * 1e3
+        rows.append((case, flex_ms, torch_ms))
+    return rows
+
+
+def _model_dir(name: str) -> str:
+    path = Path(tempfile.mkdtemp(prefix=f"llama-{name}-"))
+    (path / "config.json").write_text(json.dumps(MODELS[name]))
+    return str(path)
+
+
+def _request(rid: str, n: int, max_tokens: int) -> EngineCoreRequest:
+    ids = torch.randint(1000, 100000, (n,)).tolist()
+    return EngineCoreRequest(rid, ids, SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                                      ignore_eos=True))
+
+
+class ForwardTimer:
+    """Wraps runner.run: CUDA-event time of each call (host work inside it included)."""
+
+    def __init__(self, runner) -> None:
+        self.inner, self.times, self.pending = runner.run, [], []
+        runner.run = self
+
+    def __call__(self, step):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = self.inner(step)
+        end.record()
+        self.pending.append((start, end))
+        return out
+
+    def take(self) -> list[float]:
+        torch.cuda.synchronize()
+        got = [s.elapsed_time(e) / 1e3 for s, e in self.pending]
+        self.pending = []
+        return got
+
+
+def model_tables(name: str, batches: list[int], context: int, bandwidth: float,
+                 peak: float, decode_steps: int) -> tuple[list, tuple]:
+    config = EngineConfig(model=_model_dir(name), load_format="dummy", dtype="bfloat16",
+                          device="cuda", max_num_seqs=max(batches), log_stats_interval_s=0,
+                          enable_prefix_caching=False)
+    start = time.perf_counter()
+    core = EngineCore(config)
+    print(f"{name}: engine up in {time.perf_counter() - start:.1f}s, "
+          f"{core.num_blocks} KV blocks", flush=True)
+    runner = core.runner
+    shape = core.shape
+    params = runner.model
+    weight_bytes = sum(p.numel() * p.element_size() for n, p in params.named_parameters()
+                       if "embed_tokens" not in n or shape.tie_word_embeddings)
+    kv_per_token = runner.bytes_per_block() // core.block_size
+    timer = ForwardTimer(runner)
+    decode_rows = []
+    for batch in batches:
+        for i in range(batch):
+            core.add_request(_request(f"d{batch}-{i}", context, decode_steps + 8))
+        while any(r.num_computed_tokens < r.num_prompt_tokens for r in core.requests.values()):
+            core.step()
+        timer.take()
+        walls = []
+        for _ in range(decode_steps):
+            t0 = time.perf_counter()
+            core.step()
+            walls.append(time.perf_counter() - t0)
+        forward = statistics.median(timer.take()[3:])
+        wall = statistics.median(walls[3:])
+        ctx = context + decode_steps // 2
+        bound = (weight_bytes + batch * ctx * kv_per_token) / bandwidth
+        decode_rows.append((name, batch, wall * 1e3, forward * 1e3, bound * 1e3))
+        core.abort_requests(list(core.requests))
+        core.step()
+    # prefill: 2,048-token prompts, 8,192-token steps; the second round is measured
+    prompt, per_step = 2048, config.step_token_budget(core.device)
+    matmul_params = weight_bytes // 2 - (shape.vocab_size * shape.hidden_size)  # no lm_head
+    for round_ in range(2):
+        for i in range(8):
+            core.add_request(_request(f"p{round_}-{i}", prompt, 1))
+        timer.take()
+        walls = []
+        while core.has_unfinished_requests():
+            t0 = time.perf_counter()
+            core.step()
+            walls.append(time.perf_counter() - t0)
+    steps = [w for w in walls if w > 0][:2]
+    step_s = statistics.median(steps)
+    tokens_s = per_step / step_s
+    attn_flops = 2 * shape.num_layers * shape.num_heads * shape.head_dim * prompt ** 2
+    flops = 2 * matmul_params * per_step + attn_flops * per_step // prompt
+    prefill = (name, tokens_s, flops / step_s / peak * 100)
+    core.shutdown()
+    del core, runner, params
+    torch.cuda.empty_cache()
+    return decode_rows, prefill
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", default="1b,8b")
+    ap.add_argument("--batches", default="1,16,64,256")
+    ap.add_argument("--context", type=int, default=512, help="prompt tokens before decoding")
+    ap.add_argument("--decode-steps", type=int, default=24)
+    ap.add_argument("--skip-attention", action="store_true")
+    args = ap.parse_args()
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
+    bandwidth, peak = ceilings()
+    print(f"ceilings: copy {bandwidth / 1e12:.2f} TB/s (read + write), bf16 matmul "
+          f"{peak / 1e12:.0f} TFLOP/s", flush=True)
+    if not args.skip_attention:
+        print("\nattention, block size 16, 32 heads / 8 kv heads / dim 64, bf16")
+        print(f"{'case':<26}{'flex ms':>10}{'torch ms':>10}{'torch/flex':>12}")
+        for case, f, t in attention_table():
+            print(f"{case:<26}{f:>10.3f}{t:>10.3f}{t / f:>11.2f}x", flush=True)
+    batches = [int(b) for b in args.batches.split(",")]
+    decode, prefill = [], []
+    for name in args.models.split(","):
+        rows, pre = model_tables(name, batches, args.context, bandwidth, peak,
+                                 args.decode_steps)
+        decode += rows
+        prefill.append(pre)
+        for r in rows:
+            print(f"  {r[0]} batch {r[1]}: step {r[2]:.2f} ms, forward {r[3]:.2f} ms, "
+                  f"bound {r[4]:.2f} ms", flush=True)
+    print(f"\ndecode step, bf16, {args.context}-token prompts (HBM bound: weights + KV read "
+          f"/ {bandwidth / 1e12:.2f} TB/s)")
+    print(f"{'model':<6}{'batch':>6}{'step ms':>10}{'forward ms':>12}{'bound ms':>10}"
+          f"{'step/bound':>12}")
+    for name, batch, wall, fwd, bound in decode:
+        print(f"{name:<6}{batch:>6}{wall:>10.2f}{fwd:>12.2f}{bound:>10.2f}"
+              f"{wall / bound:>11.2f}x")
+    print(f"\nprefill, 2,048-token prompts, 8,192-token steps (matmul peak "
+          f"{peak / 1e12:.0f} TFLOP/s)")
+    for name, tokens_s, share in prefill:
+        print(f"{name:<6}{tokens_s:>12,.0f} tok/s {share:>6.1f} % of the peak")
+
+
+if __name__ == "__main__":
+    main()
