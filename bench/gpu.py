@@ -103,8 +103,12 @@ def attention_table() -> list[tuple[str, float, float]]:
         cache = torch.randn(flex_paged.cache_shape(1, num_blocks, kv_heads, bs, dim),
                             device=dev, dtype=dt)
         kc, vc = flex_paged.cache_views(cache[0])
-        groups = [flex_paged.build_group(0, qlens, slens, tables, num_blocks, bs, dev)]
-        flex_ms = cuda_time(lambda: flex(q, kc, vc, groups, scale, bs)) * 1e3
+        groups = [flex_paged.build_group(0, qlens, slens, tables, num_blocks, bs, dev,
+                                         page_map=False)]
+        slot_pos = torch.full((kc.shape[2],), 2 ** 31 - 1, dtype=torch.int32, device=dev)
+        positions = torch.tensor([p for c, n in seqs for p in range(c, c + n)], device=dev)
+        flex_paged.write_positions(slot_pos, slot_mapping, positions, bs)
+        flex_ms = cuda_time(lambda: flex(q, kc, vc, slot_pos, groups, scale, bs)) * 1e3
         # the torch path, block-major cache
         blocks = torch.randn(num_blocks, 2, kv_heads, bs, dim, device=dev, dtype=dt)
         tk, tv = torch_attention.cache_views(blocks)

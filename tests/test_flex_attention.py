@@ -53,6 +53,9 @@ def test_flex_paged_attention_matches_dense(seed):
     q, k, v = torch.randn(t, heads, dim), torch.randn(t, kv_heads, dim), torch.randn(
         t, kv_heads, dim)
     flex_paged.write_kv(k, v, k_cache, v_cache, torch.tensor(slots))
+    slot_pos = torch.full((k_cache.shape[2],), 2 ** 31 - 1, dtype=torch.int32)
+    positions = torch.tensor([p for c, n in seqs for p in range(c, c + n)])
+    flex_paged.write_positions(slot_pos, torch.tensor(slots), positions, bs)
     decodes = sum(1 for _, n in seqs if n == 1)
     qlens = [n for _, n in seqs]
     slens = [c + n for c, n in seqs]
@@ -62,8 +65,8 @@ def test_flex_paged_attention_matches_dense(seed):
                                      tables[decodes:], num_blocks, bs, torch.device("cpu"))]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        got = flex_paged.FlexPagedAttention(compile=False)(q, k_cache, v_cache, groups,
-                                                           dim ** -0.5, bs)
+        got = flex_paged.FlexPagedAttention(compile=False)(q, k_cache, v_cache, slot_pos,
+                                                           groups, dim ** -0.5, bs)
     torch.testing.assert_close(got, _reference(q, k_cache, v_cache, bs, seqs, tables))
 
 

@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 
 from engine.model.layers.attention import AttentionMetadata
-from engine.model.layers.flex_paged import FlexGroup, fill_logical
+from engine.model.layers.flex_paged import FlexGroup, fill_logical, write_positions
 
 logger = logging.getLogger(__name__)
 
@@ -38,13 +38,15 @@ def capture_sizes(max_batch: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model: Callable, layer_caches: list, flex: Callable, num_blocks: int,
+    def __init__(self, model: Callable, layer_caches: list, slot_pos: torch.Tensor,
+                 flex: Callable, num_blocks: int,
                  block_size: int, max_model_len: int, max_batch: int,
                  device: torch.device) -> None:
         """model(ids, positions, layer_caches, meta) -> hidden states; flex: the runner's
         FlexPagedAttention; num_blocks: the cache's blocks (the scratch block is next)."""
         self.model = model
         self.layer_caches = layer_caches
+        self.slot_pos = slot_pos
         self.flex = flex
         self.block_size = block_size
         self.scratch = num_blocks
@@ -54,7 +56,9 @@ class DecodeGraphs:
         self.host = torch.zeros(fields, rows, dtype=torch.int64).pin_memory()
         self.host_fields = self.host.numpy()
         self.inputs = torch.zeros(fields, rows, dtype=torch.int64, device=device)
-        self.logical = torch.empty(rows, num_blocks + 1, dtype=torch.int16, device=device)
+        self.logical = None  # the page map, for the eager reference only (flex_paged)
+        if not flex.compiled:
+            self.logical = torch.empty(rows, num_blocks + 1, dtype=torch.int16, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pad(0, rows)
         self.inputs.copy_(self.host)
@@ -74,15 +78,18 @@ class DecodeGraphs:
         x = self.inputs[:, :size]
         ids, positions, slots, lengths = x[0], x[1], x[2], x[3]
         tables = x[_COLUMNS:].t()
-        logical = self.logical[:size]
-        fill_logical(logical, tables, self.scratch)
+        write_positions(self.slot_pos, slots, positions, self.block_size)
+        logical = None
+        if self.logical is not None:
+            logical = self.logical[:size]
+            fill_logical(logical, tables, self.scratch)
         pages = (lengths + self.block_size - 1) // self.block_size
         group = FlexGroup(0, size, size, 1, None, positions[:, None].to(torch.int32), logical,
                           pages.to(torch.int32)[:, None, None],
                           tables.to(torch.int32)[:, None, None, :])
         meta = AttentionMetadata(slot_mapping=slots, num_decodes=size, block_tables=None,
                                  seq_lens=None, flex=self.flex, flex_groups=[group],
-                                 block_size=self.block_size)
+                                 block_size=self.block_size, slot_pos=self.slot_pos)
         return self.model(ids, positions, self.layer_caches, meta)
 
     @torch.inference_mode()

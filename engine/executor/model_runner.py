@@ -131,6 +131,7 @@ class ModelRunner:
         if config.enable_lora:
             self._enable_lora()
         self.kv_caches: torch.Tensor | None = None
+        self.slot_pos: torch.Tensor | None = None  # flex: each slot's position (flex_paged)
         self.layer_caches: list[tuple[torch.Tensor, torch.Tensor]] = []  # views, per layer
         self.num_blocks = 0
 
@@ -155,7 +156,7 @@ class ModelRunner:
 
     def _capture_graphs(self) -> None:
         if self._use_graphs() and self.model is not None and self.kv_caches is not None:
-            self.graphs = DecodeGraphs(self.model, self.layer_caches, self.flex,
+            self.graphs = DecodeGraphs(self.model, self.layer_caches, self.slot_pos, self.flex,
                                        self.num_blocks, self.block_size, self.max_model_len,
                                        self.config.max_num_seqs, self.device)
             self.graphs.capture()
@@ -301,6 +302,8 @@ class ModelRunner:
                                            self.block_size, s.head_dim)
             self.kv_caches = torch.zeros(shape, dtype=self.dtype, device=self.device)
             self.layer_caches = [flex_paged.cache_views(layer) for layer in self.kv_caches]
+            self.slot_pos = torch.full((shape[3],), torch.iinfo(torch.int32).max,
+                                       dtype=torch.int32, device=self.device)
             if capture:
                 self._capture_graphs()
             return
@@ -332,7 +335,7 @@ class ModelRunner:
 
     def free_kv_cache(self) -> None:
         self._drop_graphs()
-        self.kv_caches = None
+        self.kv_caches = self.slot_pos = None
         self.layer_caches = []
 
     # ---- sleep mode -------------------------------------------------------------------
@@ -442,6 +445,9 @@ class ModelRunner:
             meta = self._attention_metadata(step)
             input_ids = torch.tensor(step.ids, dtype=torch.long, device=dev)
             pos = torch.tensor(step.positions, dtype=torch.long, device=dev)
+            if self.flex is not None:
+                flex_paged.write_positions(self.slot_pos, meta.slot_mapping, pos,
+                                           self.block_size)
             hidden = self.model(input_ids, pos, self.layer_caches, meta)
         pooled = [hidden[start:end].float() for start, end in step.pool_spans]
         prompt_rows = self._prompt_logprobs(hidden, step) if step.prompt_spans else []
@@ -520,11 +526,13 @@ class ModelRunner:
             if hi > lo:
                 groups.append(build_group(first, step.query_lens[lo:hi], step.seq_lens[lo:hi],
                                           step.block_tables[lo:hi], self.num_blocks,
-                                          self.block_size, self.device, width))
+                                          self.block_size, self.device, width,
+                                          page_map=not self.flex.compiled))
                 first += groups[-1].num_tokens
         return AttentionMetadata(slot_mapping=slot_mapping, num_decodes=num_decodes,
                                  block_tables=None, seq_lens=None, flex=self.flex,
-                                 flex_groups=groups, block_size=self.block_size)
+                                 flex_groups=groups, block_size=self.block_size,
+                                 slot_pos=self.slot_pos)
 
     def _table_tensor(self, tables: list[list[int]]) -> torch.Tensor:
         """Block tables padded with block 0 to the longest (the kernels stop at seq_lens)."""

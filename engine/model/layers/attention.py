@@ -74,6 +74,7 @@ class AttentionMetadata:
     # FlexAttention (CUDA): the step's calls (engine.model.layers.flex_paged)
     flex: Callable | None = None  # a FlexPagedAttention
     flex_groups: list = field(default_factory=list)  # its FlexGroups: decodes, prefills
+    slot_pos: torch.Tensor | None = None  # [slots] int32 each cache slot's position
     block_size: int = 0
 
 
@@ -104,7 +105,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     k_cache, v_cache = kv_cache
     if meta.flex is not None:
         flex_paged.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        return meta.flex(q, k_cache, v_cache, meta.flex_groups, scale, meta.block_size)
+        return meta.flex(q, k_cache, v_cache, meta.slot_pos, meta.flex_groups, scale,
+                         meta.block_size)
     if meta.native_attention is not None:
         return meta.native_attention(q, k, v, k_cache, v_cache, meta.slot_mapping,
                                      meta.block_tables, meta.seq_lens, meta.query_start, scale)

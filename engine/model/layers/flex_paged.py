@@ -12,14 +12,19 @@ V of a batch-1 FlexAttention call that every sequence of the step shares. The ex
 last block is scratch: the padded rows of a captured decode batch write there.
 
 What a query sees: the BlockMask lists, per sequence (a batch row) and per tile of
-Q_TILE queries, the pages that tile may read (one KV tile = one page), so the kernel
-reads only those. mask_mod alone defines the result (PyTorch's eager reference ignores
-the BlockMask): logical[row, page] is the page's index in that row's sequence (-1 where
-the page is not the sequence's), and slot `page * block_size + offset` holds position
-`logical * block_size + offset`; a query at position p sees the slots at positions <= p.
-A page keeps its logical index while in use (a prefix-cache hit is the same block at the
-same index), and the slots of a sequence's last page past its length hold positions
-above every query, so stale data there is never read.
+Q_TILE queries, the pages that tile may read (one KV tile = one page), so the compiled
+kernel reads only those, and within them mask_mod keeps the slots at positions up to the
+query's. slot_pos holds each slot's position in its sequence: every step writes the
+positions of the whole pages it writes into (page base + 0..block_size-1), so the slots
+of a sequence's last page past its length read as positions above every query and stale
+data there is never seen. A page keeps its position while in use (a prefix-cache hit is
+the same block at the same index in every sequence that shares it).
+
+PyTorch's eager reference (CPU tests) ignores the BlockMask and applies mask_mod to every
+slot, so there mask_mod also checks that the page is the row's: logical[row, page], the
+page's index in that row's block table, -1 elsewhere. (Indexing by page inside a
+compiled mask_mod does not compile in torch 2.11's decoding kernel; the compiled path
+needs no page map.)
 """
 from __future__ import annotations
 
@@ -46,7 +51,8 @@ class FlexGroup:
     q_len: int
     dest: torch.Tensor | None
     q_pos: torch.Tensor  # [rows, q_len] int32 position of each query, -1 for padding
-    logical: torch.Tensor  # [rows, num_blocks + 1] int16 page -> index in the row's sequence
+    logical: torch.Tensor | None  # eager only: [rows, num_blocks + 1] int16 page -> index
+    # in the row's table, -1 where the page is not the row's
     kv_num_blocks: torch.Tensor  # [rows, 1, q_tiles] int32 pages each query tile reads
     kv_indices: torch.Tensor  # [rows, 1, q_tiles, width] int32 those pages, in order
 
@@ -70,6 +76,16 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     v_cache[0].index_copy_(1, slot_mapping, v.transpose(0, 1))
 
 
+def write_positions(slot_pos: torch.Tensor, slot_mapping: torch.Tensor,
+                    positions: torch.Tensor, block_size: int) -> None:
+    """Each written page's slot positions: page base + 0..block_size-1 (see the module
+    docstring)."""
+    pages = slot_mapping // block_size
+    base = (positions - positions % block_size).to(slot_pos.dtype)
+    offsets = torch.arange(block_size, device=slot_pos.device, dtype=slot_pos.dtype)
+    slot_pos.view(-1, block_size).index_copy_(0, pages, base[:, None] + offsets)
+
+
 def fill_logical(logical: torch.Tensor, tables: torch.Tensor, scratch: int) -> None:
     """logical[r, page] = the page's index in row r's table, -1 elsewhere. tables [R, W]
     int64, padded with the scratch page (whose entry is reset to -1 after)."""
@@ -81,11 +97,12 @@ def fill_logical(logical: torch.Tensor, tables: torch.Tensor, scratch: int) -> N
 
 def build_group(first: int, query_lens: list[int], seq_lens: list[int],
                 tables: list[list[int]], num_blocks: int, block_size: int,
-                device: torch.device, width: int | None = None) -> FlexGroup:
+                device: torch.device, width: int | None = None,
+                page_map: bool = True) -> FlexGroup:
     """The group of sequences [query_lens[i] new tokens, seq_lens[i] context after the
     step, block table covering it], their tokens contiguous from flat token `first`.
     width: columns of kv_indices (default the longest table; the CPU compiled kernel
-    wants one per page of the cache)."""
+    wants one per page of the cache); page_map: build `logical` (the eager reference)."""
     rows = len(query_lens)
     q_len = max(query_lens)
     width = width or max(len(t) for t in tables)
@@ -105,8 +122,10 @@ def build_group(first: int, query_lens: list[int], seq_lens: list[int],
     kv_num = torch.where(tile_end > torch.arange(tiles, device=device)[None] * Q_TILE,
                          -(-last_pos // block_size), 0).to(torch.int32)
     kv_indices = table.to(torch.int32)[:, None, None, :].expand(rows, 1, tiles, width)
-    logical = torch.empty(rows, num_blocks + 1, dtype=_LOGICAL_DTYPE, device=device)
-    fill_logical(logical, table, scratch)
+    logical = None
+    if page_map:
+        logical = torch.empty(rows, num_blocks + 1, dtype=_LOGICAL_DTYPE, device=device)
+        fill_logical(logical, table, scratch)
     dest = None
     if q_len > 1:
         dest_list = [r * q_len + j for r, n in enumerate(query_lens) for j in range(n)]
@@ -116,21 +135,28 @@ def build_group(first: int, query_lens: list[int], seq_lens: list[int],
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
-            logical: torch.Tensor, kv_num_blocks: torch.Tensor, kv_indices: torch.Tensor,
-            scale: float, block_size: int) -> torch.Tensor:
+            slot_pos: torch.Tensor, logical: torch.Tensor | None, kv_num_blocks: torch.Tensor,
+            kv_indices: torch.Tensor, scale: float, block_size: int) -> torch.Tensor:
     """q [R, H, L, D] against the shared cache k, v [1, KVH, slots, D]."""
 
-    def visible(b, h, q_idx, kv_idx):
+    def visible(b, h, q_idx, kv_idx):  # within the pages the BlockMask lists
+        return slot_pos[kv_idx] <= q_pos[b, q_idx]
+
+    def visible_anywhere(b, h, q_idx, kv_idx):  # the eager reference: every slot
         index = logical[b, kv_idx // block_size].to(torch.int32)
         return (index >= 0) & (index * block_size + kv_idx % block_size <= q_pos[b, q_idx])
 
     mask = BlockMask.from_kv_blocks(kv_num_blocks, kv_indices, BLOCK_SIZE=(Q_TILE, block_size),
-                                    mask_mod=visible, seq_lengths=(q.shape[2], k.shape[2]),
+                                    mask_mod=visible if logical is None else visible_anywhere,
+                                    seq_lengths=(q.shape[2], k.shape[2]),
                                     **_NO_Q_BLOCKS)
     if q.device.type == "cpu":  # the eager reference does not broadcast a batch-1 K/V
         k, v = k.expand(q.shape[0], -1, -1, -1), v.expand(q.shape[0], -1, -1, -1)
+    # one page per KV tile: the kernels' KV block must fit in a page (the decoding kernel
+    # clamps its own; torch 2.11's prefill kernel does not)
+    options = {"BLOCK_N": block_size} if q.is_cuda else None
     return flex_attention(q, k, v, block_mask=mask, scale=scale,
-                          enable_gqa=q.shape[1] != k.shape[1])
+                          enable_gqa=q.shape[1] != k.shape[1], kernel_options=options)
 
 
 # the transposed (query-major) mask is for the backward pass: inference skips building it
@@ -155,18 +181,22 @@ class FlexPagedAttention:
             self.attend = torch.compile(_attend, fullgraph=True, dynamic=True)
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 groups: list[FlexGroup], scale: float, block_size: int) -> torch.Tensor:
-        """q [T, H, D]; the layer's cache views. Returns [T, H, D]."""
+                 slot_pos: torch.Tensor, groups: list[FlexGroup], scale: float,
+                 block_size: int) -> torch.Tensor:
+        """q [T, H, D]; the layer's cache views; slot_pos (write_positions). Returns
+        [T, H, D]."""
         if len(groups) == 1 and groups[0].dest is None:
-            return self._group(q, k_cache, v_cache, groups[0], scale, block_size)
+            return self._group(q, k_cache, v_cache, slot_pos, groups[0], scale, block_size)
         out = torch.empty_like(q)
         for g in groups:
             out[g.first:g.first + g.num_tokens] = self._group(
-                q[g.first:g.first + g.num_tokens], k_cache, v_cache, g, scale, block_size)
+                q[g.first:g.first + g.num_tokens], k_cache, v_cache, slot_pos, g, scale,
+                block_size)
         return out
 
     def _group(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               g: FlexGroup, scale: float, block_size: int) -> torch.Tensor:
+               slot_pos: torch.Tensor, g: FlexGroup, scale: float,
+               block_size: int) -> torch.Tensor:
         heads, dim = q.shape[1], q.shape[2]
         if g.dest is None:
             qs = q.unsqueeze(2)  # [R, H, 1, D]
@@ -174,7 +204,7 @@ class FlexPagedAttention:
             padded = q.new_zeros(g.num_rows * g.q_len, heads, dim)
             padded.index_copy_(0, g.dest, q)
             qs = padded.view(g.num_rows, g.q_len, heads, dim).transpose(1, 2)
-        o = self.attend(qs, k_cache, v_cache, g.q_pos, g.logical, g.kv_num_blocks,
+        o = self.attend(qs, k_cache, v_cache, g.q_pos, slot_pos, g.logical, g.kv_num_blocks,
                         g.kv_indices, scale, block_size)
         if g.dest is None:
             return o.squeeze(2)
