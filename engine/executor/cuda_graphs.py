@@ -86,7 +86,7 @@ class DecodeGraphs:
         pages = (lengths + self.block_size - 1) // self.block_size
         group = FlexGroup(0, size, size, 1, None, positions[:, None].to(torch.int32), logical,
                           pages.to(torch.int32)[:, None, None],
-                          tables.to(torch.int32)[:, None, None, :])
+                          tables.to(torch.int32).contiguous()[:, None, None, :])
         meta = AttentionMetadata(slot_mapping=slots, num_decodes=size, block_tables=None,
                                  seq_lens=None, flex=self.flex, flex_groups=[group],
                                  block_size=self.block_size, slot_pos=self.slot_pos)

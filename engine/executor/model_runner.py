@@ -516,11 +516,17 @@ class ModelRunner:
 
     def _flex_metadata(self, step: StepInput, slot_mapping: torch.Tensor,
                        num_decodes: int) -> AttentionMetadata:
-        """Two FlexAttention calls at most: the decodes, then the prefill chunks."""
+        """The decodes in one FlexAttention call, then each prefill chunk in its own on
+        CUDA (FlexPagedAttention), all chunks in one on the eager reference."""
         groups = []
         width = None if self.device.type == "cuda" or not self.flex.compiled \
             else self.num_blocks + 1  # the CPU compiled kernel reads one entry per page
-        spans = [(0, num_decodes), (num_decodes, len(step.query_lens))]
+        count = len(step.query_lens)
+        spans = [(0, num_decodes)]
+        if self.device.type == "cuda":
+            spans += [(i, i + 1) for i in range(num_decodes, count)]
+        else:
+            spans.append((num_decodes, count))
         first = 0
         for lo, hi in spans:
             if hi > lo:

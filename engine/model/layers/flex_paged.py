@@ -127,7 +127,7 @@ def build_group(first: int, query_lens: list[int], seq_lens: list[int],
         logical = torch.empty(rows, num_blocks + 1, dtype=_LOGICAL_DTYPE, device=device)
         fill_logical(logical, table, scratch)
     dest = None
-    if q_len > 1:
+    if q_len > 1 and rows > 1:
         dest_list = [r * q_len + j for r, n in enumerate(query_lens) for j in range(n)]
         dest = torch.tensor(dest_list, dtype=torch.int64).to(device, non_blocking=True)
     return FlexGroup(first, sum(query_lens), rows, q_len, dest, q_pos, logical,
@@ -167,7 +167,9 @@ _NO_Q_BLOCKS = ({"compute_q_blocks": False}
 
 class FlexPagedAttention:
     """The step's FlexAttention calls: decodes in one (query length 1, the split-KV
-    decoding kernel), prefill chunks in another (queries padded to the longest chunk).
+    decoding kernel), then one per prefill chunk on CUDA (torch 2.11's prefill kernel
+    faulted on a batch of chunks over the shared batch-1 cache, seen on the H200); a
+    group of several chunks (queries padded to the longest) runs on the eager reference.
 
     compile: through torch.compile (Triton on CUDA); off, PyTorch's eager reference
     (CPU tests)."""
@@ -185,7 +187,7 @@ class FlexPagedAttention:
                  block_size: int) -> torch.Tensor:
         """q [T, H, D]; the layer's cache views; slot_pos (write_positions). Returns
         [T, H, D]."""
-        if len(groups) == 1 and groups[0].dest is None:
+        if len(groups) == 1 and groups[0].q_len == 1:
             return self._group(q, k_cache, v_cache, slot_pos, groups[0], scale, block_size)
         out = torch.empty_like(q)
         for g in groups:
@@ -198,14 +200,18 @@ class FlexPagedAttention:
                slot_pos: torch.Tensor, g: FlexGroup, scale: float,
                block_size: int) -> torch.Tensor:
         heads, dim = q.shape[1], q.shape[2]
-        if g.dest is None:
+        if g.q_len == 1:
             qs = q.unsqueeze(2)  # [R, H, 1, D]
+        elif g.num_rows == 1:
+            qs = q.unsqueeze(0).transpose(1, 2)  # [1, H, n, D]
         else:
             padded = q.new_zeros(g.num_rows * g.q_len, heads, dim)
             padded.index_copy_(0, g.dest, q)
             qs = padded.view(g.num_rows, g.q_len, heads, dim).transpose(1, 2)
         o = self.attend(qs, k_cache, v_cache, g.q_pos, slot_pos, g.logical, g.kv_num_blocks,
                         g.kv_indices, scale, block_size)
-        if g.dest is None:
+        if g.q_len == 1:
             return o.squeeze(2)
+        if g.num_rows == 1:
+            return o[0].transpose(0, 1)
         return o.transpose(1, 2).reshape(-1, heads, dim).index_select(0, g.dest)
