@@ -17,6 +17,7 @@ Prints one table per part; needs a CUDA device.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -227,7 +228,9 @@ def model_tables(name: str, batches: list[int], context: int, bandwidth: float,
     flops = 2 * matmul_params * per_step + attn_flops * per_step // prompt
     prefill = (name, tokens_s, flops / step_s / peak * 100)
     core.shutdown()
-    del core, runner, params
+    runner.run = timer.inner
+    del core, runner, params, timer
+    gc.collect()
     torch.cuda.empty_cache()
     return decode_rows, prefill
 

@@ -26,7 +26,7 @@ SAMPLES = {
     "tool_call_parser": "llama3_json", "chat_template": "{{ messages }}",
     "generation_config": "vllm", "override_generation_config": '{"temperature": 0.5}',
     "lora_modules": json.dumps({"ad": "/adapters/ad"}), "scheduling_policy": "priority",
-    "routing": "round_robin",
+    "routing": "round_robin", "attention_backend": "torch", "load_format": "dummy",
 }
 BY_KIND = {int: "7", float: "0.125", str: "text"}
 

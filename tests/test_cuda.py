@@ -50,8 +50,8 @@ def test_cuda_greedy_matches_hf(tiny_models, arch):
 @pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
 def test_cuda_chunks_preemption_prefix_hits_and_n(tiny_llama, eager):
     prompts = _prompts([17, 17, 70, 5, 33])
-    llm = _llm(tiny_llama, max_num_batched_tokens=48, block_size=8,
-               num_gpu_blocks_override=24, enforce_eager=eager)
+    llm = _llm(tiny_llama, max_num_batched_tokens=48, num_gpu_blocks_override=12,
+               enforce_eager=eager)
     assert (_core(llm).runner.graphs is None) == eager
     assert _greedy(llm, prompts) == hf_greedy(tiny_llama, prompts, N)
     assert _core(llm).scheduler.num_preemptions > 0
@@ -88,12 +88,13 @@ def test_cuda_bf16_logprobs_close_to_hf_fp32(tiny_llama):
         top = o.outputs[0].logprobs[0]
         for token, lp in top.items():
             value = lp.logprob if hasattr(lp, "logprob") else lp
-            assert abs(value - expected[token].item()) < 0.05
+            want = expected[token].item()
+            assert abs(value - want) < 0.05 + 0.02 * abs(want)  # bf16: ~3 significant digits
 
 
 def test_cuda_sleep_levels_free_and_restore_gpu_memory(tiny_llama):
     prompts = _prompts([20, 7])
-    llm = _llm(tiny_llama, gpu_memory_utilization=0.3)
+    llm = _llm(tiny_llama, gpu_memory_utilization=0.2)
     core = _core(llm)
     expected = _greedy(llm, prompts)
     awake = torch.cuda.memory_allocated()
@@ -109,12 +110,18 @@ def test_cuda_sleep_levels_free_and_restore_gpu_memory(tiny_llama):
         assert _greedy(llm, prompts) == expected
 
 
+def test_cuda_block_size_below_16_is_refused(tiny_llama):
+    from engine.errors import InvalidRequestError
+    with pytest.raises(InvalidRequestError, match="block_size 8"):
+        _llm(tiny_llama, block_size=8)
+
+
 def test_cuda_kv_budget_follows_gpu_memory_utilization(tiny_llama):
     """num_gpu_blocks (the ready response's) is what was allocated, and the budget moves
     with gpu_memory_utilization by about the share of the card it adds."""
     total = torch.cuda.mem_get_info()[1]
     blocks = {}
-    for share in (0.2, 0.3):
+    for share in (0.1, 0.2):
         gc.collect()
         torch.cuda.empty_cache()
         llm = _llm(tiny_llama, gpu_memory_utilization=share)
@@ -126,7 +133,7 @@ def test_cuda_kv_budget_follows_gpu_memory_utilization(tiny_llama):
         blocks[share] = core.num_blocks * per_block
         llm.shutdown()
         del llm, core
-    assert abs((blocks[0.3] - blocks[0.2]) - 0.1 * total) < 0.02 * total
+    assert abs((blocks[0.2] - blocks[0.1]) - 0.1 * total) < 0.02 * total
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")

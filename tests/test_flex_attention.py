@@ -82,7 +82,7 @@ def test_flex_engine_matches_hf_with_chunks_prefix_hits_and_preemption(tiny_llam
     and preemption give HF's greedy tokens."""
     prompts = _prompts([17, 17, 70, 5, 33])
     llm = LLM(str(tiny_llama), dtype="float32", max_num_batched_tokens=48, block_size=8,
-              attention_backend="flex", num_gpu_blocks_override=24)
+              attention_backend="flex", num_gpu_blocks_override=24, device="cpu")
     runner = llm.llm_engine.engine_core.runner
     assert runner.flex is not None and runner.native_attention is None
     assert _greedy(llm, prompts) == hf_greedy(tiny_llama, prompts, NEW_TOKENS)

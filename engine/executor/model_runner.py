@@ -141,6 +141,11 @@ class ModelRunner:
         if choice == "auto":
             return "native" if self.kernels is not None else (
                 "flex" if self.device.type == "cuda" else "torch")
+        if (choice in ("auto", "flex") and self.device.type == "cuda"
+                and self.config.block_size < 16):
+            raise InvalidRequestError(
+                f"block_size {self.config.block_size} is too small for FlexAttention on "
+                "CUDA (one page per KV tile; its kernels' tiles are 16 keys at least)")
         if choice == "native" and self.kernels is None:
             raise InvalidRequestError("attention_backend 'native' needs the CPU kernels "
                                       f"(device {self.device}, kernels unavailable or off)")
@@ -235,6 +240,14 @@ class ModelRunner:
         else:
             budget = self.config.kv_cache_memory_bytes or CPU_DEFAULT_KV_CACHE_BYTES
         blocks = int(budget // per_block)
+        if self.flex is not None and self.device.type == "cuda":
+            # torch 2.11's FlexAttention kernels index one layer's keys with 32-bit offsets
+            # (a larger cache failed to compile on the H200)
+            limit = (2 ** 31 - 1) // (self.plan.num_kv_heads * self.shape.head_dim
+                                      * self.block_size) - 1
+            if blocks > limit:
+                logger.info("KV cache: %d blocks fit, %d used (32-bit offsets)", blocks, limit)
+                blocks = limit
         if blocks < 1:
             raise InvalidRequestError(
                 f"KV cache budget of {int(budget)} bytes holds no block of {per_block} bytes")
