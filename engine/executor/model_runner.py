@@ -124,6 +124,10 @@ class ModelRunner:
                                  else None)
         self.flex = (FlexPagedAttention(compile=device.type == "cuda")
                      if self.backend == "flex" else None)
+        if self.flex is not None and device.type == "cuda" and config.block_size < 16:
+            raise InvalidRequestError(
+                f"block_size {config.block_size} is too small for FlexAttention on CUDA "
+                "(one page per KV tile; its kernels' tiles hold 16 keys at least)")
         self.graphs: DecodeGraphs | None = None
         self.model = self._load_model()
         self.lora_slots: LoRASlots | None = None
@@ -141,11 +145,6 @@ class ModelRunner:
         if choice == "auto":
             return "native" if self.kernels is not None else (
                 "flex" if self.device.type == "cuda" else "torch")
-        if (choice in ("auto", "flex") and self.device.type == "cuda"
-                and self.config.block_size < 16):
-            raise InvalidRequestError(
-                f"block_size {self.config.block_size} is too small for FlexAttention on "
-                "CUDA (one page per KV tile; its kernels' tiles are 16 keys at least)")
         if choice == "native" and self.kernels is None:
             raise InvalidRequestError("attention_backend 'native' needs the CPU kernels "
                                       f"(device {self.device}, kernels unavailable or off)")
@@ -353,7 +352,7 @@ class ModelRunner:
 
     # ---- sleep mode -------------------------------------------------------------------
     def has_weights(self) -> bool:
-        return self.model is not None and next(self.model.parameters()).device == self.device
+        return self.model is not None and _on(next(self.model.parameters()), self.device)
 
     def offload_weights(self) -> None:
         """Move the weights to host memory (sleep level 1 on an accelerator)."""
@@ -379,7 +378,7 @@ class ModelRunner:
         weights = 0
         if self.model is not None:
             weights = sum(p.numel() * p.element_size() for p in self.model.parameters()
-                          if p.device == self.device)
+                          if _on(p, self.device))
             weights += sum(m.packed_bytes() for m in self.model.modules()
                            if isinstance(m, Linear))
         kv = 0 if self.kv_caches is None else self.kv_caches.numel() * self.kv_caches.element_size()
@@ -585,3 +584,11 @@ def _random_weights(model: torch.nn.Module) -> None:
     with torch.no_grad():
         for param in model.parameters():
             param.uniform_(-1e-3, 1e-3, generator=generator)
+
+
+def _on(tensor: torch.Tensor, device: torch.device) -> bool:
+    """Whether tensor lives on device; "cuda" names the current GPU, which tensors call
+    "cuda:0" (torch.device("cuda") != torch.device("cuda:0"))."""
+    if tensor.device.type != device.type:
+        return False
+    return device.index is None or tensor.device.index == device.index
