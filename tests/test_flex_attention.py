@@ -30,11 +30,12 @@ def _reference(q, k_cache, v_cache, block_size, seqs, tables):
     return out
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_flex_paged_attention_matches_dense(seed):
+@pytest.mark.parametrize("seed,pad", [(0, 0), (1, 0), (2, 0), (3, 8)])
+def test_flex_paged_attention_matches_dense(seed, pad):
     """Decodes and prefill chunks (fresh, after context, spanning pages) over shuffled
     pages whose unused slots hold garbage: each query sees exactly its sequence's
-    positions up to its own."""
+    positions up to its own. pad: decode rows padded to that many, block tables to a
+    fixed width (the compiled decode shapes)."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
     num_blocks, bs, kv_heads, heads, dim = 48, 8, 2, 4, 16
@@ -60,7 +61,8 @@ def test_flex_paged_attention_matches_dense(seed):
     qlens = [n for _, n in seqs]
     slens = [c + n for c, n in seqs]
     groups = [flex_paged.build_group(0, qlens[:decodes], slens[:decodes], tables[:decodes],
-                                     num_blocks, bs, torch.device("cpu")),
+                                     num_blocks, bs, torch.device("cpu"),
+                                     width=12 if pad else None, pad_rows=pad),
               flex_paged.build_group(decodes, qlens[decodes:], slens[decodes:],
                                      tables[decodes:], num_blocks, bs, torch.device("cpu"))]
     with warnings.catch_warnings():
@@ -85,6 +87,7 @@ def test_flex_engine_matches_hf_with_chunks_prefix_hits_and_preemption(tiny_llam
               attention_backend="flex", num_gpu_blocks_override=24, device="cpu")
     runner = llm.llm_engine.engine_core.runner
     assert runner.flex is not None and runner.native_attention is None
+    runner.flex.pad_decodes = True  # as on CUDA: decode batches padded to static shapes
     assert _greedy(llm, prompts) == hf_greedy(tiny_llama, prompts, NEW_TOKENS)
     assert llm.llm_engine.engine_core.scheduler.num_preemptions > 0
     shared = [prompts[2][:40] + p for p in _prompts([6, 11], seed=1)]

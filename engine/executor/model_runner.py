@@ -31,7 +31,7 @@ from engine.model.hugepages import (
     lazily_zeroed,
 )
 from engine.model.kernels import cpu_kernels, native_enabled
-from engine.executor.cuda_graphs import DecodeGraphs
+from engine.executor.cuda_graphs import DecodeGraphs, capture_sizes
 from engine.model.layers import flex_paged
 from engine.model.layers.attention import AttentionMetadata, PrefillGroup, cache_views
 from engine.model.layers.flex_paged import FlexPagedAttention, build_group
@@ -534,6 +534,11 @@ class ModelRunner:
         width = None if self.device.type == "cuda" or not self.flex.compiled \
             else self.num_blocks + 1  # the CPU compiled kernel reads one entry per page
         count = len(step.query_lens)
+        decode_rows = decode_width = 0
+        if self.flex.pad_decodes and num_decodes:  # a few static shapes (FlexPagedAttention)
+            decode_rows = next(s for s in capture_sizes(self.config.max_num_seqs)
+                               if s >= num_decodes)
+            decode_width = -(-self.max_model_len // self.block_size)
         spans = [(0, num_decodes)]
         if self.device.type == "cuda":
             spans += [(i, i + 1) for i in range(num_decodes, count)]
@@ -542,10 +547,13 @@ class ModelRunner:
         first = 0
         for lo, hi in spans:
             if hi > lo:
+                decodes = lo == 0 and num_decodes > 0
                 groups.append(build_group(first, step.query_lens[lo:hi], step.seq_lens[lo:hi],
                                           step.block_tables[lo:hi], self.num_blocks,
-                                          self.block_size, self.device, width,
-                                          page_map=not self.flex.compiled))
+                                          self.block_size, self.device,
+                                          (decode_width or width) if decodes else width,
+                                          page_map=not self.flex.compiled,
+                                          pad_rows=decode_rows if decodes else 0))
                 first += groups[-1].num_tokens
         return AttentionMetadata(slot_mapping=slot_mapping, num_decodes=num_decodes,
                                  block_tables=None, seq_lens=None, flex=self.flex,

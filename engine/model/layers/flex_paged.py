@@ -29,10 +29,13 @@ needs no page map.)
 from __future__ import annotations
 
 import inspect
+import logging
 from dataclasses import dataclass
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+logger = logging.getLogger(__name__)
 
 Q_TILE = 128  # queries per BlockMask row tile (FlexAttention's default sparse block)
 _LOGICAL_DTYPE = torch.int16  # a page's index in its sequence: max_model_len / block_size
@@ -98,11 +101,17 @@ def fill_logical(logical: torch.Tensor, tables: torch.Tensor, scratch: int) -> N
 def build_group(first: int, query_lens: list[int], seq_lens: list[int],
                 tables: list[list[int]], num_blocks: int, block_size: int,
                 device: torch.device, width: int | None = None,
-                page_map: bool = True) -> FlexGroup:
+                page_map: bool = True, pad_rows: int = 0) -> FlexGroup:
     """The group of sequences [query_lens[i] new tokens, seq_lens[i] context after the
     step, block table covering it], their tokens contiguous from flat token `first`.
     width: columns of kv_indices (default the longest table; the CPU compiled kernel
-    wants one per page of the cache); page_map: build `logical` (the eager reference)."""
+    wants one per page of the cache); page_map: build `logical` (the eager reference); pad_rows: rows
+    for decodes padded to that many (a padding row sees nothing)."""
+    num_tokens = sum(query_lens)
+    if pad_rows > len(query_lens):
+        extra = pad_rows - len(query_lens)
+        query_lens, seq_lens = query_lens + [1] * extra, seq_lens + [0] * extra
+        tables = tables + [[]] * extra
     rows = len(query_lens)
     q_len = max(query_lens)
     width = width or max(len(t) for t in tables)
@@ -130,7 +139,7 @@ def build_group(first: int, query_lens: list[int], seq_lens: list[int],
     if q_len > 1 and rows > 1:
         dest_list = [r * q_len + j for r, n in enumerate(query_lens) for j in range(n)]
         dest = torch.tensor(dest_list, dtype=torch.int64).to(device, non_blocking=True)
-    return FlexGroup(first, sum(query_lens), rows, q_len, dest, q_pos, logical,
+    return FlexGroup(first, num_tokens, rows, q_len, dest, q_pos, logical,
                      kv_num[:, None, :].contiguous(), kv_indices.contiguous())
 
 
@@ -171,16 +180,27 @@ class FlexPagedAttention:
     faulted on a batch of chunks over the shared batch-1 cache, seen on the H200); a
     group of several chunks (queries padded to the longest) runs on the eager reference.
 
+    Decodes go to a build with static shapes: torch picks its split-KV decoding kernel
+    only for a batch size known at compile time, and with a symbolic one ran the general
+    kernel, 128-query tiles for one query each (on the H200 that was 69 % of a 1B
+    model's decode step at batch 64: 262 us a layer). So the runner pads decode batches
+    to a few sizes (pad_decodes: the CUDA graphs' sizes) and block-table width to one,
+    and each size compiles once. Should that build fail, decodes fall back to the
+    general kernel with a warning.
+
     compile: through torch.compile (Triton on CUDA); off, PyTorch's eager reference
     (CPU tests)."""
 
     def __init__(self, compile: bool) -> None:
         self.compiled = compile
+        self.pad_decodes = compile
         self.attend = _attend
+        self.attend_decodes = _attend
         if compile:
             torch._dynamo.config.cache_size_limit = max(
                 torch._dynamo.config.cache_size_limit, 64)
             self.attend = torch.compile(_attend, fullgraph=True, dynamic=True)
+            self.attend_decodes = torch.compile(_attend, fullgraph=True, dynamic=False)
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slot_pos: torch.Tensor, groups: list[FlexGroup], scale: float,
@@ -201,8 +221,8 @@ class FlexPagedAttention:
                block_size: int) -> torch.Tensor:
         heads, dim = q.shape[1], q.shape[2]
         if g.q_len == 1:
-            qs = q.unsqueeze(2)  # [R, H, 1, D]
-        elif g.num_rows == 1:
+            return self._decodes(q, k_cache, v_cache, slot_pos, g, scale, block_size)
+        if g.num_rows == 1:
             qs = q.unsqueeze(0).transpose(1, 2)  # [1, H, n, D]
         else:
             padded = q.new_zeros(g.num_rows * g.q_len, heads, dim)
@@ -210,8 +230,23 @@ class FlexPagedAttention:
             qs = padded.view(g.num_rows, g.q_len, heads, dim).transpose(1, 2)
         o = self.attend(qs, k_cache, v_cache, g.q_pos, slot_pos, g.logical, g.kv_num_blocks,
                         g.kv_indices, scale, block_size)
-        if g.q_len == 1:
-            return o.squeeze(2)
         if g.num_rows == 1:
             return o[0].transpose(0, 1)
         return o.transpose(1, 2).reshape(-1, heads, dim).index_select(0, g.dest)
+
+    def _decodes(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_pos: torch.Tensor, g: FlexGroup, scale: float,
+                 block_size: int) -> torch.Tensor:
+        """One query per row; rows past the batch (padding) see nothing."""
+        if g.num_rows > q.shape[0]:
+            q = torch.cat([q, q.new_zeros(g.num_rows - q.shape[0], *q.shape[1:])])
+        args = (q.unsqueeze(2), k_cache, v_cache, g.q_pos, slot_pos, g.logical,
+                g.kv_num_blocks, g.kv_indices, scale, block_size)
+        try:
+            o = self.attend_decodes(*args)
+        except torch._dynamo.exc.TorchDynamoException as exc:
+            logger.warning("FlexAttention's decoding kernel did not build (%s); decodes "
+                           "run the general kernel", str(exc).splitlines()[0])
+            self.attend_decodes = self.attend
+            o = self.attend(*args)
+        return o.squeeze(2)[:g.num_tokens]
