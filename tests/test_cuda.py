@@ -11,6 +11,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from tests.conftest import hf_greedy
+from tests.test_flex_attention import check_prefix_hits_and_n
 from tests.test_parity import _prompts
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
@@ -55,12 +56,7 @@ def test_cuda_chunks_preemption_prefix_hits_and_n(tiny_llama, eager):
     assert (_core(llm).runner.graphs is None) == eager
     assert _greedy(llm, prompts) == hf_greedy(tiny_llama, prompts, N)
     assert _core(llm).scheduler.num_preemptions > 0
-    shared = [prompts[2][:40] + p for p in _prompts([6, 11], seed=1)]
-    params = SamplingParams(temperature=0.0, max_tokens=N, ignore_eos=True, n=2)
-    out = llm.generate(shared, params, use_tqdm=False)
-    assert all(o.num_cached_tokens > 0 for o in out)
-    expected = hf_greedy(tiny_llama, shared, N)
-    assert [[c.token_ids for c in o.outputs] for o in out] == [[e, e] for e in expected]
+    check_prefix_hits_and_n(llm, tiny_llama, prompts[2][:40])
 
 
 def test_cuda_graph_batches_of_every_bucket_match_eager(tiny_llama):

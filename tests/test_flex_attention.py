@@ -90,11 +90,16 @@ def test_flex_engine_matches_hf_with_chunks_prefix_hits_and_preemption(tiny_llam
     runner.flex.pad_decodes = True  # as on CUDA: decode batches padded to static shapes
     assert _greedy(llm, prompts) == hf_greedy(tiny_llama, prompts, NEW_TOKENS)
     assert llm.llm_engine.engine_core.scheduler.num_preemptions > 0
-    shared = [prompts[2][:40] + p for p in _prompts([6, 11], seed=1)]
+    check_prefix_hits_and_n(llm, tiny_llama, prompts[2][:40])
+
+
+def check_prefix_hits_and_n(llm, model_dir, prefix: list[int]) -> None:
+    """Two prompts sharing `prefix` (cached by now), n = 2 each: HF's greedy tokens twice."""
+    shared = [prefix + p for p in _prompts([6, 11], seed=1)]
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, n=2)
     out = llm.generate(shared, params, use_tqdm=False)
     assert all(o.num_cached_tokens > 0 for o in out)
-    expected = hf_greedy(tiny_llama, shared, NEW_TOKENS)
+    expected = hf_greedy(model_dir, shared, NEW_TOKENS)
     assert [[c.token_ids for c in o.outputs] for o in out] == [[e, e] for e in expected]
 
 
