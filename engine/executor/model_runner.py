@@ -19,6 +19,7 @@ from engine.config import CPU_DEFAULT_KV_CACHE_BYTES, EngineConfig
 from engine.core.scheduler import SchedulerOutput
 from engine.errors import InvalidRequestError
 from engine.executor.allocator import keep_freed_memory
+from engine.executor.cuda_graphs import DecodeGraphs, capture_sizes
 from engine.executor.parallel import ShardPlan, TPGroup
 from engine.executor.sampler import prompt_token_logprobs
 from engine.lora.adapter import load_adapter
@@ -31,7 +32,6 @@ from engine.model.hugepages import (
     lazily_zeroed,
 )
 from engine.model.kernels import cpu_kernels, native_enabled
-from engine.executor.cuda_graphs import DecodeGraphs, capture_sizes
 from engine.model.layers import flex_paged
 from engine.model.layers.attention import AttentionMetadata, PrefillGroup, cache_views
 from engine.model.layers.flex_paged import FlexPagedAttention, build_group
@@ -232,8 +232,6 @@ class ModelRunner:
         per_block = self.bytes_per_block()
         if self.device.type == "cuda":
             budget = self._gpu_kv_budget()
-            if self.flex is not None:  # each block's entries in the steps' page maps
-                per_block += 4 * self.config.max_num_seqs
             if self.config.kv_cache_memory_bytes:
                 budget = min(budget, self.config.kv_cache_memory_bytes)
         else:

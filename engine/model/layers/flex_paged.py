@@ -105,8 +105,8 @@ def build_group(first: int, query_lens: list[int], seq_lens: list[int],
     """The group of sequences [query_lens[i] new tokens, seq_lens[i] context after the
     step, block table covering it], their tokens contiguous from flat token `first`.
     width: columns of kv_indices (default the longest table; the CPU compiled kernel
-    wants one per page of the cache); page_map: build `logical` (the eager reference); pad_rows: rows
-    for decodes padded to that many (a padding row sees nothing)."""
+    wants one per page of the cache). page_map: build `logical` (the eager reference).
+    pad_rows: decode rows padded to that many (a padding row sees nothing)."""
     num_tokens = sum(query_lens)
     if pad_rows > len(query_lens):
         extra = pad_rows - len(query_lens)
