@@ -30,12 +30,14 @@ def _reference(q, k_cache, v_cache, block_size, seqs, tables):
     return out
 
 
-@pytest.mark.parametrize("seed,pad", [(0, 0), (1, 0), (2, 0), (3, 8)])
-def test_flex_paged_attention_matches_dense(seed, pad):
+@pytest.mark.parametrize("seed,pad,per_chunk", [(0, 0, False), (1, 0, False), (2, 0, True),
+                                                (3, 8, True)])
+def test_flex_paged_attention_matches_dense(seed, pad, per_chunk):
     """Decodes and prefill chunks (fresh, after context, spanning pages) over shuffled
     pages whose unused slots hold garbage: each query sees exactly its sequence's
     positions up to its own. pad: decode rows padded to that many, block tables to a
-    fixed width (the compiled decode shapes)."""
+    fixed width (the compiled decode shapes). per_chunk: a call per prefill chunk, as on
+    CUDA, where the chunk without context goes to SDPA."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
     num_blocks, bs, kv_heads, heads, dim = 48, 8, 2, 4, 16
@@ -60,15 +62,20 @@ def test_flex_paged_attention_matches_dense(seed, pad):
     decodes = sum(1 for _, n in seqs if n == 1)
     qlens = [n for _, n in seqs]
     slens = [c + n for c, n in seqs]
+    cpu = torch.device("cpu")
     groups = [flex_paged.build_group(0, qlens[:decodes], slens[:decodes], tables[:decodes],
-                                     num_blocks, bs, torch.device("cpu"),
-                                     width=12 if pad else None, pad_rows=pad),
-              flex_paged.build_group(decodes, qlens[decodes:], slens[decodes:],
-                                     tables[decodes:], num_blocks, bs, torch.device("cpu"))]
+                                     num_blocks, bs, cpu, width=12 if pad else None,
+                                     pad_rows=pad)]
+    spans = [(i, i + 1) for i in range(decodes, len(seqs))] if per_chunk else [
+        (decodes, len(seqs))]
+    for lo, hi in spans:
+        groups.append(flex_paged.build_group(sum(qlens[:lo]), qlens[lo:hi], slens[lo:hi],
+                                             tables[lo:hi], num_blocks, bs, cpu))
+    assert any(g.fresh for g in groups) == per_chunk
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        got = flex_paged.FlexPagedAttention(compile=False)(q, k_cache, v_cache, slot_pos,
-                                                           groups, dim ** -0.5, bs)
+        got = flex_paged.FlexPagedAttention(compile=False)(q, k, v, k_cache, v_cache,
+                                                           slot_pos, groups, dim ** -0.5, bs)
     torch.testing.assert_close(got, _reference(q, k_cache, v_cache, bs, seqs, tables))
 
 

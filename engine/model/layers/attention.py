@@ -105,7 +105,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     k_cache, v_cache = kv_cache
     if meta.flex is not None:
         flex_paged.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        return meta.flex(q, k_cache, v_cache, meta.slot_pos, meta.flex_groups, scale,
+        return meta.flex(q, k, v, k_cache, v_cache, meta.slot_pos, meta.flex_groups, scale,
                          meta.block_size)
     if meta.native_attention is not None:
         return meta.native_attention(q, k, v, k_cache, v_cache, meta.slot_mapping,

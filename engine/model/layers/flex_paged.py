@@ -33,6 +33,7 @@ import logging
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 logger = logging.getLogger(__name__)
@@ -58,6 +59,7 @@ class FlexGroup:
     # in the row's table, -1 where the page is not the row's
     kv_num_blocks: torch.Tensor  # [rows, 1, q_tiles] int32 pages each query tile reads
     kv_indices: torch.Tensor  # [rows, 1, q_tiles, width] int32 those pages, in order
+    fresh: bool = False  # one prompt chunk with no cached context: SDPA on its own k/v
 
 
 def cache_shape(num_layers: int, num_blocks: int, kv_heads: int, block_size: int,
@@ -139,8 +141,9 @@ def build_group(first: int, query_lens: list[int], seq_lens: list[int],
     if q_len > 1 and rows > 1:
         dest_list = [r * q_len + j for r, n in enumerate(query_lens) for j in range(n)]
         dest = torch.tensor(dest_list, dtype=torch.int64).to(device, non_blocking=True)
+    fresh = rows == 1 and seq_lens[0] == query_lens[0] > 1
     return FlexGroup(first, num_tokens, rows, q_len, dest, q_pos, logical,
-                     kv_num[:, None, :].contiguous(), kv_indices.contiguous())
+                     kv_num[:, None, :].contiguous(), kv_indices.contiguous(), fresh)
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
@@ -166,6 +169,15 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tens
     options = {"BLOCK_N": block_size} if q.is_cuda else None
     return flex_attention(q, k, v, block_mask=mask, scale=scale,
                           enable_gqa=q.shape[1] != k.shape[1], kernel_options=options)
+
+
+def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 scale: float) -> torch.Tensor:
+    """One fresh chunk's causal attention over its own keys: [n, H, D] -> [n, H, D]."""
+    o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1),
+                                       v.transpose(0, 1), is_causal=True, scale=scale,
+                                       enable_gqa=q.shape[1] != k.shape[1])
+    return o.transpose(0, 1)
 
 
 # the transposed (query-major) mask is for the backward pass: inference skips building it
@@ -202,18 +214,25 @@ class FlexPagedAttention:
             self.attend = torch.compile(_attend, fullgraph=True, dynamic=True)
             self.attend_decodes = torch.compile(_attend, fullgraph=True, dynamic=False)
 
-    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 slot_pos: torch.Tensor, groups: list[FlexGroup], scale: float,
-                 block_size: int) -> torch.Tensor:
-        """q [T, H, D]; the layer's cache views; slot_pos (write_positions). Returns
-        [T, H, D]."""
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 k_cache: torch.Tensor, v_cache: torch.Tensor, slot_pos: torch.Tensor,
+                 groups: list[FlexGroup], scale: float, block_size: int) -> torch.Tensor:
+        """q [T, H, D], this step's k, v [T, KVH, D]; the layer's cache views; slot_pos
+        (write_positions). Returns [T, H, D].
+
+        A prompt chunk with no cached context attends only to its own keys: SDPA's
+        causal kernel takes it (FlashAttention on CUDA: 0.18-0.21 ms against
+        FlexAttention's 0.35-0.52 ms for 2,048 tokens on the H200, docs/benchmarks.md)."""
         if len(groups) == 1 and groups[0].q_len == 1:
             return self._group(q, k_cache, v_cache, slot_pos, groups[0], scale, block_size)
         out = torch.empty_like(q)
         for g in groups:
-            out[g.first:g.first + g.num_tokens] = self._group(
-                q[g.first:g.first + g.num_tokens], k_cache, v_cache, slot_pos, g, scale,
-                block_size)
+            span = slice(g.first, g.first + g.num_tokens)
+            if g.fresh:
+                out[span] = _causal_sdpa(q[span], k[span], v[span], scale)
+            else:
+                out[span] = self._group(q[span], k_cache, v_cache, slot_pos, g, scale,
+                                        block_size)
         return out
 
     def _group(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
