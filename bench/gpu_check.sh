@@ -2,7 +2,13 @@
 # The GPU session's one script (device tool): the CUDA tests, then bench/gpu.py.
 # Expects .gpu/ carried beside the checkout: msgspec's wheel (the image lacks it) and
 # tokenizer/ (the tiny test models' tokenizer; the shipped model package is not there).
-# Writes logs under $OUT.
+# Writes logs under $OUT. Make .gpu/ here first (ignored by git: add /.gpu/ to
+# .git/info/exclude), then run this with carry [".gpu"]:
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#     --implementation cp --platform manylinux2014_x86_64 -d .gpu msgspec==0.19.0
+#   .venv/bin/python -c "from engine.model.loader import load_tokenizer, resolve_model; \
+#     load_tokenizer(resolve_model('default')).save_pretrained('.gpu/tokenizer')"
+# Knobs: TEST_S / BENCH_S (seconds each part may take), PYTEST_ARGS, BENCH_ARGS.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
