@@ -82,7 +82,7 @@ def attention_table() -> list[tuple[str, float, float]]:
     bs, heads, kv_heads, dim = 16, 32, 8, 64
     dev, dt = torch.device("cuda"), torch.bfloat16
     scale = dim ** -0.5
-    flex = flex_paged.FlexPagedAttention(compile=True)
+    flex = flex_paged.FlexPagedAttention(True, bs)
     rows = []
     for case, seqs in (("decode 64 x 1024", [(1023, 1)] * 64),
                        ("prefill 2048 fresh", [(0, 2048)]),
@@ -111,8 +111,7 @@ def attention_table() -> list[tuple[str, float, float]]:
         flex_paged.write_positions(slot_pos, slot_mapping, positions, bs)
         groups[0].fresh = False  # FlexAttention itself, also for the fresh prompt
         kf = torch.randn(t, kv_heads, dim, device=dev, dtype=dt)
-        flex_ms = cuda_time(lambda: flex(q, kf, kf, kc, vc, slot_pos, groups, scale,
-                                         bs)) * 1e3
+        flex_ms = cuda_time(lambda: flex(q, kf, kf, kc, vc, slot_pos, groups, scale)) * 1e3
         # the torch path, block-major cache
         blocks = torch.randn(num_blocks, 2, kv_heads, bs, dim, device=dev, dtype=dt)
         tk, tv = torch_attention.cache_views(blocks)

@@ -74,8 +74,8 @@ def test_flex_paged_attention_matches_dense(seed, pad, per_chunk):
     assert any(g.fresh for g in groups) == per_chunk
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        got = flex_paged.FlexPagedAttention(compile=False)(q, k, v, k_cache, v_cache,
-                                                           slot_pos, groups, dim ** -0.5, bs)
+        got = flex_paged.FlexPagedAttention(False, bs)(q, k, v, k_cache, v_cache, slot_pos,
+                                                       groups, dim ** -0.5)
     torch.testing.assert_close(got, _reference(q, k_cache, v_cache, bs, seqs, tables))
 
 

@@ -5,9 +5,9 @@ Python the GPU waits on the host between them. A captured graph launches them al
 once. Each graph reads its inputs from one static device buffer (one row per
 sequence: token id, position, cache slot, context length, block table) that the step
 fills with a single host-to-device copy from pinned memory (stored field-major, so
-each field is one contiguous vector), and writes its hidden
-states to a static output. A batch is padded to the next captured size: padding rows
-write their keys to the cache's scratch block and read nothing.
+each field is one contiguous vector), and writes its hidden states to a static output.
+A batch is padded to the next captured size: padding rows write their keys to the
+cache's scratch block and read nothing.
 
 What a graph holds on to (the weights, the KV cache, the buffers) must not move: the
 runner drops the graphs before sleep frees either and captures again on waking.
@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 
 from engine.model.layers.attention import AttentionMetadata
-from engine.model.layers.flex_paged import FlexGroup, fill_logical, write_positions
+from engine.model.layers.flex_paged import FlexGroup, write_positions
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +43,8 @@ class DecodeGraphs:
                  block_size: int, max_model_len: int, max_batch: int,
                  device: torch.device) -> None:
         """model(ids, positions, layer_caches, meta) -> hidden states; flex: the runner's
-        FlexPagedAttention; num_blocks: the cache's blocks (the scratch block is next)."""
+        compiled FlexPagedAttention (graphs exist on CUDA only, so its masks need no page
+        map); num_blocks: the cache's blocks (the scratch block is next)."""
         self.model = model
         self.layer_caches = layer_caches
         self.slot_pos = slot_pos
@@ -56,9 +57,6 @@ class DecodeGraphs:
         self.host = torch.zeros(fields, rows, dtype=torch.int64).pin_memory()
         self.host_fields = self.host.numpy()
         self.inputs = torch.zeros(fields, rows, dtype=torch.int64, device=device)
-        self.logical = None  # the page map, for the eager reference only (flex_paged)
-        if not flex.compiled:
-            self.logical = torch.empty(rows, num_blocks + 1, dtype=torch.int16, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pad(0, rows)
         self.inputs.copy_(self.host)
@@ -79,17 +77,13 @@ class DecodeGraphs:
         ids, positions, slots, lengths = x[0], x[1], x[2], x[3]
         tables = x[_COLUMNS:].t()
         write_positions(self.slot_pos, slots, positions, self.block_size)
-        logical = None
-        if self.logical is not None:
-            logical = self.logical[:size]
-            fill_logical(logical, tables, self.scratch)
         pages = (lengths + self.block_size - 1) // self.block_size
-        group = FlexGroup(0, size, size, 1, None, positions[:, None].to(torch.int32), logical,
+        group = FlexGroup(0, size, size, 1, None, positions[:, None].to(torch.int32), None,
                           pages.to(torch.int32)[:, None, None],
                           tables.to(torch.int32).contiguous()[:, None, None, :])
         meta = AttentionMetadata(slot_mapping=slots, num_decodes=size, block_tables=None,
                                  seq_lens=None, flex=self.flex, flex_groups=[group],
-                                 block_size=self.block_size, slot_pos=self.slot_pos)
+                                 slot_pos=self.slot_pos)
         return self.model(ids, positions, self.layer_caches, meta)
 
     @torch.inference_mode()

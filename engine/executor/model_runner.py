@@ -122,7 +122,7 @@ class ModelRunner:
         self.backend = self._attention_backend()
         self.native_attention = (self.kernels.paged_attention if self.backend == "native"
                                  else None)
-        self.flex = (FlexPagedAttention(compile=device.type == "cuda")
+        self.flex = (FlexPagedAttention(device.type == "cuda", config.block_size)
                      if self.backend == "flex" else None)
         if self.flex is not None and device.type == "cuda" and config.block_size < 16:
             raise InvalidRequestError(
@@ -529,8 +529,6 @@ class ModelRunner:
         """The decodes in one FlexAttention call, then each prefill chunk in its own on
         CUDA (FlexPagedAttention), all chunks in one on the eager reference."""
         groups = []
-        width = None if self.device.type == "cuda" or not self.flex.compiled \
-            else self.num_blocks + 1  # the CPU compiled kernel reads one entry per page
         count = len(step.query_lens)
         decode_rows = decode_width = 0
         if self.flex.pad_decodes and num_decodes:  # a few static shapes (FlexPagedAttention)
@@ -549,14 +547,13 @@ class ModelRunner:
                 groups.append(build_group(first, step.query_lens[lo:hi], step.seq_lens[lo:hi],
                                           step.block_tables[lo:hi], self.num_blocks,
                                           self.block_size, self.device,
-                                          (decode_width or width) if decodes else width,
+                                          decode_width if decodes else None,
                                           page_map=not self.flex.compiled,
                                           pad_rows=decode_rows if decodes else 0))
                 first += groups[-1].num_tokens
         return AttentionMetadata(slot_mapping=slot_mapping, num_decodes=num_decodes,
                                  block_tables=None, seq_lens=None, flex=self.flex,
-                                 flex_groups=groups, block_size=self.block_size,
-                                 slot_pos=self.slot_pos)
+                                 flex_groups=groups, slot_pos=self.slot_pos)
 
     def _table_tensor(self, tables: list[list[int]]) -> torch.Tensor:
         """Block tables padded with block 0 to the longest (the kernels stop at seq_lens)."""

@@ -19,9 +19,9 @@ reads, a request may read blocks that another request fills in the same step
   reading the cache in place with a causal limit per row (a 64-token prefill spent
   4x longer in SDPA).
 - On CUDA, FlexAttention over its own cache layout (engine/model/layers/flex_paged.py).
-- Otherwise (attention_backend torch, or CPU kernels off) with torch ops: single-token queries are batched:
-  their blocks are gathered and attended with two batched matmuls and a masked
-  softmax. Prefill chunks without cached context attend to their fresh k/v;
+- Otherwise (attention_backend torch, or CPU kernels off) with torch ops: single-token
+  queries are batched: their blocks are gathered and attended with two batched matmuls
+  and a masked softmax. Prefill chunks without cached context attend to their fresh k/v;
   consecutive chunks of equal length share one SDPA call. Prefill chunks with cached
   context (chunked prefill, prefix-cache hits) gather their blocks and use SDPA with
   an offset causal mask.
@@ -75,7 +75,6 @@ class AttentionMetadata:
     flex: Callable | None = None  # a FlexPagedAttention
     flex_groups: list = field(default_factory=list)  # its FlexGroups: decodes, prefills
     slot_pos: torch.Tensor | None = None  # [slots] int32 each cache slot's position
-    block_size: int = 0
 
 
 def cache_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,8 +104,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     k_cache, v_cache = kv_cache
     if meta.flex is not None:
         flex_paged.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        return meta.flex(q, k, v, k_cache, v_cache, meta.slot_pos, meta.flex_groups, scale,
-                         meta.block_size)
+        return meta.flex(q, k, v, k_cache, v_cache, meta.slot_pos, meta.flex_groups, scale)
     if meta.native_attention is not None:
         return meta.native_attention(q, k, v, k_cache, v_cache, meta.slot_mapping,
                                      meta.block_tables, meta.seq_lens, meta.query_start, scale)

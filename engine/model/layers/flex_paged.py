@@ -106,9 +106,9 @@ def build_group(first: int, query_lens: list[int], seq_lens: list[int],
                 page_map: bool = True, pad_rows: int = 0) -> FlexGroup:
     """The group of sequences [query_lens[i] new tokens, seq_lens[i] context after the
     step, block table covering it], their tokens contiguous from flat token `first`.
-    width: columns of kv_indices (default the longest table; the CPU compiled kernel
-    wants one per page of the cache). page_map: build `logical` (the eager reference).
-    pad_rows: decode rows padded to that many (a padding row sees nothing)."""
+    width: columns of kv_indices (default the longest table). page_map: build `logical`
+    (the eager reference). pad_rows: decode rows padded to that many (a padding row
+    sees nothing)."""
     num_tokens = sum(query_lens)
     if pad_rows > len(query_lens):
         extra = pad_rows - len(query_lens)
@@ -203,8 +203,9 @@ class FlexPagedAttention:
     compile: through torch.compile (Triton on CUDA); off, PyTorch's eager reference
     (CPU tests)."""
 
-    def __init__(self, compile: bool) -> None:
+    def __init__(self, compile: bool, block_size: int) -> None:
         self.compiled = compile
+        self.block_size = block_size
         self.pad_decodes = compile
         self.attend = _attend
         self.attend_decodes = _attend
@@ -216,7 +217,7 @@ class FlexPagedAttention:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  k_cache: torch.Tensor, v_cache: torch.Tensor, slot_pos: torch.Tensor,
-                 groups: list[FlexGroup], scale: float, block_size: int) -> torch.Tensor:
+                 groups: list[FlexGroup], scale: float) -> torch.Tensor:
         """q [T, H, D], this step's k, v [T, KVH, D]; the layer's cache views; slot_pos
         (write_positions). Returns [T, H, D].
 
@@ -224,23 +225,21 @@ class FlexPagedAttention:
         causal kernel takes it (FlashAttention on CUDA: 0.18-0.21 ms against
         FlexAttention's 0.35-0.52 ms for 2,048 tokens on the H200, docs/benchmarks.md)."""
         if len(groups) == 1 and groups[0].q_len == 1:
-            return self._group(q, k_cache, v_cache, slot_pos, groups[0], scale, block_size)
+            return self._group(q, k_cache, v_cache, slot_pos, groups[0], scale)
         out = torch.empty_like(q)
         for g in groups:
             span = slice(g.first, g.first + g.num_tokens)
             if g.fresh:
                 out[span] = _causal_sdpa(q[span], k[span], v[span], scale)
             else:
-                out[span] = self._group(q[span], k_cache, v_cache, slot_pos, g, scale,
-                                        block_size)
+                out[span] = self._group(q[span], k_cache, v_cache, slot_pos, g, scale)
         return out
 
     def _group(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               slot_pos: torch.Tensor, g: FlexGroup, scale: float,
-               block_size: int) -> torch.Tensor:
+               slot_pos: torch.Tensor, g: FlexGroup, scale: float) -> torch.Tensor:
         heads, dim = q.shape[1], q.shape[2]
         if g.q_len == 1:
-            return self._decodes(q, k_cache, v_cache, slot_pos, g, scale, block_size)
+            return self._decodes(q, k_cache, v_cache, slot_pos, g, scale)
         if g.num_rows == 1:
             qs = q.unsqueeze(0).transpose(1, 2)  # [1, H, n, D]
         else:
@@ -248,19 +247,18 @@ class FlexPagedAttention:
             padded.index_copy_(0, g.dest, q)
             qs = padded.view(g.num_rows, g.q_len, heads, dim).transpose(1, 2)
         o = self.attend(qs, k_cache, v_cache, g.q_pos, slot_pos, g.logical, g.kv_num_blocks,
-                        g.kv_indices, scale, block_size)
+                        g.kv_indices, scale, self.block_size)
         if g.num_rows == 1:
             return o[0].transpose(0, 1)
         return o.transpose(1, 2).reshape(-1, heads, dim).index_select(0, g.dest)
 
     def _decodes(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 slot_pos: torch.Tensor, g: FlexGroup, scale: float,
-                 block_size: int) -> torch.Tensor:
+                 slot_pos: torch.Tensor, g: FlexGroup, scale: float) -> torch.Tensor:
         """One query per row; rows past the batch (padding) see nothing."""
         if g.num_rows > q.shape[0]:
             q = torch.cat([q, q.new_zeros(g.num_rows - q.shape[0], *q.shape[1:])])
         args = (q.unsqueeze(2), k_cache, v_cache, g.q_pos, slot_pos, g.logical,
-                g.kv_num_blocks, g.kv_indices, scale, block_size)
+                g.kv_num_blocks, g.kv_indices, scale, self.block_size)
         try:
             o = self.attend_decodes(*args)
         except torch._dynamo.exc.TorchDynamoException as exc:
