@@ -83,9 +83,8 @@ def test_cuda_bf16_logprobs_close_to_hf_fp32(tiny_llama):
         expected = torch.log_softmax(logits, -1)
         top = o.outputs[0].logprobs[0]
         for token, lp in top.items():
-            value = lp.logprob if hasattr(lp, "logprob") else lp
             want = expected[token].item()
-            assert abs(value - want) < 0.05 + 0.02 * abs(want)  # bf16: ~3 significant digits
+            assert abs(lp.logprob - want) < 0.05 + 0.02 * abs(want)  # bf16: ~3 significant digits
 
 
 def test_cuda_sleep_levels_free_and_restore_gpu_memory(tiny_llama):

@@ -37,22 +37,27 @@ def capture_sizes(max_batch: int) -> list[int]:
     return sorted(set(chosen))
 
 
+def padded_size(sizes: list[int], batch: int) -> int:
+    """The smallest of sizes (ascending) that holds batch rows."""
+    return next(s for s in sizes if s >= batch)
+
+
 class DecodeGraphs:
     def __init__(self, model: Callable, layer_caches: list, slot_pos: torch.Tensor,
-                 flex: Callable, num_blocks: int,
-                 block_size: int, max_model_len: int, max_batch: int,
-                 device: torch.device) -> None:
+                 flex: Callable, num_blocks: int, block_size: int, sizes: list[int],
+                 width: int, device: torch.device) -> None:
         """model(ids, positions, layer_caches, meta) -> hidden states; flex: the runner's
         compiled FlexPagedAttention (graphs exist on CUDA only, so its masks need no page
-        map); num_blocks: the cache's blocks (the scratch block is next)."""
+        map); num_blocks: the cache's blocks (the scratch block is next); sizes: the batch
+        sizes to capture (capture_sizes); width: the longest block table."""
         self.model = model
         self.layer_caches = layer_caches
         self.slot_pos = slot_pos
         self.flex = flex
         self.block_size = block_size
         self.scratch = num_blocks
-        self.width = -(-max_model_len // block_size)  # the longest block table
-        self.sizes = capture_sizes(max_batch)
+        self.width = width
+        self.sizes = sizes
         rows, fields = self.sizes[-1], _COLUMNS + self.width
         self.host = torch.zeros(fields, rows, dtype=torch.int64).pin_memory()
         self.host_fields = self.host.numpy()
@@ -111,7 +116,7 @@ class DecodeGraphs:
             seq_lens: list[int], block_tables: list[list[int]]) -> torch.Tensor:
         """Replay the smallest graph that holds the batch: its hidden states [B, H]."""
         batch = len(ids)
-        size = next(s for s in self.sizes if s >= batch)
+        size = padded_size(self.sizes, batch)
         fields = self.host_fields
         self._pad(0, size)
         fields[0, :batch] = ids

@@ -19,7 +19,7 @@ from engine.config import CPU_DEFAULT_KV_CACHE_BYTES, EngineConfig
 from engine.core.scheduler import SchedulerOutput
 from engine.errors import InvalidRequestError
 from engine.executor.allocator import keep_freed_memory
-from engine.executor.cuda_graphs import DecodeGraphs, capture_sizes
+from engine.executor.cuda_graphs import DecodeGraphs, capture_sizes, padded_size
 from engine.executor.parallel import ShardPlan, TPGroup
 from engine.executor.sampler import prompt_token_logprobs
 from engine.lora.adapter import load_adapter
@@ -115,6 +115,8 @@ class ModelRunner:
         self.checkpoint = checkpoint
         self.hf_config = hf_config
         self.max_model_len = max_model_len
+        self.max_pages = -(-max_model_len // self.block_size)  # the longest block table
+        self.decode_sizes = capture_sizes(config.max_num_seqs)  # graphs' / static shapes
         self.kernels = None
         if device.type == "cpu":
             self.kernels = cpu_kernels()
@@ -161,8 +163,8 @@ class ModelRunner:
     def _capture_graphs(self) -> None:
         if self._use_graphs() and self.model is not None and self.kv_caches is not None:
             self.graphs = DecodeGraphs(self.model, self.layer_caches, self.slot_pos, self.flex,
-                                       self.num_blocks, self.block_size, self.max_model_len,
-                                       self.config.max_num_seqs, self.device)
+                                       self.num_blocks, self.block_size, self.decode_sizes,
+                                       self.max_pages, self.device)
             self.graphs.capture()
 
     def _drop_graphs(self) -> None:
@@ -336,7 +338,7 @@ class ModelRunner:
         in a VM, often the host's too), and taken during decode each one stalls a step.
         W1 (Zen 5 VM, bf16): 1,627-1,649 -> 1,853-1,866 tok/s, system time 0.25-0.65 ->
         0.00-0.04 s; the price is this pass at start (2 GiB: 0.85 s here)."""
-        full_batch = self.config.max_num_seqs * -(-self.max_model_len // self.block_size)
+        full_batch = self.config.max_num_seqs * self.max_pages
         blocks = min(num_blocks, full_batch)
         start = time.perf_counter()
         self.kv_caches[:, :blocks].zero_()
@@ -532,9 +534,8 @@ class ModelRunner:
         count = len(step.query_lens)
         decode_rows = decode_width = 0
         if self.flex.pad_decodes and num_decodes:  # a few static shapes (FlexPagedAttention)
-            decode_rows = next(s for s in capture_sizes(self.config.max_num_seqs)
-                               if s >= num_decodes)
-            decode_width = -(-self.max_model_len // self.block_size)
+            decode_rows = padded_size(self.decode_sizes, num_decodes)
+            decode_width = self.max_pages
         spans = [(0, num_decodes)]
         if self.device.type == "cuda":
             spans += [(i, i + 1) for i in range(num_decodes, count)]
