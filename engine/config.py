@@ -72,8 +72,10 @@ class EngineConfig:
                                              "(JSON)")
     attention_backend: str = option(
         "auto", "attention kernels: auto (the native kernels on CPU, FlexAttention on "
-        "CUDA), native (CPU only), flex (FlexAttention; eager, unfused on CPU) or torch (the "
-        "gather path)", choices=("auto", "native", "flex", "torch"))
+        "CUDA), native (CPU only), flex (FlexAttention; eager, unfused on CPU), triton "
+        "(Triton paged attention and fused layer kernels; on CPU only under "
+        "TRITON_INTERPRET=1, for tests) or torch (the gather path)",
+        choices=("auto", "native", "flex", "triton", "torch"))
     enforce_eager: bool = option(False, "CUDA: run decode steps eagerly instead of "
                                         "replaying CUDA graphs captured per batch size")
     load_format: str = option("auto", "auto: the checkpoint's weights; dummy: random weights "
@@ -105,8 +107,8 @@ class EngineConfig:
             (self.log_stats_interval_s >= 0, "log_stats_interval_s must be >= 0"),
             (self.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1"),
             (self.max_loras >= 1, "max_loras must be >= 1"),
-            (self.attention_backend in ("auto", "native", "flex", "torch"),
-             f"attention_backend must be auto, native, flex or torch, got "
+            (self.attention_backend in ("auto", "native", "flex", "triton", "torch"),
+             f"attention_backend must be auto, native, flex, triton or torch, got "
              f"{self.attention_backend!r}"),
             (self.load_format in ("auto", "dummy"),
              f"load_format must be auto or dummy, got {self.load_format!r}"),

@@ -25,6 +25,12 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
 os.environ["OMP_NUM_THREADS"] = "1"
 torch.set_num_threads(1)
 
+# Without a GPU the Triton kernels run under Triton's interpreter (tests/
+# test_triton_kernels.py). Triton reads this when a kernel is defined, so it is set
+# before anything imports them.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 # Every vector path of the native CPU kernels, built on this host: the native one and the
 # narrower ones of its CPU family (an AVX-512 host also runs the AVX2 and SSE2 builds;

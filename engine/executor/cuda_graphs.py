@@ -21,7 +21,11 @@ from typing import Callable
 import torch
 
 from engine.model.layers.attention import AttentionMetadata
-from engine.model.layers.flex_paged import FlexGroup, write_positions
+
+# (batch size, positions, slots, context lengths, block tables [size, width]) -> the
+# attention metadata of a captured decode batch, built from the graph's static buffers
+StepMetadata = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+                        AttentionMetadata]
 
 logger = logging.getLogger(__name__)
 
@@ -43,17 +47,17 @@ def padded_size(sizes: list[int], batch: int) -> int:
 
 
 class DecodeGraphs:
-    def __init__(self, model: Callable, layer_caches: list, slot_pos: torch.Tensor,
-                 flex: Callable, num_blocks: int, block_size: int, sizes: list[int],
-                 width: int, device: torch.device) -> None:
-        """model(ids, positions, layer_caches, meta) -> hidden states; flex: the runner's
-        compiled FlexPagedAttention (graphs exist on CUDA only, so its masks need no page
-        map); num_blocks: the cache's blocks (the scratch block is next); sizes: the batch
-        sizes to capture (capture_sizes); width: the longest block table."""
+    def __init__(self, model: Callable, layer_caches: list, step_metadata: StepMetadata,
+                 num_blocks: int, block_size: int, sizes: list[int], width: int,
+                 device: torch.device) -> None:
+        """model(ids, positions, layer_caches, meta) -> hidden states; step_metadata: the
+        attention backend's metadata for a captured batch (flex_paged.graph_metadata,
+        triton_graph_metadata); num_blocks: the cache's blocks (the scratch block is
+        next); sizes: the batch sizes to capture (capture_sizes); width: the longest
+        block table."""
         self.model = model
         self.layer_caches = layer_caches
-        self.slot_pos = slot_pos
-        self.flex = flex
+        self.step_metadata = step_metadata
         self.block_size = block_size
         self.scratch = num_blocks
         self.width = width
@@ -81,14 +85,7 @@ class DecodeGraphs:
         x = self.inputs[:, :size]
         ids, positions, slots, lengths = x[0], x[1], x[2], x[3]
         tables = x[_COLUMNS:].t()
-        write_positions(self.slot_pos, slots, positions, self.block_size)
-        pages = (lengths + self.block_size - 1) // self.block_size
-        group = FlexGroup(0, size, size, 1, None, positions[:, None].to(torch.int32), None,
-                          pages.to(torch.int32)[:, None, None],
-                          tables.to(torch.int32).contiguous()[:, None, None, :])
-        meta = AttentionMetadata(slot_mapping=slots, num_decodes=size, block_tables=None,
-                                 seq_lens=None, flex=self.flex, flex_groups=[group],
-                                 slot_pos=self.slot_pos)
+        meta = self.step_metadata(size, positions, slots, lengths, tables)
         return self.model(ids, positions, self.layer_caches, meta)
 
     @torch.inference_mode()
@@ -129,3 +126,16 @@ class DecodeGraphs:
         graph, out = self.graphs[size]
         graph.replay()
         return out[:batch]
+
+
+def triton_graph_metadata(triton) -> StepMetadata:
+    """A captured batch's metadata for the Triton backend (a TritonPagedAttention): its
+    launches read the static buffers; the split count is fixed per batch size."""
+
+    def metadata(size: int, positions: torch.Tensor, slots: torch.Tensor,
+                 lengths: torch.Tensor, tables: torch.Tensor) -> AttentionMetadata:
+        step = triton.graph_step(size, lengths, tables.contiguous())
+        return AttentionMetadata(slot_mapping=slots, num_decodes=size, block_tables=None,
+                                 seq_lens=None, triton=triton, triton_step=step)
+
+    return metadata

@@ -19,7 +19,12 @@ from engine.config import CPU_DEFAULT_KV_CACHE_BYTES, EngineConfig
 from engine.core.scheduler import SchedulerOutput
 from engine.errors import InvalidRequestError
 from engine.executor.allocator import keep_freed_memory
-from engine.executor.cuda_graphs import DecodeGraphs, capture_sizes, padded_size
+from engine.executor.cuda_graphs import (
+    DecodeGraphs,
+    capture_sizes,
+    padded_size,
+    triton_graph_metadata,
+)
 from engine.executor.parallel import ShardPlan, TPGroup
 from engine.executor.sampler import prompt_token_logprobs
 from engine.lora.adapter import load_adapter
@@ -126,6 +131,7 @@ class ModelRunner:
                                  else None)
         self.flex = (FlexPagedAttention(device.type == "cuda", config.block_size)
                      if self.backend == "flex" else None)
+        self.triton = self._triton_backend() if self.backend == "triton" else None
         if self.flex is not None and device.type == "cuda" and config.block_size < 16:
             raise InvalidRequestError(
                 f"block_size {config.block_size} is too small for FlexAttention on CUDA "
@@ -142,7 +148,8 @@ class ModelRunner:
         self.num_blocks = 0
 
     def _attention_backend(self) -> str:
-        """native (the CPU kernels), flex (FlexAttention; CUDA's default) or torch."""
+        """native (the CPU kernels), flex (FlexAttention; CUDA's default), triton or
+        torch."""
         choice = self.config.attention_backend
         if choice == "auto":
             return "native" if self.kernels is not None else (
@@ -150,19 +157,36 @@ class ModelRunner:
         if choice == "native" and self.kernels is None:
             raise InvalidRequestError("attention_backend 'native' needs the CPU kernels "
                                       f"(device {self.device}, kernels unavailable or off)")
+        if choice == "triton":
+            from engine.model.triton_kernels import availability
+            reason = availability(self.device)
+            if reason is not None:
+                raise InvalidRequestError(f"attention_backend 'triton': {reason}")
         return choice
+
+    def _triton_backend(self):
+        """The Triton kernels' attention (imported only when chosen: triton is optional
+        on CPU)."""
+        from engine.model.layers.triton_paged import TritonPagedAttention
+        return TritonPagedAttention(self.block_size, self.plan.num_heads,
+                                    self.plan.num_kv_heads, self.shape.head_dim,
+                                    self.decode_sizes[-1], self.device)
 
     def _use_graphs(self) -> bool:
         """Decode steps replay CUDA graphs unless enforce_eager, LoRA (its per-step adapter
         runs are host data) or tensor parallelism (every rank would have to replay
         together) rules them out."""
-        return (self.device.type == "cuda" and self.flex is not None
+        return (self.device.type == "cuda" and self.backend in ("flex", "triton")
                 and not self.config.enforce_eager and self.lora_slots is None
                 and self.tp is None)
 
     def _capture_graphs(self) -> None:
         if self._use_graphs() and self.model is not None and self.kv_caches is not None:
-            self.graphs = DecodeGraphs(self.model, self.layer_caches, self.slot_pos, self.flex,
+            if self.triton is not None:
+                step_meta = triton_graph_metadata(self.triton)
+            else:
+                step_meta = flex_paged.graph_metadata(self.flex, self.slot_pos, self.block_size)
+            self.graphs = DecodeGraphs(self.model, self.layer_caches, step_meta,
                                        self.num_blocks, self.block_size, self.decode_sizes,
                                        self.max_pages, self.device)
             self.graphs.capture()
@@ -176,8 +200,12 @@ class ModelRunner:
     def _load_model(self) -> LlamaForCausalLM:
         start = time.perf_counter()
         regions = anonymous_regions() if self.device.type == "cpu" else set()
+        layer_ops = self.kernels  # the layers' fused element-wise ops
+        if self.triton is not None:
+            from engine.model.triton_kernels.fused_ops import TritonLayerOps
+            layer_ops = TritonLayerOps()
         with torch.device("meta"):
-            model = LlamaForCausalLM(self.shape, self.hf_config, self.max_model_len, self.kernels,
+            model = LlamaForCausalLM(self.shape, self.hf_config, self.max_model_len, layer_ops,
                                      self.plan, self.tp)
         model = model.to_empty(device=self.device)
         # Buffers (the RoPE table) are not in the checkpoint: rebuild them for real.
@@ -191,7 +219,8 @@ class ModelRunner:
             model.load_weights(iter_weights(self.checkpoint))
         model = model.to(self.dtype).eval()
         model.requires_grad_(False)
-        if native_enabled() and can_pack(self.device, self.dtype, self.kernels):
+        if (native_enabled() and self.triton is None
+                and can_pack(self.device, self.dtype, self.kernels)):
             pack_linears(model, keep_dense={id(model.embed_tokens.weight)}, kernels=self.kernels)
         if self.device.type == "cpu":
             collapse_new_regions(regions)
@@ -309,13 +338,16 @@ class ModelRunner:
         """The cache, in the attention backend's layout; then (CUDA) the decode graphs."""
         s = self.shape
         self.num_blocks = num_blocks
-        if self.flex is not None:
+        if self.flex is not None or self.triton is not None:  # head-major, scratch block
             shape = flex_paged.cache_shape(s.num_layers, num_blocks, self.plan.num_kv_heads,
                                            self.block_size, s.head_dim)
             self.kv_caches = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            self.layer_caches = [flex_paged.cache_views(layer) for layer in self.kv_caches]
-            self.slot_pos = torch.full((shape[3],), torch.iinfo(torch.int32).max,
-                                       dtype=torch.int32, device=self.device)
+            if self.triton is not None:
+                self.layer_caches = [(layer[0], layer[1]) for layer in self.kv_caches]
+            else:
+                self.layer_caches = [flex_paged.cache_views(layer) for layer in self.kv_caches]
+                self.slot_pos = torch.full((shape[3],), torch.iinfo(torch.int32).max,
+                                           dtype=torch.int32, device=self.device)
             if capture:
                 self._capture_graphs()
             return
@@ -503,6 +535,12 @@ class ModelRunner:
                            len(step.query_lens))
         if self.flex is not None:
             return self._flex_metadata(step, slot_mapping, num_decodes)
+        if self.triton is not None:
+            launches = self.triton.step(step.query_lens, step.seq_lens, step.block_tables,
+                                        num_decodes)
+            return AttentionMetadata(slot_mapping=slot_mapping, num_decodes=num_decodes,
+                                     block_tables=None, seq_lens=None, triton=self.triton,
+                                     triton_step=launches)
         if self.native_attention is not None:  # one kernel call for every row
             starts = [0]
             for n in step.query_lens:

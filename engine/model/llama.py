@@ -121,6 +121,13 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(x)
         if self.lora is not None:
             self.lora.add(self.layer_index, "qkv_proj", x, qkv)
+        if meta.triton is not None:  # rotary, cache write and attention in Triton
+            if self.q_norm is not None:
+                qkv = self._norm_qk(qkv)
+            o = meta.triton.forward(qkv, rope, kv_cache, meta.slot_mapping, meta.triton_step,
+                                    self.num_heads, self.num_kv_heads, self.head_dim,
+                                    self.scale)
+            return self._project(o)
         native_rope = self.kernels is not None and self.q_norm is None
         if native_rope:  # rotate q and k heads in place inside the fused qkv rows
             self.kernels.rotary_inplace(qkv, rope.positions, rope.cos_table, rope.sin_table,
@@ -133,7 +140,19 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if not native_rope:
             q, k = apply_rotary(q, k, rope.cos, rope.sin)
-        o = paged_attention(q, k, v, kv_cache, meta, self.scale).reshape(t, self.q_size)
+        return self._project(paged_attention(q, k, v, kv_cache, meta, self.scale
+                                             ).reshape(t, self.q_size))
+
+    def _norm_qk(self, qkv: torch.Tensor) -> torch.Tensor:
+        """Qwen3: q and k heads normalised before the rotary, as a new fused qkv."""
+        t = qkv.shape[0]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim)).reshape(t, -1)
+        k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim)).reshape(t, -1)
+        return torch.cat([q, k, v], dim=-1)
+
+    def _project(self, o: torch.Tensor) -> torch.Tensor:
+        """o_proj of the attention output [T, H * D], LoRA and the TP all-reduce."""
         out = self.o_proj(o)
         if self.lora is not None:
             self.lora.add(self.layer_index, "o_proj", o, out)

@@ -18,7 +18,9 @@ reads, a request may read blocks that another request fills in the same step
   and values and attends every row of the step, decodes and prefill chunks alike,
   reading the cache in place with a causal limit per row (a 64-token prefill spent
   4x longer in SDPA).
-- On CUDA, FlexAttention over its own cache layout (engine/model/layers/flex_paged.py).
+- On CUDA, FlexAttention over its own cache layout (engine/model/layers/flex_paged.py),
+  or the Triton kernels over the same layout (engine/model/layers/triton_paged.py; the
+  layer hands them its fused qkv: rotary, cache write and attention in their launches).
 - Otherwise (attention_backend torch, or CPU kernels off) with torch ops: single-token
   queries are batched: their blocks are gathered and attended with two batched matmuls
   and a masked softmax. Prefill chunks without cached context attend to their fresh k/v;
@@ -29,7 +31,7 @@ reads, a request may read blocks that another request fills in the same step
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -75,6 +77,9 @@ class AttentionMetadata:
     flex: Callable | None = None  # a FlexPagedAttention
     flex_groups: list = field(default_factory=list)  # its FlexGroups: decodes, prefills
     slot_pos: torch.Tensor | None = None  # [slots] int32 each cache slot's position
+    # Triton (engine.model.layers.triton_paged): the backend and this step's launches
+    triton: Any = None  # a TritonPagedAttention
+    triton_step: Any = None  # its TritonStep
 
 
 def cache_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

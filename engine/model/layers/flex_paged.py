@@ -186,6 +186,25 @@ _NO_Q_BLOCKS = ({"compute_q_blocks": False}
                 else {})
 
 
+def graph_metadata(flex: "FlexPagedAttention", slot_pos: torch.Tensor, block_size: int):
+    """The metadata of a captured decode batch (engine.executor.cuda_graphs) for the
+    compiled FlexPagedAttention: graphs exist on CUDA only, so no page map."""
+    from engine.model.layers.attention import AttentionMetadata
+
+    def metadata(size: int, positions: torch.Tensor, slots: torch.Tensor,
+                 lengths: torch.Tensor, tables: torch.Tensor) -> AttentionMetadata:
+        write_positions(slot_pos, slots, positions, block_size)
+        pages = (lengths + block_size - 1) // block_size
+        group = FlexGroup(0, size, size, 1, None, positions[:, None].to(torch.int32), None,
+                          pages.to(torch.int32)[:, None, None],
+                          tables.to(torch.int32).contiguous()[:, None, None, :])
+        return AttentionMetadata(slot_mapping=slots, num_decodes=size, block_tables=None,
+                                 seq_lens=None, flex=flex, flex_groups=[group],
+                                 slot_pos=slot_pos)
+
+    return metadata
+
+
 class FlexPagedAttention:
     """The step's FlexAttention calls: decodes in one (query length 1, the split-KV
     decoding kernel), then one per prefill chunk on CUDA (torch 2.11's prefill kernel

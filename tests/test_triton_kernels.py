@@ -1,0 +1,235 @@
+"""The Triton kernels (engine.model.triton_kernels) against plain-torch references.
+
+Without a GPU they run under Triton's interpreter (conftest sets TRITON_INTERPRET=1
+before anything imports triton), on CPU tensors in float32 and float16; with one they
+run compiled on it, bf16 included. Shapes are tiny, lengths ragged, block tables
+shuffled, with a prefix shared by two sequences and split-KV on and off.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine import LLM
+from engine.model.layers import flex_paged
+from engine.model.layers.rotary import RotaryEmbedding
+from engine.model.triton_kernels import availability, interpreting
+from tests.conftest import hf_greedy
+from tests.test_flex_attention import check_prefix_hits_and_n
+from tests.test_parity import NEW_TOKENS, _greedy, _prompts
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+pytestmark = pytest.mark.skipif(availability(DEVICE) is not None,
+                                reason=f"Triton kernels: {availability(DEVICE)}")
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
+TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+def _tol(dtype):
+    return dict(atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def _paged_case(seed: int, seqs: list[tuple[int, int]], shared_prefix: int, page: int,
+                kv_heads: int, group: int, dim: int, dtype: torch.dtype):
+    """A cache with shuffled pages holding garbage, sequences (context, new tokens) whose
+    first two share `shared_prefix` tokens' pages (whole pages, as the prefix cache shares
+    them), their queries, and each sequence's block table."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = 64
+    cache = torch.randn(flex_paged.cache_shape(1, num_blocks, kv_heads, page, dim),
+                        generator=gen)[0].to(dtype)
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    tables = []
+    shared = [free.pop() for _ in range(shared_prefix // page)]
+    for i, (ctx, n) in enumerate(seqs):
+        pages = -(-(ctx + n) // page)
+        own = shared if i < 2 and shared_prefix else []
+        tables.append(own + [free.pop() for _ in range(pages - len(own))])
+    tokens = sum(n for _, n in seqs)
+    q = torch.randn(tokens, kv_heads * group, dim, generator=gen).to(dtype)
+    return cache.to(DEVICE), q.to(DEVICE), tables
+
+
+def _reference(q, k_cache, v_cache, page, seqs, tables, scale):
+    """Dense float32 attention per query over its sequence's slots up to its position."""
+    heads, kv_heads = q.shape[1], k_cache.shape[0]
+    out, row = torch.empty(q.shape, dtype=torch.float32), 0
+    for (ctx, n), table in zip(seqs, tables):
+        slots = [table[p // page] * page + p % page for p in range(ctx + n)]
+        keys = k_cache[:, slots].float().cpu().repeat_interleave(heads // kv_heads, 0)
+        values = v_cache[:, slots].float().cpu().repeat_interleave(heads // kv_heads, 0)
+        for j in range(n):
+            p = ctx + j
+            scores = torch.einsum("hd,hkd->hk", q[row].float().cpu(), keys[:, :p + 1]) * scale
+            out[row] = torch.einsum("hk,hkd->hd", scores.softmax(-1), values[:, :p + 1])
+            row += 1
+    return out
+
+
+def _launch(seqs, tables, block_q, splits, first=0):
+    from engine.model.triton_kernels.paged_attention import AttentionLaunch
+    tiles = [(s, j) for s, (_, n) in enumerate(seqs) for j in range(0, n, block_q)]
+    starts = [first]
+    for _, n in seqs:
+        starts.append(starts[-1] + n)
+    width = max(len(t) for t in tables)
+    as_int = dict(dtype=torch.int32, device=DEVICE)
+    return AttentionLaunch(
+        torch.tensor([s for s, _ in tiles], **as_int), torch.tensor([j for _, j in tiles],
+                                                                    **as_int),
+        torch.tensor(starts, **as_int), torch.tensor([c + n for c, n in seqs], **as_int),
+        torch.tensor([t + [0] * (width - len(t)) for t in tables], **as_int), block_q, splits)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("kv_heads,group", [(2, 4), (1, 8), (4, 1)])  # GQA, MQA, MHA
+def test_decode_attention_matches_dense(dtype, splits, kv_heads, group):
+    """Single-token queries of ragged contexts (one longer than a split's share, one of a
+    single key, two sharing a prefix), split-KV off and on."""
+    from engine.model.triton_kernels.paged_attention import SplitScratch, attend
+    page, dim = 16, 32
+    seqs = [(40, 1), (47, 1), (0, 1), (130, 1), (15, 1)]
+    cache, q, tables = _paged_case(splits, seqs, 32, page, kv_heads, group, dim, dtype)
+    k_cache, v_cache = cache[0], cache[1]
+    out = torch.full_like(q, float("nan"))
+    scratch = SplitScratch.allocate(8, q.shape[1], dim, DEVICE)
+    attend(q, k_cache, v_cache, out, _launch(seqs, tables, 1, splits), dim ** -0.5, page,
+           16, scratch)
+    ref = _reference(q, k_cache, v_cache, page, seqs, tables, dim ** -0.5)
+    torch.testing.assert_close(out.float().cpu(), ref, **_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("page,block_q", [(16, 8), (32, 4)])
+def test_prefill_attention_over_cached_context_matches_dense(dtype, page, block_q):
+    """Prompt chunks fresh and after cached context (chunked prefill, a prefix-cache hit
+    shared by two sequences), tiles cutting across pages and past a chunk's end, after a
+    decode row (the launch's tokens start past it)."""
+    from engine.model.triton_kernels.paged_attention import attend
+    kv_heads, group, dim = 2, 2, 16
+    seqs = [(32, 9), (32, 21), (0, 37), (75, 5)]
+    cache, q, tables = _paged_case(7, [(0, 1)] + seqs, 32, page, kv_heads, group, dim, dtype)
+    tables = tables[1:]
+    k_cache, v_cache = cache[0], cache[1]
+    out = torch.zeros_like(q)
+    attend(q, k_cache, v_cache, out, _launch(seqs, tables, block_q, 1, first=1), 0.3, page, 16)
+    ref = _reference(q[1:], k_cache, v_cache, page, seqs, tables, 0.3)
+    torch.testing.assert_close(out[1:].float().cpu(), ref, **_tol(dtype))
+    assert not out[0].any()  # the decode row is not the launch's
+
+
+def test_padded_decode_rows_write_zeros():
+    """A captured batch's padding rows (no context) attend to nothing and read as 0."""
+    from engine.model.triton_kernels.paged_attention import SplitScratch, attend
+    seqs = [(9, 1), (0, 0)]
+    cache, q, tables = _paged_case(3, [(9, 1), (0, 1)], 0, 16, 2, 2, 16, torch.float32)
+    launch = _launch([(9, 1), (0, 1)], tables, 1, 2)
+    launch.seq_lens[1] = 0
+    out = torch.full_like(q, float("nan"))
+    attend(q, cache[0], cache[1], out, launch, 0.25, 16, 16,
+           SplitScratch.allocate(2, q.shape[1], 16, DEVICE))
+    ref = _reference(q[:1], cache[0], cache[1], 16, seqs[:1], tables[:1], 0.25)
+    torch.testing.assert_close(out[:1].cpu(), ref, **_tol(torch.float32))
+    assert (out[1] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_rms_norm_matches_torch(dtype):
+    from engine.model.layers.norm import RMSNorm
+    from engine.model.triton_kernels.fused_ops import TritonLayerOps, rms_norm
+    gen = torch.Generator().manual_seed(0)
+    x, residual = (torch.randn(5, 96, generator=gen).to(dtype).to(DEVICE) for _ in range(2))
+    norm = RMSNorm(96, 1e-6).to(DEVICE, dtype)
+    norm.weight.data = torch.randn(96, generator=gen).to(dtype).to(DEVICE)
+    want, want_residual = norm(x.clone(), residual.clone())
+    torch.testing.assert_close(rms_norm(x, norm.weight, 1e-6), norm(x), **_tol(dtype))
+    got_x, got_residual = x.clone(), residual.clone()
+    TritonLayerOps.fused_add_rms_norm(got_x, got_residual, norm.weight, 1e-6)
+    torch.testing.assert_close(got_residual, want_residual, **_tol(dtype))
+    torch.testing.assert_close(got_x, want, **_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [32, 24])  # 24: a half that is not a power of two
+def test_rope_and_cache_write_match_torch(dtype, head_dim):
+    """q and k heads rotated in place inside the fused qkv rows, as apply_rotary does;
+    k and v land in their (shuffled) slots; v and other slots untouched."""
+    from transformers import LlamaConfig
+
+    from engine.model.layers.rotary import apply_rotary
+    from engine.model.triton_kernels.fused_ops import rope_write_kv
+    heads, kv_heads, t = 4, 2, 6
+    gen = torch.Generator().manual_seed(1)
+    rotary = RotaryEmbedding(LlamaConfig(rope_theta=10000.0), head_dim, 64)
+    positions = torch.tensor([0, 5, 6, 7, 33, 63])
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
+    rope = rotary.lookup(positions, torch.float32)
+    want_q, want_k = apply_rotary(q.float().view(t, heads, head_dim),
+                                  k.float().view(t, kv_heads, head_dim), rope.cos, rope.sin)
+    cache = torch.zeros(2, kv_heads, 8 * 4, head_dim, dtype=dtype)
+    slots = torch.tensor([9, 3, 30, 17, 0, 22])
+    got = qkv.clone().to(DEVICE)
+    cache = cache.to(DEVICE)
+    rope_write_kv(got, positions.to(DEVICE), rotary.cos.to(DEVICE), rotary.sin.to(DEVICE),
+                  heads, kv_heads, head_dim, cache[0], cache[1], slots.to(DEVICE))
+    got, cache = got.cpu(), cache.cpu()
+    g_q, g_k, g_v = got.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
+    torch.testing.assert_close(g_q.float().view(t, heads, head_dim), want_q, **_tol(dtype))
+    torch.testing.assert_close(g_k.float().view(t, kv_heads, head_dim), want_k, **_tol(dtype))
+    assert torch.equal(g_v, v)
+    torch.testing.assert_close(cache[0][:, slots].transpose(0, 1), g_k.view(t, kv_heads, -1))
+    assert torch.equal(cache[1][:, slots].transpose(0, 1), v.view(t, kv_heads, -1))
+    untouched = torch.ones(cache.shape[2], dtype=torch.bool)
+    untouched[slots] = False
+    assert not cache[:, :, untouched].any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_matches_torch(dtype):
+    from engine.model.triton_kernels.fused_ops import silu_and_mul
+    x = torch.randn(3, 2 * 1100, generator=torch.Generator().manual_seed(2)).to(dtype)
+    gate, up = x.float().split(1100, -1)
+    want = (torch.nn.functional.silu(gate).to(dtype).float() * up)
+    torch.testing.assert_close(silu_and_mul(x.to(DEVICE)).float().cpu(), want, **_tol(dtype))
+
+
+def test_split_counts_follow_the_batch():
+    """Few rows get segments until the device is busy, capped by the key tiles; many rows
+    and rows past the scratch get none."""
+    from engine.model.layers.triton_paged import BLOCK_N, TritonPagedAttention
+    backend = TritonPagedAttention(16, 8, 2, 32, 64, torch.device("cpu"))
+    busy = backend.busy_programs
+    assert backend.num_splits(1, 100 * BLOCK_N) == min(16, -(-busy // 2))
+    assert backend.num_splits(1, BLOCK_N) == 1
+    assert backend.num_splits(busy, 100 * BLOCK_N) == 1
+    assert backend.num_splits(65, 100 * BLOCK_N) == 1
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu" or not interpreting(), reason="interpreter run")
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_triton_engine_matches_hf_with_chunks_prefix_hits_and_preemption(tiny_models, arch):
+    """The engine on attention_backend triton (every layer's rotary, cache writes,
+    attention, norms and SiLU in Triton under the interpreter): chunked prefill,
+    split-KV decodes, prefix-cache hits, n = 2 and preemption give HF's greedy tokens."""
+    model = tiny_models[arch]
+    prompts = _prompts([17, 17, 70, 5, 33])
+    llm = LLM(str(model), dtype="float32", max_num_batched_tokens=48, block_size=8,
+              attention_backend="triton", num_gpu_blocks_override=24, device="cpu")
+    runner = llm.llm_engine.engine_core.runner
+    assert runner.triton is not None and runner.native_attention is None
+    assert _greedy(llm, prompts) == hf_greedy(model, prompts, NEW_TOKENS)
+    assert llm.llm_engine.engine_core.scheduler.num_preemptions > 0
+    check_prefix_hits_and_n(llm, model, prompts[2][:40])
+
+
+def test_triton_backend_refused_without_the_interpreter_on_cpu(tiny_llama, monkeypatch):
+    from engine.errors import InvalidRequestError
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(InvalidRequestError, match="TRITON_INTERPRET"):
+        LLM(str(tiny_llama), dtype="float32", attention_backend="triton", device="cpu")
