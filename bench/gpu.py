@@ -1,16 +1,15 @@
 """The GPU path measured against the device's own ceilings (issue: the GPU path).
 
   python bench/gpu.py [--models 1b,8b] [--batches 1,16,64,256] [--context 512]
+                      [--backends triton,flex]
 
 1. Ceilings, measured here: HBM bandwidth (a device-to-device copy, bytes read + written
    over its time) and the bf16 matmul rate (8192^3 on random data).
-2. Attention at block size 16: FlexAttention (the engine's) against the torch gather
-   path it replaced, decode (batch 64 x 1,024 context) and prefill (a fresh 2,048-token
-   prompt; a 512-token chunk after 1,536 of context).
+2. (The attention kernels side by side: bench/gpu_kernels.py.)
 3. Decode step time of the engine (EngineCore.step, sampling and scheduling included;
    the forward alone beside it) at each batch, random-weight Llama 3.2 1B and Llama 3.1
-   8B shapes in bf16 (load_format dummy), against the HBM bound: weights + the KV bytes
-   the step reads, over the measured bandwidth.
+   8B shapes in bf16 (load_format dummy), for each attention backend, against the HBM
+   bound: weights + the KV bytes the step reads, over the measured bandwidth.
 4. Prefill tokens/s at 2,048-token prompts (8,192-token steps) against the matmul rate.
 Prints one table per part; needs a CUDA device.
 """
@@ -31,8 +30,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.config import EngineConfig  # noqa: E402
 from engine.core.engine_core import EngineCore  # noqa: E402
-from engine.model.layers import attention as torch_attention  # noqa: E402
-from engine.model.layers import flex_paged  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from engine.wire.protocol import EngineCoreRequest  # noqa: E402
 
@@ -77,71 +74,6 @@ def ceilings() -> tuple[float, float]:
     return bandwidth, 2 * 8192 ** 3 / t
 
 
-def attention_table() -> list[tuple[str, float, float]]:
-    """(case, flex ms, torch ms) at Llama 3.2 1B's head shape, block size 16."""
-    bs, heads, kv_heads, dim = 16, 32, 8, 64
-    dev, dt = torch.device("cuda"), torch.bfloat16
-    scale = dim ** -0.5
-    flex = flex_paged.FlexPagedAttention(True, bs)
-    rows = []
-    for case, seqs in (("decode 64 x 1024", [(1023, 1)] * 64),
-                       ("prefill 2048 fresh", [(0, 2048)]),
-                       ("prefill 512 after 1536", [(1536, 512)])):
-        pages = [-(-(c + n) // bs) for c, n in seqs]
-        num_blocks = sum(pages) + 8
-        perm = torch.randperm(num_blocks).tolist()  # pages scattered over the pool
-        tables, at = [], 0
-        for p in pages:
-            tables.append(perm[at:at + p])
-            at += p
-        t = sum(n for _, n in seqs)
-        q = torch.randn(t, heads, dim, device=dev, dtype=dt)
-        slots = [tb[pos // bs] * bs + pos % bs for (c, n), tb in zip(seqs, tables)
-                 for pos in range(c, c + n)]
-        slot_mapping = torch.tensor(slots, device=dev)
-        qlens, slens = [n for _, n in seqs], [c + n for c, n in seqs]
-        # FlexAttention, its cache layout
-        cache = torch.randn(flex_paged.cache_shape(1, num_blocks, kv_heads, bs, dim),
-                            device=dev, dtype=dt)
-        kc, vc = flex_paged.cache_views(cache[0])
-        groups = [flex_paged.build_group(0, qlens, slens, tables, num_blocks, bs, dev,
-                                         page_map=False)]
-        slot_pos = torch.full((kc.shape[2],), 2 ** 31 - 1, dtype=torch.int32, device=dev)
-        positions = torch.tensor([p for c, n in seqs for p in range(c, c + n)], device=dev)
-        flex_paged.write_positions(slot_pos, slot_mapping, positions, bs)
-        groups[0].fresh = False  # FlexAttention itself, also for the fresh prompt
-        kf = torch.randn(t, kv_heads, dim, device=dev, dtype=dt)
-        flex_ms = cuda_time(lambda: flex(q, kf, kf, kc, vc, slot_pos, groups, scale)) * 1e3
-        # the torch path, block-major cache
-        blocks = torch.randn(num_blocks, 2, kv_heads, bs, dim, device=dev, dtype=dt)
-        tk, tv = torch_attention.cache_views(blocks)
-        k = torch.randn(t, kv_heads, dim, device=dev, dtype=dt)
-        v = torch.randn_like(k)
-        if qlens[0] == 1:
-            table = torch.tensor(tables, device=dev)
-            lens = torch.tensor(slens, device=dev)
-            span = torch.arange(table.shape[1] * bs, device=dev)
-            bias = torch.zeros(len(seqs), table.shape[1] * bs, device=dev)
-            bias.masked_fill_(span[None] >= lens[:, None], float("-inf"))
-            meta = torch_attention.AttentionMetadata(
-                slot_mapping=slot_mapping, slot_blocks=slot_mapping // bs,
-                slot_offsets=slot_mapping % bs, num_decodes=len(seqs), block_tables=table,
-                seq_lens=lens, decode_bias=bias)
-        else:
-            c, n = seqs[0]
-            group = torch_attention.PrefillGroup(0, n, 1, c + n, torch.tensor(tables[0],
-                                                                              device=dev)
-                                                 if c else None)
-            meta = torch_attention.AttentionMetadata(
-                slot_mapping=slot_mapping, slot_blocks=slot_mapping // bs,
-                slot_offsets=slot_mapping % bs, num_decodes=0, block_tables=None,
-                seq_lens=None, prefills=[group])
-        torch_ms = cuda_time(lambda: torch_attention.paged_attention(
-            q, k, v, (tk, tv), meta, scale)) * 1e3
-        rows.append((case, flex_ms, torch_ms))
-    return rows
-
-
 def _model_dir(name: str) -> str:
     path = Path(tempfile.mkdtemp(prefix=f"llama-{name}-"))
     (path / "config.json").write_text(json.dumps(MODELS[name]))
@@ -177,12 +109,13 @@ class ForwardTimer:
 
 
 def model_tables(name: str, batches: list[int], context: int, bandwidth: float,
-                 peak: float, decode_steps: int) -> tuple[list, tuple]:
+                 peak: float, decode_steps: int, backend: str) -> tuple[list, tuple]:
     config = EngineConfig(model=_model_dir(name), load_format="dummy", dtype="bfloat16",
                           device="cuda", max_num_seqs=max(batches), log_stats_interval_s=0,
-                          enable_prefix_caching=False)
+                          enable_prefix_caching=False, attention_backend=backend)
     start = time.perf_counter()
     core = EngineCore(config)
+    name = f"{name}/{backend}"
     print(f"{name}: engine up in {time.perf_counter() - start:.1f}s, "
           f"{core.num_blocks} KV blocks", flush=True)
     runner = core.runner
@@ -243,38 +176,34 @@ def main() -> None:
     ap.add_argument("--batches", default="1,16,64,256")
     ap.add_argument("--context", type=int, default=512, help="prompt tokens before decoding")
     ap.add_argument("--decode-steps", type=int, default=24)
-    ap.add_argument("--skip-attention", action="store_true")
+    ap.add_argument("--backends", default="triton,flex", help="attention backends to run")
     args = ap.parse_args()
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     bandwidth, peak = ceilings()
     print(f"ceilings: copy {bandwidth / 1e12:.2f} TB/s (read + write), bf16 matmul "
           f"{peak / 1e12:.0f} TFLOP/s", flush=True)
-    if not args.skip_attention:
-        print("\nattention, block size 16, 32 heads / 8 kv heads / dim 64, bf16")
-        print(f"{'case':<26}{'flex ms':>10}{'torch ms':>10}{'torch/flex':>12}")
-        for case, f, t in attention_table():
-            print(f"{case:<26}{f:>10.3f}{t:>10.3f}{t / f:>11.2f}x", flush=True)
     batches = [int(b) for b in args.batches.split(",")]
     decode, prefill = [], []
     for name in args.models.split(","):
-        rows, pre = model_tables(name, batches, args.context, bandwidth, peak,
-                                 args.decode_steps)
-        decode += rows
-        prefill.append(pre)
+        for backend in args.backends.split(","):
+            rows, pre = model_tables(name, batches, args.context, bandwidth, peak,
+                                     args.decode_steps, backend)
+            decode += rows
+            prefill.append(pre)
         for r in rows:
             print(f"  {r[0]} batch {r[1]}: step {r[2]:.2f} ms, forward {r[3]:.2f} ms, "
                   f"bound {r[4]:.2f} ms", flush=True)
     print(f"\ndecode step, bf16, {args.context}-token prompts (HBM bound: weights + KV read "
           f"/ {bandwidth / 1e12:.2f} TB/s)")
-    print(f"{'model':<6}{'batch':>6}{'step ms':>10}{'forward ms':>12}{'bound ms':>10}"
+    print(f"{'model':<12}{'batch':>6}{'step ms':>10}{'forward ms':>12}{'bound ms':>10}"
           f"{'step/bound':>12}")
     for name, batch, wall, fwd, bound in decode:
-        print(f"{name:<6}{batch:>6}{wall:>10.2f}{fwd:>12.2f}{bound:>10.2f}"
+        print(f"{name:<12}{batch:>6}{wall:>10.2f}{fwd:>12.2f}{bound:>10.2f}"
               f"{wall / bound:>11.2f}x")
     print(f"\nprefill, 2,048-token prompts, 8,192-token steps (matmul peak "
           f"{peak / 1e12:.0f} TFLOP/s)")
     for name, tokens_s, share in prefill:
-        print(f"{name:<6}{tokens_s:>12,.0f} tok/s {share:>6.1f} % of the peak")
+        print(f"{name:<12}{tokens_s:>12,.0f} tok/s {share:>6.1f} % of the peak")
 
 
 if __name__ == "__main__":

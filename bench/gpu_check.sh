@@ -1,14 +1,29 @@
 #!/usr/bin/env bash
-# The GPU session's one script (device tool): the CUDA tests, then bench/gpu.py.
-# Expects .gpu/ carried beside the checkout: msgspec's wheel (the image lacks it) and
-# tokenizer/ (the tiny test models' tokenizer; the shipped model package is not there).
-# Writes logs under $OUT. Make .gpu/ here first (ignored by git: add /.gpu/ to
-# .git/info/exclude), then run this with carry [".gpu"]:
+# The GPU session's one script (device tool), run first whenever a GPU is lent. In order,
+# each part under its own timeout, the whole within 8 minutes:
+#   1. tests  (TEST_S=150)    the Triton kernels compiled on the GPU (bf16 too) and the
+#                             CUDA engine tests on both backends (tests/test_triton_kernels.py,
+#                             tests/test_cuda.py)
+#   2. kernels (KERNELS_S=90) bench/gpu_kernels.py: paged attention triton vs flex vs SDPA
+#                             (and FlashInfer's decode kernel where it imports), the fused ops
+#   3. bench  (BENCH_S=180)   bench/gpu.py: decode step vs the HBM bound, prefill vs the
+#                             matmul peak (BENCH_ARGS, default --backends triton)
+#   4. profile (PROFILE_S=50) bench/gpu_profile.py: one decode step's kernels, 1B batch 64
+# Logs land in $OUT (tests.log, kernels.log, bench.log, profile.log).
+#
+# What it carries: .gpu/ beside the checkout (ignored by git), made here with
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
-#     --implementation cp --platform manylinux2014_x86_64 -d .gpu msgspec==0.19.0
+#     --implementation cp --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 \
+#     -d .gpu msgspec==0.19.0                            # the image lacks msgspec
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#     --implementation cp --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 \
+#     -d .gpu/flashinfer flashinfer-python==0.6.18 "apache-tvm-ffi<0.2" nvidia-ml-py \
+#     einops tabulate ninja                              # the yardstick, ~22 MB; optional
 #   .venv/bin/python -c "from engine.model.loader import load_tokenizer, resolve_model; \
 #     load_tokenizer(resolve_model('default')).save_pretrained('.gpu/tokenizer')"
-# Knobs: TEST_S / BENCH_S (seconds each part may take), PYTEST_ARGS, BENCH_ARGS.
+# then run it with carry [".gpu"] and timeout_s 500:  bash bench/gpu_check.sh
+# FlashInfer compiles its kernels on first use with the machine's nvcc: if it does not
+# import, or nvcc is missing, the kernel table says why and times the rest.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -16,6 +31,27 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 export FLOTILLA_TEST_TOKENIZER=$PWD/.gpu/tokenizer
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-timeout "${TEST_S:-200}" python3 -m pytest -q -p no:cacheprovider -o addopts="" \
-  tests/test_cuda.py tests/test_flex_attention.py ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/tests.log" | tail -40
-timeout "${BENCH_S:-300}" python3 bench/gpu.py ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -60
+FI_PATH=
+if ls .gpu/flashinfer/*.whl >/dev/null 2>&1; then
+  if timeout 60 python3 -m pip install -q --no-index --no-deps --no-compile \
+      --target /tmp/fi .gpu/flashinfer/*.whl; then
+    FI_PATH=/tmp/fi; export PATH=/tmp/fi/bin:$PATH
+  else
+    echo "flashinfer: the carried wheels did not install within 60 s"
+  fi
+  echo "nvcc: $(command -v nvcc || echo 'not found (FlashInfer JIT needs it)')"
+fi
+
+echo "== 1. tests"
+timeout "${TEST_S:-150}" python3 -m pytest -q -p no:cacheprovider -o addopts="" \
+  tests/test_triton_kernels.py tests/test_cuda.py ${PYTEST_ARGS:-} 2>&1 \
+  | tee "$OUT/tests.log" | tail -40
+echo "== 2. kernels"
+PYTHONPATH=$PYTHONPATH${FI_PATH:+:$FI_PATH} timeout "${KERNELS_S:-90}" \
+  python3 bench/gpu_kernels.py ${KERNELS_ARGS:-} 2>&1 | tee "$OUT/kernels.log" | tail -40
+echo "== 3. bench"
+timeout "${BENCH_S:-180}" python3 bench/gpu.py ${BENCH_ARGS:---backends triton} 2>&1 \
+  | tee "$OUT/bench.log" | tail -40
+echo "== 4. profile"
+timeout "${PROFILE_S:-50}" python3 bench/gpu_profile.py --model 1b --batch 64 \
+  --backend triton 2>&1 | tee "$OUT/profile.log" | tail -40

@@ -1,10 +1,11 @@
 """Where a decode step's GPU time goes: torch.profiler over eager decode steps.
 
-  python bench/gpu_profile.py [--model 1b] [--batch 64] [--context 512]
+  python bench/gpu_profile.py [--model 1b] [--batch 64] [--context 512] [--backend triton]
 
 Builds the random-weight engine of bench/gpu.py, prefills `batch` prompts, then prints
-the median step time with CUDA graphs and eagerly, and the kernels of three eager steps
-ranked by device time (graph replays hide the kernels' names).
+the median step time with CUDA graphs and eagerly, the kernels of three eager steps
+ranked by device time (graph replays hide the kernels' names), and how many kernels a
+step launches, per decoder layer.
 """
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--backend", default="triton", help="attention_backend")
     args = ap.parse_args()
     dtype = "bfloat16" if args.device == "cuda" else "float32"
     for eager in (False, True):
@@ -45,14 +47,15 @@ def main() -> None:
                               device=args.device, max_num_seqs=args.batch,
                               enforce_eager=eager, log_stats_interval_s=0,
                               enable_prefix_caching=False, max_model_len=args.context + 64,
-                              kv_cache_memory_bytes=8 << 30)
+                              kv_cache_memory_bytes=8 << 30,
+                              attention_backend=args.backend)
         core = EngineCore(config)
         for i in range(args.batch):
             core.add_request(_request(f"r{i}", args.context, 40))
         while any(r.num_computed_tokens < r.num_prompt_tokens for r in core.requests.values()):
             core.step()
         step = statistics.median(_steps(core, 10)[2:])
-        print(f"{args.model} batch {args.batch}: decode step {step * 1e3:.2f} ms "
+        print(f"{args.model}/{args.backend} batch {args.batch}: decode step {step * 1e3:.2f} ms "
               f"({'eager' if eager else 'CUDA graphs'}), {core.num_blocks} KV blocks",
               flush=True)
         if eager:
@@ -63,6 +66,12 @@ def main() -> None:
                 _steps(core, 3)
             key = "self_cuda_time_total" if args.device == "cuda" else "self_cpu_time_total"
             print(prof.key_averages().table(sort_by=key, row_limit=22, max_name_column_width=60))
+            if args.device == "cuda":
+                kernels = sum(1 for e in prof.events()
+                              if e.device_type == torch.autograd.DeviceType.CUDA)
+                layers = core.shape.num_layers
+                print(f"kernels a decode step: {kernels / 3:.0f}, "
+                      f"{kernels / 3 / layers:.1f} per layer ({layers} layers)")
         core.shutdown()
         del core
 

@@ -1,5 +1,6 @@
 """The engine on CUDA: greedy parity with HF, the scheduler's paths (chunked prefill,
-preemption, prefix caching, n > 1) over FlexAttention and the decode CUDA graphs, sleep
+preemption, prefix caching, n > 1) over FlexAttention and the Triton kernels
+(attention_backend flex / triton) and the decode CUDA graphs, sleep
 levels freeing GPU memory, the KV budget from gpu_memory_utilization, and tensor
 parallelism over NCCL.
 
@@ -17,6 +18,7 @@ from tests.test_parity import _prompts
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 pytestmark = needs_cuda
 N = 32
+BACKENDS = ["flex", "triton"]
 
 
 def _greedy(llm, prompts, n=N, **extra):
@@ -38,42 +40,48 @@ def _core(llm):
     return llm.llm_engine.engine_core
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_cuda_greedy_matches_hf(tiny_models, arch):
+def test_cuda_greedy_matches_hf(tiny_models, arch, backend):
     prompts = _prompts([3, 17, 40, 64, 9])
-    llm = _llm(tiny_models[arch])
+    llm = _llm(tiny_models[arch], attention_backend=backend)
     core = _core(llm)
-    assert core.device.type == "cuda" and core.runner.flex is not None
+    assert core.device.type == "cuda" and core.runner.backend == backend
     assert core.runner.graphs is not None  # decodes replay captured graphs
     assert _greedy(llm, prompts) == hf_greedy(tiny_models[arch], prompts, N)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
-def test_cuda_chunks_preemption_prefix_hits_and_n(tiny_llama, eager):
+def test_cuda_chunks_preemption_prefix_hits_and_n(tiny_llama, eager, backend):
     prompts = _prompts([17, 17, 70, 5, 33])
     llm = _llm(tiny_llama, max_num_batched_tokens=48, num_gpu_blocks_override=12,
-               enforce_eager=eager)
+               enforce_eager=eager, attention_backend=backend)
     assert (_core(llm).runner.graphs is None) == eager
     assert _greedy(llm, prompts) == hf_greedy(tiny_llama, prompts, N)
     assert _core(llm).scheduler.num_preemptions > 0
     check_prefix_hits_and_n(llm, tiny_llama, prompts[2][:40])
 
 
-def test_cuda_graph_batches_of_every_bucket_match_eager(tiny_llama):
-    """Batches that pad to a larger captured size give the eager engine's tokens."""
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cuda_graph_batches_of_every_bucket_match_eager(tiny_llama, backend):
+    """Batches that pad to a larger captured size give the eager engine's tokens (Triton:
+    each size's split count fixed at capture)."""
     prompts = _prompts([5 + 3 * i for i in range(37)])
-    eager = _greedy(_llm(tiny_llama, enforce_eager=True), prompts, 12)
-    llm = _llm(tiny_llama)
+    eager = _greedy(_llm(tiny_llama, enforce_eager=True, attention_backend=backend),
+                    prompts, 12)
+    llm = _llm(tiny_llama, attention_backend=backend)
     assert _greedy(llm, prompts, 12) == eager
     assert _greedy(llm, prompts[:3], 12) == eager[:3]
 
 
-def test_cuda_bf16_logprobs_close_to_hf_fp32(tiny_llama):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cuda_bf16_logprobs_close_to_hf_fp32(tiny_llama, backend):
     """bf16 on the GPU against HF in float32: the first token's top logprobs agree within
     bf16's rounding."""
     from transformers import AutoModelForCausalLM
     prompts = _prompts([9, 40, 77])
-    llm = _llm(tiny_llama, dtype="bfloat16")
+    llm = _llm(tiny_llama, dtype="bfloat16", attention_backend=backend)
     out = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1, logprobs=5),
                        use_tqdm=False)
     hf = AutoModelForCausalLM.from_pretrained(str(tiny_llama), torch_dtype=torch.float32)
@@ -87,9 +95,10 @@ def test_cuda_bf16_logprobs_close_to_hf_fp32(tiny_llama):
             assert abs(lp.logprob - want) < 0.05 + 0.02 * abs(want)  # bf16: ~3 significant digits
 
 
-def test_cuda_sleep_levels_free_and_restore_gpu_memory(tiny_llama):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cuda_sleep_levels_free_and_restore_gpu_memory(tiny_llama, backend):
     prompts = _prompts([20, 7])
-    llm = _llm(tiny_llama, gpu_memory_utilization=0.2)
+    llm = _llm(tiny_llama, gpu_memory_utilization=0.2, attention_backend=backend)
     core = _core(llm)
     expected = _greedy(llm, prompts)
     awake = torch.cuda.memory_allocated()

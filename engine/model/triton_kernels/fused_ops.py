@@ -72,12 +72,12 @@ def rope_write_kv_kernel(qkv_ptr, positions_ptr, cos_ptr, sin_ptr, k_cache_ptr, 
     tl.store(row + half, y2, mask=ok)
     if WRITE_KV:
         slot = tl.load(slots_ptr + t).to(tl.int64)
-        kv = h - NUM_HEADS  # the k heads' rows of the tile, as kv head indices
+        kv = (h - NUM_HEADS).to(tl.int64)  # the k heads' rows, as kv head indices
         k_ok = ((h >= NUM_HEADS) & (h < NUM_HEADS + NUM_KV_HEADS))[:, None] & i_ok[None, :]
         k_at = k_cache_ptr + kv[:, None] * stride_kh + slot * stride_ks + i[None, :]
         tl.store(k_at, y1.to(k_cache_ptr.dtype.element_ty), mask=k_ok)
         tl.store(k_at + half, y2.to(k_cache_ptr.dtype.element_ty), mask=k_ok)
-        g = tl.arange(0, KV_PAD)
+        g = tl.arange(0, KV_PAD).to(tl.int64)
         d = tl.arange(0, 2 * HALF_PAD)
         v_ok = (g < NUM_KV_HEADS)[:, None] & (d < HEAD_DIM)[None, :]
         v_src = (qkv_ptr + t * stride_t + (NUM_HEADS + NUM_KV_HEADS) * HEAD_DIM
