@@ -138,6 +138,32 @@ def test_padded_decode_rows_write_zeros():
     assert (out[1] == 0).all()
 
 
+def test_graph_batch_matches_the_eager_step():
+    """A captured decode batch's launch (graph_step: the static int64 buffers, rows padded
+    with the scratch page and no context, splits fixed by the table width) gives the
+    eager step's output for the real rows and zeros for the padding."""
+    from engine.model.layers.triton_paged import TritonPagedAttention
+    from engine.model.triton_kernels.paged_attention import attend
+    seqs = [(40, 1), (3, 1), (90, 1)]
+    cache, q, tables = _paged_case(5, seqs, 32, 8, 2, 2, 16, torch.float32)
+    k_cache, v_cache = cache[0], cache[1]
+    backend = TritonPagedAttention(8, 4, 2, 16, 8, DEVICE)
+    backend.busy_programs = 64  # a device of 16 SMs: the captured batch splits its keys
+    eager = backend.step([1] * 3, [c + n for c, n in seqs], tables, 3)
+    want = torch.zeros_like(q)
+    attend(q, k_cache, v_cache, want, eager.decode, 0.25, 8, 16, backend.scratch)
+    scratch_page, width = 63, 16  # the graphs' width: every table as long as the longest
+    padded = [t + [scratch_page] * (width - len(t)) for t in tables] + [[scratch_page] * width]
+    lens = torch.tensor([c + n for c, n in seqs] + [0], device=DEVICE)
+    graph = backend.graph_step(4, lens, torch.tensor(padded, device=DEVICE))
+    assert graph.decode.num_splits == backend.num_splits(4, width * 8) > 1
+    got = torch.full((4, *q.shape[1:]), float("nan"), device=DEVICE)
+    attend(torch.cat([q, torch.ones_like(q[:1])]), k_cache, v_cache, got, graph.decode,
+           0.25, 8, 16, backend.scratch)
+    torch.testing.assert_close(got[:3], want, **_tol(torch.float32))
+    assert (got[3] == 0).all()
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_add_rms_norm_matches_torch(dtype):
     from engine.model.layers.norm import RMSNorm
@@ -233,3 +259,27 @@ def test_triton_backend_refused_without_the_interpreter_on_cpu(tiny_llama, monke
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(InvalidRequestError, match="TRITON_INTERPRET"):
         LLM(str(tiny_llama), dtype="float32", attention_backend="triton", device="cpu")
+
+
+# ---- compiled for the GPU, without one ------------------------------------------------
+# Triton compiles to a Hopper cubin on the CPU (its bundled ptxas), so errors that only a
+# real compile shows (tl.dot shapes, types, shared memory) are caught here, not on a
+# lease. The compiler cannot run where TRITON_INTERPRET is set: a child process does it.
+
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="compiled for real by the tests above")
+def test_kernels_compile_for_hopper():
+    """Every kernel at the engine's launch shapes (Llama 3.1 8B and 3.2 1B heads, block
+    16, bf16 and fp16, decode with and without splits, prefill) compiles to an sm_90
+    cubin within the SM's shared memory."""
+    import json
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-m", "tests.triton_aot", "90"], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    built = json.loads(run.stdout.strip().splitlines()[-1])
+    assert len(built) == 18
+    for name, shared in built.items():
+        assert shared <= 227 * 1024, (name, shared)

@@ -12,8 +12,9 @@ where the torch path rounds them (the residual sum, the normalised row before th
 weight), so the two paths agree to the dtype's precision.
 
 TritonLayerOps gathers them behind the interface the model's layers call for fused
-work (the CPU kernels' names: fused_add_rms_norm, rotary_inplace, silu_and_mul), so
-the layers run on either without knowing which.
+work (the CPU kernels' names: fused_add_rms_norm, rotary_inplace, silu_and_mul; and
+rms_norm, which the CPU kernels leave to torch), so the layers run on either without
+knowing which.
 """
 from __future__ import annotations
 
@@ -163,6 +164,10 @@ class TritonLayerOps:
                            eps: float) -> None:
         """In place, as the CPU kernel: residual += x; x = norm(residual) * weight."""
         rms_norm(x, weight, eps, residual, out=x)
+
+    @staticmethod
+    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return rms_norm(x, weight, eps)
 
     @staticmethod
     def rotary_inplace(qkv: torch.Tensor, positions: torch.Tensor, cos_table: torch.Tensor,
