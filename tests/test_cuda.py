@@ -31,6 +31,7 @@ def _llm(model, **kwargs) -> LLM:
     engines a test module leaves to the garbage collector do not crowd the next."""
     kwargs.setdefault("device", "cuda")
     kwargs.setdefault("dtype", "float32")
+    kwargs.setdefault("max_num_seqs", 64)  # 11 graph sizes to capture (and compile, flex)
     if "gpu_memory_utilization" not in kwargs:
         kwargs.setdefault("kv_cache_memory_bytes", 1 << 30)
     return LLM(str(model), **kwargs)

@@ -147,8 +147,7 @@ def test_graph_batch_matches_the_eager_step():
     seqs = [(40, 1), (3, 1), (90, 1)]
     cache, q, tables = _paged_case(5, seqs, 32, 8, 2, 2, 16, torch.float32)
     k_cache, v_cache = cache[0], cache[1]
-    backend = TritonPagedAttention(8, 4, 2, 16, 8, DEVICE)
-    backend.busy_programs = 64  # a device of 16 SMs: the captured batch splits its keys
+    backend = TritonPagedAttention(8, 4, 2, 16, 8, DEVICE, sm_count=16)  # splits at 4 rows
     eager = backend.step([1] * 3, [c + n for c, n in seqs], tables, 3)
     want = torch.zeros_like(q)
     attend(q, k_cache, v_cache, want, eager.decode, 0.25, 8, 16, backend.scratch)
@@ -226,15 +225,18 @@ def test_silu_and_mul_matches_torch(dtype):
 
 
 def test_split_counts_follow_the_batch():
-    """Few rows get segments until the device is busy, capped by the key tiles; many rows
-    and rows past the scratch get none."""
+    """Few rows get segments until the device is busy (132 SMs x 4 programs), capped by
+    the key tiles and MAX_SPLITS; a batch that fills the device gets none, and the
+    scratch holds only the rows that split."""
     from engine.model.layers.triton_paged import BLOCK_N, TritonPagedAttention
-    backend = TritonPagedAttention(16, 8, 2, 32, 64, torch.device("cpu"))
-    busy = backend.busy_programs
-    assert backend.num_splits(1, 100 * BLOCK_N) == min(16, -(-busy // 2))
-    assert backend.num_splits(1, BLOCK_N) == 1
-    assert backend.num_splits(busy, 100 * BLOCK_N) == 1
-    assert backend.num_splits(65, 100 * BLOCK_N) == 1
+    backend = TritonPagedAttention(16, 32, 8, 32, 256, torch.device("cpu"), sm_count=132)
+    assert backend.num_splits(1, 100 * BLOCK_N) == 16
+    assert backend.num_splits(1, 3 * BLOCK_N) == 3
+    assert backend.num_splits(16, 100 * BLOCK_N) == 5  # 128 programs: 528 / 128 -> 5
+    assert backend.num_splits(64, 100 * BLOCK_N) == 2
+    assert backend.num_splits(66, 100 * BLOCK_N) == 1
+    assert backend.num_splits(256, 100 * BLOCK_N) == 1
+    assert backend.scratch.out.shape[0] == 66
 
 
 @pytest.mark.skipif(DEVICE.type != "cpu" or not interpreting(), reason="interpreter run")

@@ -62,25 +62,29 @@ class TritonPagedAttention:
     per-layer call."""
 
     def __init__(self, block_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                 max_decode_rows: int, device: torch.device) -> None:
+                 max_decode_rows: int, device: torch.device,
+                 sm_count: int | None = None) -> None:
+        """max_decode_rows: the largest decode batch (max_num_seqs); sm_count: the
+        device's streaming multiprocessors (default: read from the device)."""
         self.block_size = block_size
         self.num_kv_heads = num_kv_heads
         group = num_heads // num_kv_heads
         self.prefill_block_q = max(1, PREFILL_ROWS // (1 << (group - 1).bit_length()))
         self.device = device
-        sms = (torch.cuda.get_device_properties(device).multi_processor_count
-               if device.type == "cuda" else _INTERPRETER_SMS)
+        sms = sm_count or (torch.cuda.get_device_properties(device).multi_processor_count
+                           if device.type == "cuda" else _INTERPRETER_SMS)
         self.busy_programs = sms * PROGRAMS_PER_SM
-        self.scratch = SplitScratch.allocate(max_decode_rows, num_heads, head_dim, device)
-        self.max_decode_rows = max_decode_rows
+        # only a batch too small to fill the device splits: the scratch holds those rows
+        self.split_rows = min(max_decode_rows, -(-self.busy_programs // num_kv_heads))
+        self.scratch = SplitScratch.allocate(self.split_rows, num_heads, head_dim, device)
         self._rows = torch.arange(max_decode_rows + 1, dtype=torch.int32, device=device)
         self._zeros = torch.zeros(max_decode_rows, dtype=torch.int32, device=device)
 
     def num_splits(self, rows: int, longest: int) -> int:
         """Split-KV segments for rows decodes whose longest context is `longest` keys:
-        enough programs to fill the device, no more segments than key tiles, no more
-        rows than the scratch holds (then no split)."""
-        if rows > self.max_decode_rows:
+        enough programs to fill the device, no more segments than key tiles; a batch
+        that fills the device alone gets none."""
+        if rows > self.split_rows:
             return 1
         programs = rows * self.num_kv_heads
         wanted = -(-self.busy_programs // programs)
