@@ -58,6 +58,7 @@ class Request:
         self.trace_headers: dict[str, str] | None = None  # traced: its caller's context
         self.generator: torch.Generator | None = None
         self.grammar = None  # GrammarState of a structured-outputs request (engine.structured)
+        self.logit_controls = None  # its RowControls, built at its first sampled step
         self.pooling = pooling  # an embedding request: pools its prompt, samples nothing
         self.lora = lora  # the adapter it runs with (None: the base model)
         self.lora_slot = -1  # its adapter's device slot this step (-1: none)

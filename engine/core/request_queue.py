@@ -8,12 +8,17 @@ it needs no special front slot.
 
 Both keep requests the scheduler passes over this step (a grammar still compiling,
 an adapter with no room) in their place through `put_back`.
+
+Removing a request (an abort) costs no scan of the queue: fcfs keeps an insertion-
+ordered dict by request id (O(1)), priority finds the request by bisecting on its key
+(O(log n) plus the list's shift). Aborting a large fan-out was a linear remove per
+request.
 """
 from __future__ import annotations
 
 import bisect
 import itertools
-from collections import deque
+from collections import OrderedDict
 from collections.abc import Iterator
 
 from engine.core.request import Request
@@ -21,49 +26,45 @@ from engine.core.request import Request
 POLICIES = ("fcfs", "priority")
 
 
-class _Queue:
-    """What both orders share: their requests in `_items`, head first."""
+class FCFSQueue:
+    """First come, first served: request id -> request, in queue order."""
 
-    _items: deque[Request] | list[Request]
+    def __init__(self) -> None:
+        self._items: OrderedDict[str, Request] = OrderedDict()
+
+    def add(self, request: Request) -> None:
+        self._items[request.request_id] = request
+
+    def add_preempted(self, request: Request) -> None:
+        self._items[request.request_id] = request
+        self._items.move_to_end(request.request_id, last=False)
 
     def peek(self) -> Request:
-        return self._items[0]
+        return next(iter(self._items.values()))
+
+    def pop(self) -> Request:
+        return self._items.popitem(last=False)[1]
+
+    def put_back(self, requests: list[Request]) -> None:
+        """Requests popped this step, in the order popped, back at the front."""
+        for request in reversed(requests):
+            self.add_preempted(request)
 
     def remove(self, request: Request) -> bool:
-        try:
-            self._items.remove(request)
-        except ValueError:
+        """Whether the request was waiting (it is not, after)."""
+        if self._items.get(request.request_id) is not request:
             return False
+        del self._items[request.request_id]
         return True
 
     def __len__(self) -> int:
         return len(self._items)
 
     def __iter__(self) -> Iterator[Request]:
-        return iter(self._items)
+        return iter(self._items.values())
 
 
-class FCFSQueue(_Queue):
-    """First come, first served."""
-
-    def __init__(self) -> None:
-        self._items: deque[Request] = deque()
-
-    def add(self, request: Request) -> None:
-        self._items.append(request)
-
-    def add_preempted(self, request: Request) -> None:
-        self._items.appendleft(request)
-
-    def pop(self) -> Request:
-        return self._items.popleft()
-
-    def put_back(self, requests: list[Request]) -> None:
-        """Requests popped this step, in the order popped, back at the front."""
-        self._items.extendleft(reversed(requests))
-
-
-class PriorityQueue(_Queue):
+class PriorityQueue:
     """Lowest (priority, arrival time, receipt order) first; a sorted list, because the
     scheduler reads the head every step and inserts far less often."""
 
@@ -86,9 +87,28 @@ class PriorityQueue(_Queue):
     def pop(self) -> Request:
         return self._items.pop(0)
 
+    def peek(self) -> Request:
+        return self._items[0]
+
     def put_back(self, requests: list[Request]) -> None:
         for request in requests:
             self.add(request)
+
+    def remove(self, request: Request) -> bool:
+        """Whether the request was waiting (it is not, after): found by its key."""
+        if request.request_id not in self._order:
+            return False
+        at = bisect.bisect_left(self._items, self.key(request), key=self.key)
+        if at < len(self._items) and self._items[at] is request:
+            del self._items[at]
+            return True
+        return False
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self._items)
 
     def forget(self, request: Request) -> None:
         """Drop a finished request's receipt order."""
