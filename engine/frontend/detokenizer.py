@@ -19,6 +19,8 @@ import tokenizers
 from tokenizers.decoders import DecodeStream
 from transformers import PreTrainedTokenizerBase
 
+from engine.frontend.text_buffer import TextBuffer
+
 _PROMPT_CONTEXT = 5  # prompt tokens the stream starts with
 _MAX_PROMPT_CONTEXT = 16  # how far back to look for a context that decodes cleanly
 _INCOMPLETE = "\ufffd"
@@ -29,7 +31,7 @@ class IncrementalDetokenizer:
                  skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self.output_text = ""
+        self.text = TextBuffer()  # the output so far
         backend = getattr(tokenizer, "_tokenizer", None)
         self._backend = backend if isinstance(backend, tokenizers.Tokenizer) else None
         if self._backend is not None:
@@ -67,8 +69,12 @@ class IncrementalDetokenizer:
                                for t in new_token_ids)
         else:
             text = self._update_window(new_token_ids)
-        self.output_text += text
+        self.text.append(text)
         return text
+
+    @property
+    def output_text(self) -> str:
+        return self.text.value()
 
     def _update_window(self, new_token_ids: list[int]) -> str:
         delta = []

@@ -34,8 +34,7 @@ class _Child:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
-    text: str = ""
-    sent_chars: int = 0
+    sent_chars: int = 0  # of its text (detok.text), for a delta stream
     sent_tokens: int = 0
     sent_logprobs: int = 0
     finish_reason: str | None = None
@@ -222,14 +221,16 @@ class OutputProcessor:
                 child.logprobs.append(self._logprob_entry(ids, vals, ranks))
                 child.cumulative_logprob += vals[0]
         delta = child.detok.update(out.new_token_ids)
-        child.text = child.detok.output_text
         stops = parent.params.stop
         if stops and delta:
-            match = find_stop_string(child.text, len(delta), stops)
+            text = child.detok.text  # search the new text and a stop's length before it
+            window = text.tail(len(delta) + max(map(len, stops)) - 1)
+            match = find_stop_string(window, len(delta), stops)
             if match is not None:
                 stop, index = match
+                index += len(text) - len(window)
                 end = index + len(stop) if parent.params.include_stop_str_in_output else index
-                child.text = child.text[:end]
+                text.truncate(end)
                 child.finish_reason, child.stop_reason = FINISH_STOP, stop
                 return
         if out.finish_reason is not None:
@@ -247,18 +248,19 @@ class OutputProcessor:
         completions = []
         for child in parent.children:
             if parent.kind is OutputKind.DELTA:
-                end = len(child.text)
+                end = len(child.detok.text)
                 if child.finish_reason is None:
                     end -= held_back_chars(parent.params.stop) if parent.params.stop else 0
                 end = max(end, child.sent_chars)
-                text = child.text[child.sent_chars:end]
+                text = child.detok.text.slice(child.sent_chars, end)
                 tokens = child.token_ids[child.sent_tokens:]
                 logprobs = (None if child.logprobs is None
                             else child.logprobs[child.sent_logprobs:])
                 child.sent_chars, child.sent_tokens = end, len(child.token_ids)
                 child.sent_logprobs = len(child.logprobs or [])
             else:
-                text, tokens, logprobs = child.text, list(child.token_ids), child.logprobs
+                text = child.detok.text.value()
+                tokens, logprobs = list(child.token_ids), child.logprobs
             completions.append(CompletionOutput(
                 child.index, text, tokens, child.cumulative_logprob, logprobs,
                 child.finish_reason, child.stop_reason, child.embedding))
