@@ -89,6 +89,8 @@ class AppArgs(BaseModel):
                            "admin key (development only)")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="largest request body "
                                 "accepted (bytes)")
+    metrics_need_api_key: bool = Field(False, description="/metrics asks for the API key "
+                                       "like /v1/* (off: open to scrapers)")
     chat_template: str | None = Field(
         None, description="chat template of /v1/chat/completions: a Jinja file's path or "
         "the template text; none: the tokenizer's (one without a tools section gets "
@@ -97,9 +99,9 @@ class AppArgs(BaseModel):
         "hermes", description="how tool calls are read from the model's text when "
         "tool_choice is auto", json_schema_extra={"enum": list(TOOL_PARSERS)})
     request_timeout_s: float | None = Field(
-        None, gt=0, description="seconds a request may take from arrival when it names no "
-        "timeout of its own; past it the request is aborted and answered with 408 (none: "
-        "no deadline)")
+        600.0, gt=0, description="seconds a request may take from arrival when it names no "
+        "timeout of its own; past it the request is aborted and answered with 408, so a "
+        "wedged engine cannot hold a request for ever (none: no deadline)")
     routing: str = Field(
         "prefix", description="how an ingress picks the engine of a request: prefix (least "
         "uncached prefill plus queue, from the engines' KV events), least_loaded, or "

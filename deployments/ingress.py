@@ -152,6 +152,7 @@ class OpenAIIngress:
         api_key, admin_key = a.keys()  # read here, in the replica, not at build time
         options = IngressOptions(a.model_name, api_key=api_key, admin_key=admin_key,
                                  dev_mode=a.dev_mode, max_body_bytes=a.max_body_bytes,
+                                 metrics_need_api_key=a.metrics_need_api_key,
                                  chat_template=a.chat_template_text(),
                                  tool_call_parser=a.tool_call_parser,
                                  request_timeout_s=a.request_timeout_s)

@@ -56,18 +56,21 @@ from engine import tracing
 from engine.errors import (
     EngineDeadError,
     EngineDrainingError,
+    EngineOverloadedError,
     EngineRequestError,
     EngineSleepingError,
     FlotillaError,
     InconsistentUtilityResults,
     InvalidRequestError,
     NoEnginesError,
+    RequestAbortedError,
     RequestTimeoutError,
     UtilityCallError,
 )
 from engine.lora.request import LoRARequest
 from engine.outputs import OutputKind, RequestOutput
 from engine.pooling import PoolingParams
+from engine.request_limits import check_fanout
 from engine.sampling_params import SamplingParams
 from engine.wire.core_client import EngineClient
 
@@ -75,6 +78,7 @@ logger = logging.getLogger(__name__)
 _JSON = msgspec.json.Encoder()  # SSE chunks
 HEALTH_WAIT_S = 0.9  # /health answers within a second, connected or not
 STATS_WAIT_S = 1.0  # a scrape asks the engines for their stats, waiting this long at most
+RETRY_AFTER_S = 1  # what a 429 (an engine's waiting queue full) asks the client to wait
 
 
 @dataclass(frozen=True)
@@ -84,19 +88,21 @@ class IngressOptions:
     admin_key: str | None = None  # Bearer key for the control endpoints
     dev_mode: bool = False  # control endpoints without a key (never in production)
     max_body_bytes: int = 1 << 20
+    metrics_need_api_key: bool = False  # /metrics behind api_key (off: open to scrapers)
     chat_template: str | None = None  # Jinja text; None: the tokenizer's
     tool_call_parser: str = "hermes"  # how tool_choice "auto" reads calls (tool_calls.py)
-    request_timeout_s: float | None = None  # a request's deadline when it names none
+    request_timeout_s: float | None = 600.0  # a request's deadline when it names none
 
 
 class HTTPError(Exception):
     """usage: what a request that failed part way used (a timed-out one's tokens)."""
 
     def __init__(self, status: int, message: str, err_type: str, param: str | None = None,
-                 usage: dict | None = None):
+                 usage: dict | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.err_type, self.param = status, message, err_type, param
         self.usage = usage
+        self.headers = headers or {}
 
 
 def error_response(status: int, message: str, err_type: str, param: str | None = None,
@@ -117,6 +123,18 @@ def _usage(prompt: int, completion: int) -> dict[str, int]:
 
 TIMEOUT_MESSAGE = ("the request passed its deadline (timeout, or the server's "
                    "request_timeout_s) and was aborted; usage counts what it used")
+
+
+async def _read_capped(request: Request, limit: int) -> bytes:
+    """The body, refused with 413 as soon as it passes `limit` bytes: a chunked upload
+    (no content-length) is not buffered whole before the check."""
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise HTTPError(413, f"request body over {limit} bytes", "RequestTooLargeError")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _cause(exc: BaseException) -> BaseException:
@@ -140,7 +158,10 @@ def _map_error(exc: BaseException) -> HTTPError:
         return HTTPError(400, str(exc), "BadRequestError", exc.param)
     if isinstance(exc, (InvalidRequestError, ValueError)):
         return HTTPError(400, str(exc), "BadRequestError")
-    if isinstance(exc, (EngineSleepingError, EngineDrainingError)):
+    if isinstance(exc, EngineOverloadedError):
+        return HTTPError(429, str(exc), "RateLimitError",
+                         headers={"retry-after": str(RETRY_AFTER_S)})
+    if isinstance(exc, (EngineSleepingError, EngineDrainingError, RequestAbortedError)):
         return HTTPError(503, str(exc), "ServiceUnavailableError")
     if isinstance(exc, (EngineDeadError, NoEnginesError)):
         return HTTPError(503, str(exc), "ServiceUnavailableError")
@@ -265,10 +286,7 @@ def build_openai_app(get_client: Callable[[], Awaitable[EngineClient]],
         if length and length.isdigit() and int(length) > options.max_body_bytes:
             raise HTTPError(413, f"request body over {options.max_body_bytes} bytes",
                             "RequestTooLargeError")
-        raw = await request.body()
-        if len(raw) > options.max_body_bytes:
-            raise HTTPError(413, f"request body over {options.max_body_bytes} bytes",
-                            "RequestTooLargeError")
+        raw = await _read_capped(request, options.max_body_bytes)
         try:
             body = schema.model_validate_json(raw)
         except ValidationError as exc:
@@ -325,6 +343,7 @@ def build_openai_app(get_client: Callable[[], Awaitable[EngineClient]],
                 extra = _inconsistent_values(exc)
                 response = error_response(err.status, err.message, err.err_type, err.param, extra,
                                           err.usage)
+                response.headers.update(err.headers)
             except BaseException:  # cancelled (the client left): the span ends here
                 if span is not None:
                     span.end()
@@ -346,6 +365,7 @@ def build_openai_app(get_client: Callable[[], Awaitable[EngineClient]],
                                       client.sampling_defaults, body.engine_prompt_logprobs())
         request_id = f"cmpl-{rid}-{uuid.uuid4().hex[:8]}"
         prompts = body.prompts()
+        check_fanout(len(prompts), params.n, client.processor.limits)
         lora = await _adapter(body)
         if len(prompts) == 1 and not body.echo:
             return await _generate(request_id, prompts[0], params, body, chat=False, lora=lora,
@@ -372,6 +392,7 @@ def build_openai_app(get_client: Callable[[], Awaitable[EngineClient]],
         client = await get_client()
         params = body.sampling_params(body.token_limit(), body.logprob_count(), structured,
                                       client.sampling_defaults, body.prompt_logprobs)
+        check_fanout(1, params.n, client.processor.limits)
         text = render_chat_prompt(client.processor, body.conversation(), plan,
                                   options.chat_template, body.add_generation_prompt,
                                   body.chat_template_kwargs or {})
@@ -607,7 +628,8 @@ def build_openai_app(get_client: Callable[[], Awaitable[EngineClient]],
                 "max_model_len": client.max_model_len}
 
     def adapter_card(lora: LoRARequest, base: dict[str, Any]) -> dict[str, Any]:
-        return {**base, "id": lora.lora_name, "root": lora.lora_path, "parent": model}
+        # root names the adapter, not its folder: paths are the server's business
+        return {**base, "id": lora.lora_name, "root": lora.lora_name, "parent": model}
 
     async def models(request: Request, rid: str) -> Response:
         base = await model_card()
@@ -745,7 +767,8 @@ def build_openai_app(get_client: Callable[[], Awaitable[EngineClient]],
         Route("/tokenize", endpoint(tokenize), methods=["POST"]),
         Route("/detokenize", endpoint(detokenize), methods=["POST"]),
         Route("/health", endpoint(health, auth=False), methods=["GET"]),
-        Route("/metrics", endpoint(metrics_endpoint, auth=False), methods=["GET"]),
+        Route("/metrics", endpoint(metrics_endpoint, auth=options.metrics_need_api_key),
+              methods=["GET"]),
         Route("/is_sleeping", endpoint(is_sleeping, admin=True), methods=["GET"]),
         Route("/sleep", endpoint(sleep, admin=True), methods=["POST"]),
         Route("/wake_up", endpoint(wake_up, admin=True), methods=["POST"]),

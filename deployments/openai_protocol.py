@@ -294,6 +294,15 @@ class NamedToolChoice(_Strict):
     function: NamedFunction
 
 
+# apply_chat_template's own arguments: as chat_template_kwargs they clashed with the
+# server's (a TypeError, served as a 500)
+_TEMPLATE_CALL_ARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template",
+    "add_generation_prompt", "continue_final_message", "tokenize", "padding", "truncation",
+    "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+    "tokenizer_kwargs"})
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1, lt=1 << 63)
@@ -314,6 +323,15 @@ class ChatCompletionRequest(_SamplingFields):
     reasoning_effort: Any = None
 
     UNSUPPORTED: ClassVar[dict[str, Any]] = {**_UNSUPPORTED_COMMON, **_UNSUPPORTED_CHAT}
+
+    @model_validator(mode="after")
+    def _template_kwargs(self) -> "ChatCompletionRequest":
+        reserved = sorted(set(self.chat_template_kwargs or ()) & _TEMPLATE_CALL_ARGS)
+        if reserved:
+            raise ValueError(f"chat_template_kwargs: {', '.join(map(repr, reserved))} "
+                             "cannot be set there (the server sets it, or the request's own "
+                             "field does)")
+        return self
 
     @model_validator(mode="after")
     def _tools(self) -> "ChatCompletionRequest":

@@ -23,6 +23,12 @@ _DTYPES = {"auto": None, "float32": torch.float32, "fp32": torch.float32,
 CPU_DEFAULT_KV_CACHE_BYTES = 2 << 30
 
 
+# the options that bound one request (engine.request_limits.RequestLimits carries them)
+LIMIT_OPTIONS = ("max_stop_strings", "max_stop_string_chars", "max_bad_words",
+                 "max_bad_word_chars", "max_logit_bias", "max_allowed_token_ids",
+                 "max_sequences_per_request")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Engine options; names follow vLLM's engine arguments."""
@@ -59,6 +65,19 @@ class EngineConfig:
                                                 "usage, prefix hit rate); 0: none")
     tensor_parallel_size: int = option(1, "ranks the model is split over (heads, MLP, vocab)")
     max_logprobs: int = option(20, "the most logprobs a request may ask for per token")
+    # what one request may ask (engine.request_limits): refused with a 400 naming the limit
+    max_stop_strings: int = option(64, "the most stop strings one request may give")
+    max_stop_string_chars: int = option(512, "the longest stop string, in characters")
+    max_bad_words: int = option(128, "the most bad_words one request may give")
+    max_bad_word_chars: int = option(256, "the longest bad word, in characters")
+    max_logit_bias: int = option(1024, "the most logit_bias entries one request may give")
+    max_allowed_token_ids: int = option(131072, "the most allowed_token_ids one request "
+                                                "may give")
+    max_sequences_per_request: int = option(
+        512, "the most sequences one API request may start: its prompts x n")
+    max_waiting_requests: int = option(
+        4096, "the most requests an engine queues before it refuses more (HTTP 429 with "
+        "Retry-After); its running batch is max_num_seqs beside them")
     generation_config: str = option(
         "auto", "sampling defaults for what a request leaves unset: auto (the model's "
         "generation_config.json), vllm (neutral: temperature 1, no top-k/top-p) or a "
@@ -107,6 +126,8 @@ class EngineConfig:
             (self.log_stats_interval_s >= 0, "log_stats_interval_s must be >= 0"),
             (self.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1"),
             (self.max_loras >= 1, "max_loras must be >= 1"),
+            *[(getattr(self, name) >= 1, f"{name} must be >= 1") for name in LIMIT_OPTIONS],
+            (self.max_waiting_requests >= 1, "max_waiting_requests must be >= 1"),
             (self.attention_backend in ("auto", "native", "flex", "triton", "torch"),
              f"attention_backend must be auto, native, flex, triton or torch, got "
              f"{self.attention_backend!r}"),

@@ -37,8 +37,20 @@ class EngineSleepingError(FlotillaError):
     """The engine is asleep (sleep mode); wake it up first."""
 
 
+class EngineOverloadedError(FlotillaError):
+    """The engine's waiting queue is full (max_waiting_requests): try again shortly.
+    Served as 429 with Retry-After."""
+
+
 class EngineRequestError(FlotillaError):
     """The engine refused or failed one request (its message says why)."""
+
+
+class RequestAbortedError(FlotillaError):
+    """The engine stopped a request before it finished, on its own account (draining
+    for a downscale, put to sleep, its running requests reset), not because the client
+    asked: served as a 503 (an error event once streaming), never as a finished answer,
+    since "abort" is no finish_reason an OpenAI client knows."""
 
 
 class UtilityCallError(FlotillaError):

@@ -6,6 +6,7 @@ again because anything can reach their socket.
 from __future__ import annotations
 
 from engine.errors import InvalidRequestError, PromptTooLongError
+from engine.request_limits import RequestLimits, check_limits
 from engine.sampling_params import SamplingParams
 
 
@@ -22,8 +23,10 @@ def check_prompt(token_ids: list[int], max_model_len: int, vocab_size: int) -> N
         raise InvalidRequestError(f"prompt token ids must be in [0, {vocab_size})")
 
 
-def check_params(params: SamplingParams, max_logprobs: int, vocab_size: int) -> None:
+def check_params(params: SamplingParams, max_logprobs: int, vocab_size: int,
+                 limits: RequestLimits) -> None:
     """What SamplingParams cannot check by itself: limits of this engine and its model."""
+    check_limits(params, limits)
     if params.logprobs is not None and params.logprobs > max_logprobs:
         raise InvalidRequestError(f"logprobs must be <= {max_logprobs}")
     if params.prompt_logprobs is not None and params.prompt_logprobs > max_logprobs:

@@ -247,6 +247,8 @@ def test_adapters_over_http_listed_loaded_served_unloaded(lora_server, tiny_llam
     r = serve(real, test, dev_mode=True)
     listed = {m.id: m for m in r["models"].data}
     assert set(listed) == {MODEL, "qv"} and listed["qv"].parent == MODEL
+    assert listed["qv"].root == "qv"  # no server path shown (issue 40, finding 8)
+    assert "lora" not in r["models"].model_dump_json().replace('"qv"', "")
     assert r["qv"].choices[0].text == tok.decode(adapters["qv"][1][0])
     assert r["base"].choices[0].text == tok.decode(hf_greedy(tiny_llama, PROMPTS[:1], NEW)[0])
     assert r["unknown"].status_code == 404 and r["unknown"].json()["error"]["param"] == "model"

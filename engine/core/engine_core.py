@@ -22,6 +22,7 @@ from engine.core.scheduler import Scheduler
 from engine.core.stats_logger import StatsLogger
 from engine.errors import (
     DuplicateRequestError,
+    EngineOverloadedError,
     EngineSleepingError,
     InvalidRequestError,
 )
@@ -35,6 +36,7 @@ from engine.model.llama import ModelShape
 from engine.model.loader import load_hf_config, resolve_model
 from engine.pooling import Pooler, pooling_method
 from engine.request_checks import check_params, check_prompt
+from engine.request_limits import RequestLimits
 from engine.structured.manager import StructuredOutputManager
 from engine.wire.protocol import (
     FINISH_ABORT,
@@ -57,6 +59,7 @@ class EngineCore:
         """worker_launcher starts the tensor-parallel workers (ranks 1..N-1) when
         config.tensor_parallel_size > 1; default: local processes."""
         self.config = config
+        self.limits = RequestLimits.of(config)
         self.checkpoint = resolve_model(config.model, weights=config.load_format != "dummy")
         hf_config = load_hf_config(self.checkpoint)
         self.shape = ModelShape.from_hf_config(hf_config)
@@ -132,10 +135,15 @@ class EngineCore:
             raise EngineSleepingError("the engine is asleep (sleep mode); call wake_up first")
         if req.request_id in self.requests:
             raise DuplicateRequestError(f"request id {req.request_id!r} is already running")
+        if len(self.scheduler.waiting) >= self.config.max_waiting_requests:
+            raise EngineOverloadedError(
+                f"the engine's waiting queue is full ({self.config.max_waiting_requests} "
+                "requests, max_waiting_requests); retry shortly")
         # an embedding request generates nothing: its prompt may fill max_model_len
         spare = 1 if req.pooling_params is not None else 0
         check_prompt(req.prompt_token_ids, self.max_model_len + spare, self.shape.vocab_size)
-        check_params(req.sampling_params, self.config.max_logprobs, self.shape.vocab_size)
+        check_params(req.sampling_params, self.config.max_logprobs, self.shape.vocab_size,
+                     self.limits)
         if req.priority != 0 and self.config.scheduling_policy != "priority":
             raise InvalidRequestError(
                 f"priority {req.priority} needs scheduling_policy 'priority' (this engine "
@@ -475,7 +483,7 @@ class EngineCore:
             dtype=self.dtype_name, version=__version__,
             supported_tasks=self.get_supported_tasks(), max_num_seqs=self.config.max_num_seqs,
             model=self.config.model, max_logprobs=self.config.max_logprobs,
-            sampling_defaults=self.sampling_defaults)
+            sampling_defaults=self.sampling_defaults, limits=self.limits)
 
     def get_stats(self) -> SchedulerStats:
         return SchedulerStats(

@@ -23,7 +23,8 @@ class LLMEngine:
         self.engine_core = EngineCore(config)
         self.tokenizer = load_tokenizer(self.engine_core.checkpoint)
         self.processor = Processor(self.tokenizer, self.engine_core.max_model_len,
-                                   self.engine_core.shape.vocab_size, config.max_logprobs)
+                                   self.engine_core.shape.vocab_size, config.max_logprobs,
+                                   self.engine_core.limits)
         self.output_processor = OutputProcessor(self.tokenizer)
 
     @property

@@ -16,6 +16,7 @@ from engine.frontend.output_processor import child_request_id
 from engine.lora.request import LoRARequest
 from engine.pooling import PoolingParams
 from engine.request_checks import check_params, check_prompt
+from engine.request_limits import RequestLimits, check_limits
 from engine.sampling_params import SamplingParams
 from engine.structured.grammar import check_structured_outputs, preload_xgrammar
 from engine.wire.protocol import EngineCoreRequest
@@ -25,11 +26,14 @@ Prompt = str | list[int] | dict[str, Any]
 
 class Processor:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, max_model_len: int,
-                 vocab_size: int, max_logprobs: int = 20) -> None:
+                 vocab_size: int, max_logprobs: int = 20,
+                 limits: RequestLimits | None = None) -> None:
+        """limits: what one request may ask (default: EngineConfig's defaults)."""
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.max_logprobs = max_logprobs
+        self.limits = limits or RequestLimits.defaults()
         preload_xgrammar()  # so a first constrained request does not wait for the import
 
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
@@ -83,9 +87,10 @@ class Processor:
                                       pooling_params=pooling_params,
                                       lora_request=lora_request)]
         check_prompt(prompt_token_ids, self.max_model_len, self.vocab_size)
+        check_limits(params, self.limits)  # before tokenizing thousands of bad words
         if params.bad_words and not params.bad_words_token_ids:
             params = params.clone(bad_words_token_ids=self.bad_words_token_ids(params.bad_words))
-        check_params(params, self.max_logprobs, self.vocab_size)
+        check_params(params, self.max_logprobs, self.vocab_size, self.limits)
         if params.structured_outputs is not None:
             check_structured_outputs(params.structured_outputs)
         arrival = arrival_time or time.time()

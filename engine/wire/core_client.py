@@ -17,6 +17,7 @@ Shutdown stops them in reverse order and closes the sockets.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import time
@@ -34,12 +35,14 @@ from engine.errors import (
     DuplicateRequestError,
     EngineDeadError,
     EngineDrainingError,
+    EngineOverloadedError,
     EngineRequestError,
     EngineSleepingError,
     FlotillaError,
     InvalidRequestError,
     NoEnginesError,
     PromptTooLongError,
+    RequestAbortedError,
     RequestTimeoutError,
     UtilityCallError,
 )
@@ -48,10 +51,12 @@ from engine.frontend.processor import Processor, Prompt
 from engine.lora.request import LoRARequest
 from engine.outputs import OutputKind, RequestOutput
 from engine.pooling import PoolingParams
+from engine.request_limits import RequestLimits
 from engine.sampling_params import SamplingParams
 from engine.wire.protocol import (
     ABORT,
     ADD,
+    FINISH_ABORT,
     FINISH_ERROR,
     HELLO,
     OUTPUTS,
@@ -92,7 +97,7 @@ def _typed_error(message: str) -> FlotillaError:
     name, _, text = message.partition(": ")
     cls = {c.__name__: c for c in (EngineSleepingError, PromptTooLongError, EngineDrainingError,
                                    DuplicateRequestError, InvalidRequestError,
-                                   EngineDeadError)}.get(name)
+                                   EngineDeadError, EngineOverloadedError)}.get(name)
     return cls(text) if cls else EngineRequestError(message)
 
 
@@ -202,8 +207,10 @@ class EngineClient:
             raise HandshakeError(f"engines disagree on block_size: {sorted(sizes)}")
         self.router.block_size = sizes.pop()
         vocab = len(tokenizer)
+        limits = [r.limits or RequestLimits.defaults() for _, r in readies]
         self.processor = Processor(tokenizer, self.max_model_len, vocab,
-                                   min(r.max_logprobs for _, r in readies))
+                                   min(r.max_logprobs for _, r in readies),
+                                   functools.reduce(RequestLimits.tightest, limits))
         self.output_processor = OutputProcessor(tokenizer)
         # the model's sampling defaults, from the first engine (they all serve one model)
         self.sampling_defaults: dict[str, int | float] = dict(readies[0][1].sampling_defaults)
@@ -328,6 +335,12 @@ class EngineClient:
                         item = self.output_processor.take_output(request_id)
                         if item is not None:
                             finished = item.finished
+                            if finished and any(c.finish_reason == FINISH_ABORT
+                                                for c in item.outputs):
+                                raise RequestAbortedError(
+                                    f"request {request_id} was stopped by its engine before "
+                                    "it finished (the engine is draining, asleep or reset "
+                                    "its running requests); send it again")
                             yielded = True
                             yield item
                             if finished:

@@ -38,11 +38,13 @@ from engine.core.block_hash import cacheable_blocks, prefix_block_hashes
 from engine.core.kv_events import KVEventLog
 from engine.errors import (
     DuplicateRequestError,
+    EngineOverloadedError,
     EngineSleepingError,
     InvalidRequestError,
 )
 from engine.options import add_flags, dataclass_options, given, option
 from engine.request_checks import check_prompt
+from engine.request_limits import RequestLimits, check_limits
 from engine.sampling_params import SamplingParams
 from engine.wire.protocol import (
     FINISH_ABORT,
@@ -104,6 +106,8 @@ class MockConfig(MockTiming):
     max_model_len: int = option(4096, "context length it enforces (prompt + output)")
     block_size: int = option(16, "tokens per KV block it accounts")
     max_num_seqs: int = option(256, "the most running requests (the rest wait)")
+    max_waiting_requests: int = option(4096, "the most waiting requests (more: refused, "
+                                             "EngineOverloadedError)")
     enable_prefix_caching: bool = option(True, "keep an LRU index of prompt blocks: cached "
                                                "prefixes skip prefill time, KV events")
     serial_prefill: bool = option(False, "prefills run one after another (a compute-bound "
@@ -173,6 +177,7 @@ class MockEngineCore:
     def __init__(self, config: MockConfig | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.config = c = config or MockConfig()
+        self.limits = RequestLimits.defaults()  # what one request may ask, as an engine's
         self.num_blocks = c.num_blocks
         self.block_size = c.block_size
         self.max_num_seqs = c.max_num_seqs
@@ -199,7 +204,12 @@ class MockEngineCore:
         rid, ids = req.request_id, req.prompt_token_ids
         if rid in self._running or rid in self._waiting:
             raise DuplicateRequestError(f"request id {rid!r} is already running")
+        if len(self._waiting) >= self.config.max_waiting_requests:
+            raise EngineOverloadedError(
+                f"the engine's waiting queue is full ({self.config.max_waiting_requests} "
+                "requests, max_waiting_requests); retry shortly")
         check_prompt(ids, self.max_model_len, self.config.vocab_size)
+        check_limits(req.sampling_params, self.limits)
         _refuse_model_controls(req.sampling_params)
         if req.lora_request is not None:
             raise InvalidRequestError(_NO_LORA)
@@ -458,7 +468,8 @@ class MockEngineCore:
             engine_index=engine_index, max_model_len=self.max_model_len,
             num_gpu_blocks=self.num_blocks, block_size=self.block_size, dtype=self.dtype_name,
             version=__version__, supported_tasks=self.get_supported_tasks(),
-            max_num_seqs=self.max_num_seqs, model=self.model_name)
+            max_num_seqs=self.max_num_seqs, model=self.model_name,
+            limits=self.limits)
 
 
 # ---- `python -m engine.wire.mock` / `flotilla mock-engine` ------------------------------------

@@ -25,6 +25,7 @@ import msgspec
 
 from engine.lora.request import LoRARequest
 from engine.pooling import PoolingParams
+from engine.request_limits import RequestLimits
 from engine.sampling_params import SamplingParams
 
 PROTOCOL_VERSION = 1
@@ -145,6 +146,7 @@ class EngineCoreReadyResponse(msgspec.Struct, omit_defaults=True):
     max_logprobs: int = 20  # EngineConfig.max_logprobs: the frontend refuses more up front
     # sampling values a request gets for what it leaves unset (engine.generation_defaults)
     sampling_defaults: dict[str, int | float] = {}
+    limits: RequestLimits | None = None  # what one request may ask (None: the defaults)
 
 
 class UtilityRequest(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -1,0 +1,166 @@
+"""What one request may ask (engine.request_limits): stop strings, bad words, logit_bias,
+allowed_token_ids and prompts x n are capped, each refusal a 400 / InvalidRequestError
+naming its option, and the server keeps serving.
+
+Before the caps, 50,000 stop strings and 64 prompts x n = 128 (8,192 sequences) were
+accepted by the OpenAI app (issue 40, finding 3)."""
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+import pytest
+
+from engine.config import LIMIT_OPTIONS, EngineConfig
+from engine.errors import InvalidRequestError
+from engine.request_limits import RequestLimits, check_fanout, check_limits
+from engine.sampling_params import SamplingParams
+from engine.wire.protocol import EngineCoreRequest
+from tests.test_openai_app import MODEL, engines, serve, tokenizer  # noqa: F401 - fixtures
+
+TIGHT = RequestLimits(max_stop_strings=2, max_stop_string_chars=5, max_bad_words=2,
+                      max_bad_word_chars=6, max_logit_bias=3, max_allowed_token_ids=4,
+                      max_sequences_per_request=6)
+
+
+@pytest.mark.parametrize("params,option", [
+    (SamplingParams(stop=["a", "b", "c"]), "max_stop_strings"),
+    (SamplingParams(stop=["abcdef"]), "max_stop_string_chars"),
+    (SamplingParams(bad_words=["x", "y", "z"]), "max_bad_words"),
+    (SamplingParams(bad_words=["toolong!"]), "max_bad_word_chars"),
+    (SamplingParams(bad_words_token_ids=[[1]] * 5), "max_bad_words"),
+    (SamplingParams(bad_words_token_ids=[[1] * 7]), "max_bad_word_chars"),
+    (SamplingParams(logit_bias={1: 1.0, 2: 1.0, 3: 1.0, 4: 1.0}), "max_logit_bias"),
+    (SamplingParams(allowed_token_ids=[1, 2, 3, 4, 5]), "max_allowed_token_ids"),
+])
+def test_each_limit_is_refused_by_name(params, option):
+    with pytest.raises(InvalidRequestError, match=option):
+        check_limits(params, TIGHT)
+
+
+def test_requests_at_the_limits_pass():
+    check_limits(SamplingParams(stop=["abcde", "x"], bad_words=["abcdef", "y"],
+                                bad_words_token_ids=[[1] * 6] * 4,
+                                logit_bias={1: 1.0, 2: 1.0, 3: 1.0},
+                                allowed_token_ids=[1, 2, 3, 4]), TIGHT)
+    check_fanout(3, 2, TIGHT)
+    with pytest.raises(InvalidRequestError, match=r"3 x 3.*max_sequences_per_request"):
+        check_fanout(3, 3, TIGHT)
+
+
+def test_limits_are_engine_options():
+    config = EngineConfig(max_stop_strings=7)
+    assert RequestLimits.of(config).max_stop_strings == 7
+    assert set(RequestLimits.__struct_fields__) == set(LIMIT_OPTIONS)
+    for name in LIMIT_OPTIONS:
+        with pytest.raises(InvalidRequestError, match=name):
+            EngineConfig(**{name: 0})
+
+
+def test_an_engine_refuses_what_reaches_its_socket_past_the_limits(tiny_llama):
+    """The engine checks again: a wire client that skips the frontend is refused too."""
+    from engine.core.engine_core import EngineCore
+    from engine.errors import EngineOverloadedError
+    core = EngineCore(EngineConfig(model=str(tiny_llama), dtype="float32", device="cpu",
+                                   max_stop_strings=3, max_waiting_requests=2,
+                                   log_stats_interval_s=0))
+    try:
+        assert core.ready_response(0).limits.max_stop_strings == 3
+        with pytest.raises(InvalidRequestError, match="max_stop_strings"):
+            core.add_request(EngineCoreRequest("r", [1, 2, 3],
+                                               SamplingParams(stop=["a"] * 4)))
+        core.add_request(EngineCoreRequest("ok", [1, 2, 3], SamplingParams(stop=["a"] * 3)))
+        core.add_request(EngineCoreRequest("ok2", [1, 2, 3], SamplingParams()))
+        with pytest.raises(EngineOverloadedError, match="max_waiting_requests"):
+            core.add_request(EngineCoreRequest("third", [1, 2, 3], SamplingParams()))
+        core.step()  # both start running: the queue has room again
+        core.add_request(EngineCoreRequest("third", [1, 2, 3], SamplingParams()))
+        assert core.has_unfinished_requests()
+    finally:
+        core.shutdown()
+
+
+def test_the_handshake_carries_the_tightest_limits(engines):  # noqa: F811
+    """The frontend refuses with what the strictest engine announced."""
+    engines.add()
+    engines.add().limits = TIGHT
+
+    async def main():
+        client = await engines.client()
+        try:
+            assert client.processor.limits == TIGHT
+            stream = client.generate("r", "Hello", SamplingParams(stop=["a", "b", "c"]))
+            with pytest.raises(InvalidRequestError, match="max_stop_strings"):
+                await stream.__anext__()
+        finally:
+            await client.shutdown()
+    asyncio.run(main())
+
+
+def test_hostile_requests_get_400_naming_the_limit_and_the_server_keeps_serving(engines):  # noqa: F811
+    engines.add(itl_s=0.001)
+
+    async def test(http, oai):
+        answers = []
+        for body in ({"prompt": "Hi", "stop": [f"s{i}" for i in range(50_000)]},
+                     {"prompt": ["Hi"] * 64, "n": 128},
+                     {"prompt": "Hi", "logit_bias": {str(i): 1 for i in range(2000)}},
+                     {"prompt": "Hi", "bad_words": ["w"] * 500}):
+            r = await http.post("/v1/completions", json={"model": MODEL, "max_tokens": 4,
+                                                         **body})
+            answers.append((r.status_code, r.json()["error"]["message"]))
+        ok = await oai.completions.create(model=MODEL, prompt=["Hi"] * 4, n=2, max_tokens=4,
+                                          stop=["zz"] * 8)
+        return answers, len(ok.choices)
+
+    answers, choices = serve(engines, test)
+    options = ["max_stop_strings", "max_sequences_per_request", "max_logit_bias",
+               "max_bad_words"]
+    for (status, message), option in zip(answers, options):
+        assert status == 400 and option in message, (status, message)
+    assert choices == 8
+
+
+def test_chat_n_is_held_to_the_engines_limit(engines):  # noqa: F811
+    engines.add().limits = TIGHT
+
+    async def test(http, oai):
+        body = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]}
+        over = await http.post("/v1/chat/completions", json={**body, "n": 7})
+        at = await http.post("/v1/chat/completions", json={**body, "n": 6})
+        return over, at.status_code
+
+    over, at = serve(engines, test)
+    assert over.status_code == 400 and "max_sequences_per_request" in over.text
+    assert at == 200
+
+
+def test_limits_travel_in_the_ready_response():
+    from engine.wire.protocol import EngineCoreReadyResponse
+    ready = EngineCoreReadyResponse(0, 64, 10, 16, "float32", "0", limits=TIGHT)
+    back = msgspec.msgpack.decode(msgspec.msgpack.encode(ready), type=EngineCoreReadyResponse)
+    assert back.limits == TIGHT
+
+
+
+def test_a_full_waiting_queue_gets_429_with_retry_after(engines):  # noqa: F811
+    """An engine queues at most max_waiting_requests beside its running batch; past that
+    a request is refused at once (429, Retry-After) instead of queueing without bound,
+    and is served again once the queue drains."""
+    engines.add(itl_s=0.01, max_num_seqs=2, max_waiting_requests=3)
+
+    async def test(http, oai):
+        body = {"model": MODEL, "prompt": "Hi", "max_tokens": 30, "ignore_eos": True}
+        first = [asyncio.ensure_future(http.post("/v1/completions", json=body))
+                 for _ in range(5)]  # 2 running, 3 waiting
+        await asyncio.sleep(0.2)
+        refused = await http.post("/v1/completions", json=body)
+        served = [r.status_code for r in await asyncio.gather(*first)]
+        again = await http.post("/v1/completions", json={**body, "max_tokens": 2})
+        return refused, served, again.status_code
+
+    refused, served, again = serve(engines, test)
+    assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+    assert refused.json()["error"]["type"] == "RateLimitError"
+    assert "max_waiting_requests" in refused.json()["error"]["message"]
+    assert served == [200] * 5 and again == 200
