@@ -240,20 +240,27 @@ def test_split_counts_follow_the_batch():
 
 
 @pytest.mark.skipif(DEVICE.type != "cpu" or not interpreting(), reason="interpreter run")
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_triton_engine_matches_hf_with_chunks_prefix_hits_and_preemption(tiny_models, arch):
+def test_triton_engine_matches_hf_with_chunks_prefix_hits_and_preemption(tiny_llama):
     """The engine on attention_backend triton (every layer's rotary, cache writes,
     attention, norms and SiLU in Triton under the interpreter): chunked prefill,
     split-KV decodes, prefix-cache hits, n = 2 and preemption give HF's greedy tokens."""
-    model = tiny_models[arch]
     prompts = _prompts([17, 17, 70, 5, 33])
-    llm = LLM(str(model), dtype="float32", max_num_batched_tokens=48, block_size=8,
+    llm = LLM(str(tiny_llama), dtype="float32", max_num_batched_tokens=48, block_size=8,
               attention_backend="triton", num_gpu_blocks_override=24, device="cpu")
     runner = llm.llm_engine.engine_core.runner
     assert runner.triton is not None and runner.native_attention is None
-    assert _greedy(llm, prompts) == hf_greedy(model, prompts, NEW_TOKENS)
+    assert _greedy(llm, prompts) == hf_greedy(tiny_llama, prompts, NEW_TOKENS)
     assert llm.llm_engine.engine_core.scheduler.num_preemptions > 0
-    check_prefix_hits_and_n(llm, model, prompts[2][:40])
+    check_prefix_hits_and_n(llm, tiny_llama, prompts[2][:40])
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu" or not interpreting(), reason="interpreter run")
+def test_triton_engine_matches_hf_for_qwen3(tiny_models):
+    """Qwen3's q / k norms run before the fused rotary + cache write."""
+    prompts = _prompts([9, 30])
+    llm = LLM(str(tiny_models["qwen3"]), dtype="float32", block_size=8, device="cpu",
+              attention_backend="triton")
+    assert _greedy(llm, prompts, 8) == hf_greedy(tiny_models["qwen3"], prompts, 8)
 
 
 def test_triton_backend_refused_without_the_interpreter_on_cpu(tiny_llama, monkeypatch):
