@@ -24,6 +24,10 @@ MEMBERSHIP_POLL_S = 0.5  # how fast a replica follows engines joining or leaving
 METRICS_PUSH_S = 5.0  # how often a replica reports its request metrics to the coordinator
 METRICS_TIMEOUT_S = 2.0  # a scrape waits this long for the sum, then serves its own
 RETIRE_WAIT_S = 600.0
+# an engine this replica left out as dead while the coordinator still lists it (it went
+# quiet: a stopped process, a blip) is tried again this often, with a short handshake
+ENGINE_RETRY_S = 5.0
+ENGINE_RETRY_HANDSHAKE_S = 3.0
 
 
 async def _retire(client: EngineClient) -> None:
@@ -84,6 +88,7 @@ class OpenAIIngress:
         self._engines = engines  # bound so that Serve deploys the engine replicas
         self._client: EngineClient | None = None
         self._version = -1
+        self._retried = 0.0  # when an engine left out as dead was last tried again
         self._follower: asyncio.Task | None = None
         self._lock = asyncio.Lock()
         self._app = None  # the ASGI app, once Serve built it
@@ -117,10 +122,12 @@ class OpenAIIngress:
                 self._follower = asyncio.get_running_loop().create_task(self._follow())
             return self._client
 
-    async def _switch(self, version: int, addresses: list[str]) -> None:
+    async def _switch(self, version: int, addresses: list[str],
+                      handshake_timeout_s: float = 30.0) -> None:
         """Connect to a new engine set; the old client finishes its streams, then closes."""
         client = await EngineClient.connect(addresses, tokenizer_for(self.args),
-                                            routing=self.args.routing)
+                                            routing=self.args.routing,
+                                            handshake_timeout_s=handshake_timeout_s)
         if self._client is not None:  # sessions stay on their engines when those stay
             client.router.adopt_sessions(self._client.router)
         old, self._client = self._client, client
@@ -144,8 +151,22 @@ class OpenAIIngress:
                     async with self._lock:
                         if version != self._version:
                             await self._switch(version, addresses)
+                elif addresses and self._left_out(addresses):
+                    # the same membership, but an engine left out as dead: it may only
+                    # have gone quiet, and no membership change would ever bring it back
+                    self._retried = time.monotonic()
+                    async with self._lock:
+                        await self._switch(version, addresses, ENGINE_RETRY_HANDSHAKE_S)
+                    logger.info("ingress: an engine left out as dead answers again")
             except Exception as exc:  # the coordinator restarting, an engine not answering
                 logger.warning("ingress: engine membership update failed: %s", exc)
+
+    def _left_out(self, addresses: list[str]) -> bool:
+        """Whether the coordinator lists an engine this replica's client lacks, and it is
+        time to try it again."""
+        have = {e.address for e in self._client.engines}
+        return (not set(addresses) <= have
+                and time.monotonic() - self._retried >= ENGINE_RETRY_S)
 
     def __serve_build_asgi_app__(self):
         a = self.args

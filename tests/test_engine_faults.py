@@ -137,3 +137,58 @@ def test_a_stopped_engine_is_declared_dead_by_the_heartbeat(tokenizer):
             p.kill()
             p.wait()
 
+
+
+def test_an_engine_back_from_a_blip_is_used_again_and_gets_its_aborts(tokenizer):
+    """An engine stopped past the heartbeat timeout is declared dead and its streams
+    fail; once it runs again (SIGCONT: it only went quiet) the client routes to it
+    again without any membership change, and sends it the aborts of the failed
+    requests, which went on decoding to max_tokens before (issue 40, finding 1)."""
+    from tests.app_server import _mock_process, free_tcp_port
+    address = f"tcp://127.0.0.1:{free_tcp_port()}"
+    proc = _mock_process(address, len(tokenizer), 0.01)
+    try:
+        async def main():
+            client = await EngineClient.connect([address], tokenizer, handshake_timeout_s=30,
+                                                heartbeat_timeout_s=1.0)
+            try:
+                params = SamplingParams(max_tokens=5000, ignore_eos=True)
+                streams = [client.generate(f"r{i}", [5, 6], params) for i in range(3)]
+                for s in streams:
+                    await s.__anext__()
+                proc.send_signal(signal.SIGSTOP)
+                for s in streams:
+                    try:
+                        async for _ in s:
+                            pass
+                    except EngineDeadError:
+                        pass
+                assert not client.healthy
+                proc.send_signal(signal.SIGCONT)
+                for _ in range(100):  # its next heartbeat (1 s) brings it back
+                    if client.healthy:
+                        break
+                    await asyncio.sleep(0.1)
+                assert client.healthy and not client.engines[0].dead
+                stats = await client.get_stats()
+                for _ in range(50):
+                    if not stats[0].num_running_reqs:
+                        break
+                    await asyncio.sleep(0.1)
+                    stats = await client.get_stats()
+                running = stats[0].num_running_reqs
+                tokens = 0
+                async for out in client.generate("after", [7, 8], SamplingParams(
+                        max_tokens=5, ignore_eos=True)):
+                    tokens += len(out.outputs[0].token_ids)
+                return running, tokens
+            finally:
+                await client.shutdown()
+
+        running, tokens = asyncio.run(asyncio.wait_for(main(), 60))
+        assert running == 0  # the failed requests were aborted, not decoded to the end
+        assert tokens == 5
+    finally:
+        proc.send_signal(signal.SIGCONT)
+        proc.kill()
+        proc.wait()

@@ -60,6 +60,8 @@ from engine.wire.protocol import (
     FINISH_ERROR,
     HELLO,
     OUTPUTS,
+    PING,
+    PROTOCOL_VERSION,
     READY,
     UTILITY,
     EngineCoreOutputs,
@@ -75,6 +77,8 @@ logger = logging.getLogger(__name__)
 
 ABORT_BATCH = 1024
 READ_BATCH = 64  # messages read before this reader yields to the event loop (fairness cap)
+SHUTDOWN_FLUSH_S = 0.05  # after the last ABORTs, before the sockets close
+CLIENT_PING_S = 1.0  # PING every engine this often: an engine drops a silent client's requests
 DISCONNECT_GRACE_S = 2.0  # after a TCP disconnect: time to hear from the engine (beats 1 s)
 ABORT_RETRY_S = 0.2  # wait before resending aborts whose send failed
 
@@ -115,6 +119,8 @@ class _Engine:
     stats: SchedulerStats | None = None
     in_flight: int = 0
     dead: bool = False
+    silent: bool = False  # dead because it went quiet (not gone, not by its own word)
+    pending_aborts: list[str] = field(default_factory=list)  # for when it speaks again
     draining: bool = False  # it refused a request because it is shutting down
     is_alive: Callable[[], bool] | None = None
     adapters: set[int] = field(default_factory=set)  # LoRA ids this client sent it
@@ -221,6 +227,7 @@ class EngineClient:
         self._tasks = [loop.create_task(self._read_outputs(e), name=f"engine-{e.index}-reader")
                        for e in self.engines]
         self._tasks.append(loop.create_task(self._abort_loop(), name="abort-loop"))
+        self._tasks.append(loop.create_task(self._ping_loop(), name="ping-loop"))
         self._tasks.append(loop.create_task(self._monitor_health(), name="health-monitor"))
         self._tasks += [loop.create_task(self._watch_connection(e), name=f"engine-{e.index}-tcp")
                         for e in self.engines]
@@ -239,7 +246,12 @@ class EngineClient:
             while True:
                 kind, payload = await asyncio.wait_for(socket.recv_multipart(), timeout)
                 if kind == READY:
-                    return socket, msgspec.msgpack.decode(payload, type=EngineCoreReadyResponse)
+                    ready = msgspec.msgpack.decode(payload, type=EngineCoreReadyResponse)
+                    if ready.protocol_version != PROTOCOL_VERSION:
+                        raise HandshakeError(
+                            f"engine {index} at {address} speaks protocol "
+                            f"{ready.protocol_version}, this client {PROTOCOL_VERSION}")
+                    return socket, ready
         except asyncio.TimeoutError:
             socket.close(linger=0)
             raise HandshakeError(f"engine {index} at {address} did not answer within "
@@ -352,7 +364,10 @@ class EngineClient:
                             data_parallel_rank is None and self._others_than(engine):
                         engine.draining = True  # shutting down: go to another engine
                         break
-                    finished = True
+                    # an engine declared dead may only have gone quiet: its request still
+                    # runs there and is aborted (now, or when it speaks again)
+                    finished = not isinstance(error, EngineDeadError)
+                    abort_cause = "engine_dead"
                     raise error
             finally:
                 unfinished = self.output_processor.abort_requests([request_id])
@@ -538,6 +553,8 @@ class EngineClient:
     def _on_message(self, engine: _Engine, frames: list[bytes]) -> None:
         kind, payload = frames
         engine.last_heard = time.monotonic()
+        if engine.silent:
+            self._revive(engine)
         if kind != OUTPUTS:
             return
         try:
@@ -635,7 +652,8 @@ class EngineClient:
         unsent = []
         for index, ids in per_engine.items():
             engine = self.engines[index]
-            if engine.dead:
+            if engine.dead:  # kept: a quiet engine that speaks again gets them then
+                engine.pending_aborts.extend(ids)
                 continue
             try:  # NOBLOCK: at the high-water mark an awaited send would stall every
                 # engine's aborts behind this one; Again is retried instead
@@ -649,6 +667,20 @@ class EngineClient:
                                ABORT_RETRY_S)
                 unsent += [(i, index) for i in ids]
         return unsent
+
+    async def _ping_loop(self) -> None:
+        """Tell every engine this client is alive (dead ones too: a quiet engine that
+        resumes must not drop the requests of a client it missed)."""
+        try:
+            while True:
+                for engine in self.engines:
+                    try:
+                        await engine.socket.send_multipart([PING, b""], flags=zmq.NOBLOCK)
+                    except zmq.ZMQError:  # at the high-water mark: the next one will do
+                        pass
+                await asyncio.sleep(CLIENT_PING_S)
+        except asyncio.CancelledError:
+            return
 
     async def _monitor_health(self) -> None:
         period = max(0.05, min(1.0, self.heartbeat_timeout_s / 4))
@@ -665,6 +697,7 @@ class EngineClient:
                         why = "process exited" if gone else (
                             f"silent for {now - e.last_heard:.1f}s")
                         self._mark_dead(e, why)
+                        e.silent = not gone
         except asyncio.CancelledError:
             return
 
@@ -690,6 +723,22 @@ class EngineClient:
             except zmq.ZMQError:
                 pass
             monitor.close(linger=0)
+
+    def _revive(self, engine: _Engine) -> None:
+        """An engine declared dead for its silence spoke again (a stopped process
+        resumed, a network blip ended): route to it again, and send it the aborts of
+        the requests whose streams failed meanwhile, which it would otherwise decode to
+        max_tokens."""
+        if engine.is_alive is not None and not engine.is_alive():
+            return
+        engine.dead = engine.silent = False
+        logger.warning("engine %d at %s answers again: back in service (%d aborts sent)",
+                       engine.index, engine.address, len(engine.pending_aborts))
+        for engine_id in engine.pending_aborts:
+            self._abort_queue.put_nowait((engine_id, engine.index, None))
+        engine.pending_aborts = []
+        if not any(e.dead for e in self.engines):
+            self.dead_error = None
 
     def _mark_dead(self, engine: _Engine, why: str) -> None:
         engine.dead = True
@@ -719,7 +768,34 @@ class EngineClient:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         for stream in self._streams.values():
             stream.fail(EngineDeadError("the client was shut down"))
+        if await self._abort_everything_owned():
+            await asyncio.sleep(SHUTDOWN_FLUSH_S)  # ZMQ's io thread sends them meanwhile
         await self._close_sockets()
+
+    async def _abort_everything_owned(self) -> bool:
+        """At shutdown (a retired client, a replica going away): abort at the engines what
+        this client still has running there or queued to abort, which would otherwise
+        run on with nobody to read it. Whether any ABORT went out."""
+        owned: dict[int, list[str]] = defaultdict(list)
+        for engine_id, index in self._engine_of.items():
+            owned[index].append(engine_id)
+        while not self._abort_queue.empty():
+            engine_id, index, _ = self._abort_queue.get_nowait()
+            if index is not None:
+                owned[index].append(engine_id)
+        for engine in self.engines:
+            owned[engine.index] += engine.pending_aborts
+        sent = False
+        for index, ids in owned.items():
+            if not ids:
+                continue
+            try:
+                await self.engines[index].socket.send_multipart(
+                    [ABORT, self._encoder.encode(sorted(set(ids)))], flags=zmq.NOBLOCK)
+                sent = True
+            except zmq.ZMQError:
+                pass  # the engine's own client timeout ends them
+        return sent
 
     async def _close_sockets(self) -> None:
         """Close every socket and the context. destroy, not term: term blocks the calling

@@ -41,6 +41,7 @@ from engine.wire.protocol import (
     FINISH_ERROR,
     HELLO,
     OUTPUTS,
+    PING,
     READY,
     START_DP_WAVE,
     UTILITY,
@@ -65,6 +66,11 @@ UTILITY_METHODS = frozenset({
     "add_lora", "remove_lora", "list_loras",
     "profile", "reset_mm_cache", "reset_encoder_cache", "execute_dummy_batch"})
 HEARTBEAT_INTERVAL_S = 1.0
+# a client not heard from (requests, PINGs every CLIENT_PING_S) for this long is gone: an
+# OOM-killed or downscaled ingress replica; its requests are aborted, so they hold no KV
+# blocks and no slots, and it gets no more heartbeats or KV events
+CLIENT_TIMEOUT_S = 30.0
+_CLIENT_GONE = b"gone"  # an input-queue marker, never on the wire
 KV_EVENTS_INTERVAL_S = 0.1  # the most often KV events are sent (batched in between)
 ENCODE_BATCH = 256  # the most queued messages the encoder takes (and merges) at once
 _STOP = object()
@@ -95,8 +101,11 @@ class EngineCoreServer:
 
     def __init__(self, core: Any, address: str, engine_index: int = 0,
                  heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S,
-                 kv_events_interval_s: float = KV_EVENTS_INTERVAL_S) -> None:
+                 kv_events_interval_s: float = KV_EVENTS_INTERVAL_S,
+                 client_timeout_s: float = CLIENT_TIMEOUT_S) -> None:
         self.core = core
+        self.client_timeout_s = client_timeout_s
+        self._client_seen: dict[bytes, float] = {}  # io thread only: client -> last frame
         self.address = address
         self.engine_index = engine_index
         self.heartbeat_interval_s = heartbeat_interval_s
@@ -231,6 +240,7 @@ class EngineCoreServer:
                             break
                         router.send_multipart([identity, kind, payload], copy=False)
                         last_sent = time.monotonic()
+                self._forget_silent_clients()
                 if time.monotonic() - last_sent >= self.heartbeat_interval_s and self._clients:
                     beat = heartbeat.encode(EngineCoreOutputs(
                         self.engine_index, timestamp=time.time(),
@@ -242,6 +252,14 @@ class EngineCoreServer:
             router.close(linger=0)
             outbox.close(linger=0)
 
+    def _forget_silent_clients(self) -> None:
+        """Hand the core loop every client silent past client_timeout_s (io thread)."""
+        now = time.monotonic()
+        for identity, seen in list(self._client_seen.items()):
+            if now - seen > self.client_timeout_s:
+                del self._client_seen[identity]
+                self._inputs.put((identity, _CLIENT_GONE, None))
+
     def _on_frames(self, frames: list[bytes]) -> None:
         """Decode one client message onto the input queue (errors: log + error output)."""
         if len(frames) != 3:
@@ -249,6 +267,9 @@ class EngineCoreServer:
                            self.engine_index, len(frames))
             return
         identity, kind, payload = frames
+        self._client_seen[identity] = time.monotonic()
+        if kind == PING:
+            return
         try:
             if kind == ADD:
                 msg = msgspec.msgpack.decode(payload, type=EngineCoreRequest)
@@ -361,6 +382,14 @@ class EngineCoreServer:
                 timestamp=time.time(), scheduler_stats=self._safe_stats()))
         elif kind == START_DP_WAVE:
             self._wave = max(self._wave, msg.wave)
+        elif kind == _CLIENT_GONE:
+            self._clients.discard(identity)
+            orphans = [r for r, owner in self._owner_of.items() if owner == identity]
+            if orphans:
+                logger.warning("engine %d: client %s silent for %.0fs: aborting its %d "
+                               "requests", self.engine_index, identity[:8].decode(errors="replace"),
+                               self.client_timeout_s, len(orphans))
+                self.core.abort_requests(orphans)
         elif kind == HELLO:
             # the clients there already get what happened before this client's snapshot
             self._route([], self._due_kv_events(force=True))

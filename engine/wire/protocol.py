@@ -12,6 +12,8 @@ Frames (ZMQ multipart, after the ROUTER's routing id on the engine side):
     START_DP_WAVE  StartDPWave
     UTILITY        UtilityRequest
     HELLO          Hello (first frame of every connection)
+    PING           empty: the client is alive (every CLIENT_PING_S); an engine aborts the
+                   requests of a client it has not heard from for its client timeout
   engine -> client: [type byte, msgpack payload]
     READY          EngineCoreReadyResponse (answer to HELLO)
     OUTPUTS        EngineCoreOutputs (kv_events: prefix-cache changes, to every client)
@@ -28,13 +30,14 @@ from engine.pooling import PoolingParams
 from engine.request_limits import RequestLimits
 from engine.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: clients PING; an engine drops a silent client's requests
 
 # client -> engine request types (docs/architecture.md, "The wire contract")
 ADD = b"\x00"
 ABORT = b"\x01"
 START_DP_WAVE = b"\x02"
 UTILITY = b"\x03"
+PING = b"\x04"
 HELLO = b"\x10"
 # engine -> client frame types
 READY = b"\x20"

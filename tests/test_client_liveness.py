@@ -1,0 +1,96 @@
+"""Engines learn when a client is gone (issue 40, finding 2): an ingress replica that is
+OOM-killed or downscaled left its requests running on the engines, holding KV blocks and
+slots until max_tokens, and every reconnect added a client that got KV events for ever.
+Clients now PING every engine each second; an engine aborts the requests of a client it
+has not heard from for client_timeout_s and forgets it. A client that shuts down (a
+retired one) aborts what it still has running first."""
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+import time
+
+from engine.sampling_params import SamplingParams
+from engine.wire.core_server import EngineCoreServer
+from engine.wire.mock import MockConfig, MockEngineCore
+from tests.test_core_client import free_address
+from tests.test_openai_app import tokenizer  # noqa: F401 - fixture
+
+_CLIENT = """
+import asyncio, sys
+from engine.model.loader import load_tokenizer, resolve_model
+from engine.sampling_params import SamplingParams
+from engine.wire.core_client import EngineClient
+
+async def main():
+    client = await EngineClient.connect([sys.argv[1]], load_tokenizer(resolve_model("default")))
+    params = SamplingParams(max_tokens=100000, ignore_eos=True)
+    streams = [client.generate(f"r{i}", [5, 6, 7], params) for i in range(5)]
+    for s in streams:
+        await s.__anext__()
+    print("streaming", flush=True)
+    await asyncio.sleep(3600)
+
+asyncio.run(main())
+"""
+
+
+def _serve(tokenizer, client_timeout_s: float):
+    core = MockEngineCore(MockConfig(vocab_size=len(tokenizer), itl_s=0.01,
+                                     max_model_len=200_000))
+    address = free_address()
+    server = EngineCoreServer(core, address, heartbeat_interval_s=0.2,
+                              client_timeout_s=client_timeout_s).start()
+    return core, server, address
+
+
+def _wait_until(check, timeout: float) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if check():
+            return True
+        time.sleep(0.05)
+    return check()
+
+
+def test_a_killed_clients_requests_are_aborted_and_the_client_forgotten(tokenizer):  # noqa: F811
+    core, server, address = _serve(tokenizer, client_timeout_s=1.5)
+    proc = subprocess.Popen([sys.executable, "-c", _CLIENT, address], stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        assert proc.stdout.readline().strip() == "streaming"
+        assert len(core._running) == 5 and len(server._clients) == 1
+        time.sleep(2.5)  # alive and pinging: nothing is dropped while it is there
+        assert len(core._running) == 5
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        killed = time.monotonic()
+        assert _wait_until(lambda: not core._running, 10)
+        assert time.monotonic() - killed < 1.5 + 2.0  # the timeout, plus a poll or two
+        assert _wait_until(lambda: not server._clients, 2)
+    finally:
+        proc.kill()
+        server.shutdown()
+
+
+def test_a_client_that_shuts_down_aborts_what_it_still_runs(tokenizer):  # noqa: F811
+    """A retired client used to cancel its abort loop, then fail its streams: what
+    they ran went on at the engines."""
+    from engine.wire.core_client import EngineClient
+    core, server, address = _serve(tokenizer, client_timeout_s=600)
+    try:
+        async def main():
+            client = await EngineClient.connect([address], tokenizer)
+            params = SamplingParams(max_tokens=100000, ignore_eos=True)
+            streams = [client.generate(f"r{i}", [5, 6], params) for i in range(3)]
+            for s in streams:
+                await s.__anext__()
+            running = len(core._running)
+            await client.shutdown()
+            return running
+        assert asyncio.run(main()) == 3
+        assert _wait_until(lambda: not core._running, 2)
+    finally:
+        server.shutdown()
