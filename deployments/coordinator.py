@@ -39,13 +39,13 @@ async def _answers(address: str) -> bool:
     import zmq
     import zmq.asyncio
 
-    from engine.wire.protocol import HELLO, READY, Hello
+    from engine.wire.protocol import HELLO, PROTOCOL_VERSION, READY, Hello
     ctx = zmq.asyncio.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     try:
         sock.connect(address)
-        await sock.send_multipart([HELLO, msgspec.msgpack.encode(Hello("coordinator-probe"))])
+        await sock.send_multipart([HELLO, msgspec.msgpack.encode(Hello("coordinator-probe", PROTOCOL_VERSION))])
         while True:
             kind, _ = await asyncio.wait_for(sock.recv_multipart(), PROBE_TIMEOUT_S)
             if kind == READY:

@@ -151,22 +151,28 @@ class OpenAIIngress:
                     async with self._lock:
                         if version != self._version:
                             await self._switch(version, addresses)
-                elif addresses and self._left_out(addresses):
+                elif addresses and (missing := self._left_out(addresses)):
                     # the same membership, but an engine left out as dead: it may only
-                    # have gone quiet, and no membership change would ever bring it back
+                    # have gone quiet, and no membership change would ever bring it back.
+                    # Probe it alone first: the live engines are not asked every time.
                     self._retried = time.monotonic()
+                    probe = await EngineClient.connect(
+                        missing, tokenizer_for(self.args),
+                        handshake_timeout_s=ENGINE_RETRY_HANDSHAKE_S)
+                    await probe.shutdown()
                     async with self._lock:
-                        await self._switch(version, addresses, ENGINE_RETRY_HANDSHAKE_S)
+                        await self._switch(version, addresses)
                     logger.info("ingress: an engine left out as dead answers again")
             except Exception as exc:  # the coordinator restarting, an engine not answering
                 logger.warning("ingress: engine membership update failed: %s", exc)
 
-    def _left_out(self, addresses: list[str]) -> bool:
-        """Whether the coordinator lists an engine this replica's client lacks, and it is
-        time to try it again."""
+    def _left_out(self, addresses: list[str]) -> list[str]:
+        """The engines the coordinator lists and this replica's client lacks, when it is
+        time to try them again (else none)."""
+        if time.monotonic() - self._retried < ENGINE_RETRY_S:
+            return []
         have = {e.address for e in self._client.engines}
-        return (not set(addresses) <= have
-                and time.monotonic() - self._retried >= ENGINE_RETRY_S)
+        return [a for a in addresses if a not in have]
 
     def __serve_build_asgi_app__(self):
         a = self.args

@@ -65,12 +65,12 @@ def check_limits(params, limits: RequestLimits) -> None:
             "max_logit_bias")
     _refuse("allowed_token_ids", len(params.allowed_token_ids or ()),
             limits.max_allowed_token_ids, "max_allowed_token_ids")
-    # as the engine gets them: each word with and without a leading space, a token per
-    # character at most
+    # as the engine gets them: each word with and without a leading space; byte-level
+    # tokenizers may spend up to 4 tokens on a character
     _refuse("bad word token sequences", len(params.bad_words_token_ids),
             2 * limits.max_bad_words, "max_bad_words")
     longest = max(map(len, params.bad_words_token_ids), default=0)
-    _refuse("the longest bad word's tokens", longest, limits.max_bad_word_chars,
+    _refuse("the longest bad word's tokens", longest, 4 * (limits.max_bad_word_chars + 1),
             "max_bad_word_chars")
 
 

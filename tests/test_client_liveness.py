@@ -94,3 +94,73 @@ def test_a_client_that_shuts_down_aborts_what_it_still_runs(tokenizer):  # noqa:
         assert _wait_until(lambda: not core._running, 2)
     finally:
         server.shutdown()
+
+
+def test_a_forgotten_client_that_speaks_again_is_served_again(tokenizer):  # noqa: F811
+    """Silent past the timeout, a client is forgotten; its next frame (a PING) brings it
+    back: heartbeats and KV events reach it again."""
+    import msgspec
+    import zmq
+
+    from engine.wire.protocol import HELLO, OUTPUTS, PING, PROTOCOL_VERSION, READY, Hello
+    core, server, address = _serve(tokenizer, client_timeout_s=0.5)
+    ctx = zmq.Context()
+    raw = ctx.socket(zmq.DEALER)
+    try:
+        raw.connect(address)
+        raw.send_multipart([HELLO, msgspec.msgpack.encode(Hello("raw", PROTOCOL_VERSION))])
+        assert raw.poll(5000) and raw.recv_multipart()[0] == READY
+        assert _wait_until(lambda: len(server._clients) == 1, 2)
+        assert _wait_until(lambda: not server._clients, 5)  # silent: forgotten
+        while raw.poll(300):
+            raw.recv_multipart()  # what was sent before it was forgotten
+        raw.send_multipart([PING, b""])
+        assert _wait_until(lambda: len(server._clients) == 1, 2)
+        assert raw.poll(2000) and raw.recv_multipart()[0] == OUTPUTS  # a heartbeat again
+    finally:
+        raw.close(linger=0)
+        ctx.term()
+        server.shutdown()
+
+
+def test_an_engine_that_stalled_itself_judges_no_client_silent(tokenizer):  # noqa: F811
+    """After the engine's own io thread stalled (its process stopped, a VM paused), the
+    clients' PINGs may still be queued: nobody is declared gone on that pass."""
+    core = MockEngineCore(MockConfig(vocab_size=len(tokenizer)))
+    server = EngineCoreServer(core, free_address(), client_timeout_s=10)
+    now = time.monotonic()
+    server._client_seen = {b"a": now - 100}
+    server._io_pass_at = now - 100  # the io thread itself was away
+    server._forget_silent_clients()
+    assert server._inputs.empty() and server._client_seen[b"a"] >= now
+    server._client_seen = {b"a": now - 100}  # a normal pass: a silent client is gone
+    server._forget_silent_clients()
+    assert server._inputs.get_nowait()[:2] == (b"a", b"gone")
+
+
+def test_peers_of_another_protocol_version_are_refused(tokenizer):  # noqa: F811
+    """A version-1 peer leaves the version out of its HELLO / READY (its default): read
+    as 1, not as the current version, and refused; it would not PING."""
+    import msgspec
+    import zmq
+
+    from engine.wire.protocol import HELLO, PROTOCOL_VERSION, EngineCoreReadyResponse, Hello
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode({"client_id": "old"}),
+                                  type=Hello).protocol_version == 1
+    old_ready = msgspec.msgpack.encode({"engine_index": 0, "max_model_len": 8,
+                                        "num_gpu_blocks": 1, "block_size": 16,
+                                        "dtype": "x", "version": "0"})
+    assert msgspec.msgpack.decode(old_ready, type=EngineCoreReadyResponse).protocol_version \
+        == 1 != PROTOCOL_VERSION
+    core, server, address = _serve(tokenizer, client_timeout_s=30)
+    ctx = zmq.Context()
+    raw = ctx.socket(zmq.DEALER)
+    try:
+        raw.connect(address)
+        raw.send_multipart([HELLO, msgspec.msgpack.encode({"client_id": "old"})])
+        assert not raw.poll(1000)  # no READY for it
+        assert not server._clients
+    finally:
+        raw.close(linger=0)
+        ctx.term()
+        server.shutdown()

@@ -146,6 +146,7 @@ def test_bad_input_gets_error_output_and_engine_keeps_serving(served):
     from engine.errors import PromptTooLongError
     from engine.wire.protocol import (
         HELLO,
+        PROTOCOL_VERSION,
         READY,
         EngineCoreOutputs,
         EngineCoreRequest,
@@ -168,7 +169,7 @@ def test_bad_input_gets_error_output_and_engine_keeps_serving(served):
         raw = ctx.socket(zmq.DEALER)
         raw.connect(address)
         enc = msgspec.msgpack.encode
-        await raw.send_multipart([HELLO, enc(Hello("raw"))])
+        await raw.send_multipart([HELLO, enc(Hello("raw", PROTOCOL_VERSION))])
         kind, _ = await asyncio.wait_for(raw.recv_multipart(), 5)
         assert kind == READY
         await raw.send_multipart([ADD, b"\xc1garbage"])

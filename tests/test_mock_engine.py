@@ -17,6 +17,7 @@ from engine.errors import (
 from engine.sampling_params import SamplingParams
 from engine.wire.mock import FIRST_TOKEN_ID, MockConfig, MockEngineCore
 from engine.wire.protocol import (
+    PROTOCOL_VERSION,
     EngineCoreOutput,
     EngineCoreReadyResponse,
     EngineCoreRequest,
@@ -296,7 +297,8 @@ def _read_slowly(max_tokens: int) -> tuple[list[int], int, str]:
         dealer.setsockopt(zmq.IDENTITY, b"slow-reader")
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.connect(address)
-        dealer.send_multipart([HELLO, msgspec.msgpack.encode(Hello("slow-reader"))])
+        dealer.send_multipart([HELLO, msgspec.msgpack.encode(
+            Hello("slow-reader", PROTOCOL_VERSION))])
         assert dealer.recv_multipart()[0] == READY
         dealer.send_multipart([ADD, msgspec.msgpack.encode(
             req("long", max_tokens=max_tokens, ignore_eos=True))])  # one token a step

@@ -29,7 +29,7 @@ TIGHT = RequestLimits(max_stop_strings=2, max_stop_string_chars=5, max_bad_words
     (SamplingParams(bad_words=["x", "y", "z"]), "max_bad_words"),
     (SamplingParams(bad_words=["toolong!"]), "max_bad_word_chars"),
     (SamplingParams(bad_words_token_ids=[[1]] * 5), "max_bad_words"),
-    (SamplingParams(bad_words_token_ids=[[1] * 7]), "max_bad_word_chars"),
+    (SamplingParams(bad_words_token_ids=[[1] * 29]), "max_bad_word_chars"),
     (SamplingParams(logit_bias={1: 1.0, 2: 1.0, 3: 1.0, 4: 1.0}), "max_logit_bias"),
     (SamplingParams(allowed_token_ids=[1, 2, 3, 4, 5]), "max_allowed_token_ids"),
 ])
@@ -40,7 +40,7 @@ def test_each_limit_is_refused_by_name(params, option):
 
 def test_requests_at_the_limits_pass():
     check_limits(SamplingParams(stop=["abcde", "x"], bad_words=["abcdef", "y"],
-                                bad_words_token_ids=[[1] * 6] * 4,
+                                bad_words_token_ids=[[1] * 28] * 4,
                                 logit_bias={1: 1.0, 2: 1.0, 3: 1.0},
                                 allowed_token_ids=[1, 2, 3, 4]), TIGHT)
     check_fanout(3, 2, TIGHT)

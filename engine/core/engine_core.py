@@ -42,6 +42,7 @@ from engine.wire.protocol import (
     FINISH_ABORT,
     FINISH_ERROR,
     ITERATION_TOKENS_BUCKETS,
+    PROTOCOL_VERSION,
     EngineCoreOutput,
     EngineCoreReadyResponse,
     EngineCoreRequest,
@@ -483,7 +484,8 @@ class EngineCore:
             dtype=self.dtype_name, version=__version__,
             supported_tasks=self.get_supported_tasks(), max_num_seqs=self.config.max_num_seqs,
             model=self.config.model, max_logprobs=self.config.max_logprobs,
-            sampling_defaults=self.sampling_defaults, limits=self.limits)
+            sampling_defaults=self.sampling_defaults, limits=self.limits,
+            protocol_version=PROTOCOL_VERSION)
 
     def get_stats(self) -> SchedulerStats:
         return SchedulerStats(

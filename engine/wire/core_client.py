@@ -242,7 +242,8 @@ class EngineClient:
         socket.setsockopt(zmq.SNDHWM, 0)
         try:
             socket.connect(address)
-            await socket.send_multipart([HELLO, self._encoder.encode(Hello(self.client_id))])
+            await socket.send_multipart([HELLO, self._encoder.encode(
+                Hello(self.client_id, PROTOCOL_VERSION))])
             while True:
                 kind, payload = await asyncio.wait_for(socket.recv_multipart(), timeout)
                 if kind == READY:
@@ -631,10 +632,10 @@ class EngineClient:
                     except asyncio.QueueEmpty:
                         break
                 unsent = await self._send_aborts(batch)
-                if unsent:
-                    await asyncio.sleep(ABORT_RETRY_S)
+                if unsent:  # queued again first: a shutdown meanwhile still sends them
                     for engine_id, index in unsent:
                         self._abort_queue.put_nowait((engine_id, index, None))
+                    await asyncio.sleep(ABORT_RETRY_S)
             except asyncio.CancelledError:
                 return
             except Exception:  # a bug here must not stop every later abort

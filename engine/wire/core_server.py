@@ -42,6 +42,7 @@ from engine.wire.protocol import (
     HELLO,
     OUTPUTS,
     PING,
+    PROTOCOL_VERSION,
     READY,
     START_DP_WAVE,
     UTILITY,
@@ -70,7 +71,8 @@ HEARTBEAT_INTERVAL_S = 1.0
 # OOM-killed or downscaled ingress replica; its requests are aborted, so they hold no KV
 # blocks and no slots, and it gets no more heartbeats or KV events
 CLIENT_TIMEOUT_S = 30.0
-_CLIENT_GONE = b"gone"  # an input-queue marker, never on the wire
+_CLIENT_GONE = b"gone"  # input-queue markers, never on the wire
+_CLIENT_BACK = b"back"
 KV_EVENTS_INTERVAL_S = 0.1  # the most often KV events are sent (batched in between)
 ENCODE_BATCH = 256  # the most queued messages the encoder takes (and merges) at once
 _STOP = object()
@@ -106,6 +108,7 @@ class EngineCoreServer:
         self.core = core
         self.client_timeout_s = client_timeout_s
         self._client_seen: dict[bytes, float] = {}  # io thread only: client -> last frame
+        self._io_pass_at = time.monotonic()  # the io loop's last look at its clients
         self.address = address
         self.engine_index = engine_index
         self.heartbeat_interval_s = heartbeat_interval_s
@@ -253,8 +256,14 @@ class EngineCoreServer:
             outbox.close(linger=0)
 
     def _forget_silent_clients(self) -> None:
-        """Hand the core loop every client silent past client_timeout_s (io thread)."""
+        """Hand the core loop every client silent past client_timeout_s (io thread).
+        After a stall of this thread itself (the process stopped, a VM paused) its
+        clients' PINGs may still sit in ZMQ's queues: it judges no one until they had a
+        new chance to arrive."""
         now = time.monotonic()
+        if now - self._io_pass_at > self.client_timeout_s / 2:
+            self._client_seen = dict.fromkeys(self._client_seen, now)
+        self._io_pass_at = now
         for identity, seen in list(self._client_seen.items()):
             if now - seen > self.client_timeout_s:
                 del self._client_seen[identity]
@@ -267,6 +276,8 @@ class EngineCoreServer:
                            self.engine_index, len(frames))
             return
         identity, kind, payload = frames
+        if identity not in self._client_seen and kind != HELLO:
+            self._inputs.put((identity, _CLIENT_BACK, None))  # forgotten, yet it speaks
         self._client_seen[identity] = time.monotonic()
         if kind == PING:
             return
@@ -382,7 +393,7 @@ class EngineCoreServer:
                 timestamp=time.time(), scheduler_stats=self._safe_stats()))
         elif kind == START_DP_WAVE:
             self._wave = max(self._wave, msg.wave)
-        elif kind == _CLIENT_GONE:
+        elif kind == _CLIENT_GONE and identity in self._clients:
             self._clients.discard(identity)
             orphans = [r for r, owner in self._owner_of.items() if owner == identity]
             if orphans:
@@ -391,14 +402,25 @@ class EngineCoreServer:
                                self.client_timeout_s, len(orphans))
                 self.core.abort_requests(orphans)
         elif kind == HELLO:
-            # the clients there already get what happened before this client's snapshot
-            self._route([], self._due_kv_events(force=True))
-            self._clients.add(identity)
+            if msg.protocol_version != PROTOCOL_VERSION:  # it would not PING: not served
+                logger.error("engine %d: client %s speaks protocol %d, this engine %d: "
+                             "not answered", self.engine_index, msg.client_id,
+                             msg.protocol_version, PROTOCOL_VERSION)
+                return
             self._to_encode.put((identity, READY, self.core.ready_response(self.engine_index)))
-            snapshot = getattr(self.core, "kv_cache_snapshot", None)
-            if snapshot is not None:
-                self._send(identity, EngineCoreOutputs(self.engine_index, timestamp=time.time(),
-                                                       kv_events=snapshot()))
+            self._welcome(identity)
+        elif kind == _CLIENT_BACK:  # it was silent past the timeout, and spoke again
+            self._welcome(identity)
+
+    def _welcome(self, identity: bytes) -> None:
+        """Add a client to those that get heartbeats and KV events, starting with a
+        snapshot of the prefix cache (the others first get what came before it)."""
+        self._route([], self._due_kv_events(force=True))
+        self._clients.add(identity)
+        snapshot = getattr(self.core, "kv_cache_snapshot", None)
+        if snapshot is not None:
+            self._send(identity, EngineCoreOutputs(self.engine_index, timestamp=time.time(),
+                                                   kv_events=snapshot()))
 
     def _call_utility(self, req: UtilityRequest) -> UtilityOutput:
         if req.method not in UTILITY_METHODS:

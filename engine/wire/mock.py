@@ -51,6 +51,7 @@ from engine.wire.protocol import (
     FINISH_LENGTH,
     FINISH_STOP,
     ITERATION_TOKENS_BUCKETS,
+    PROTOCOL_VERSION,
     EngineCoreOutput,
     EngineCoreReadyResponse,
     EngineCoreRequest,
@@ -469,7 +470,7 @@ class MockEngineCore:
             num_gpu_blocks=self.num_blocks, block_size=self.block_size, dtype=self.dtype_name,
             version=__version__, supported_tasks=self.get_supported_tasks(),
             max_num_seqs=self.max_num_seqs, model=self.model_name,
-            limits=self.limits)
+            limits=self.limits, protocol_version=PROTOCOL_VERSION)
 
 
 # ---- `python -m engine.wire.mock` / `flotilla mock-engine` ------------------------------------

@@ -130,7 +130,9 @@ class Hello(msgspec.Struct, omit_defaults=True):
     """First message of a connection; the engine answers with READY."""
 
     client_id: str
-    protocol_version: int = PROTOCOL_VERSION
+    # absent on the wire means 1: a version-1 peer left out its own default (a default of
+    # PROTOCOL_VERSION would read an old peer as a current one); senders always set it
+    protocol_version: int = 1
 
 
 class EngineCoreReadyResponse(msgspec.Struct, omit_defaults=True):
@@ -144,7 +146,7 @@ class EngineCoreReadyResponse(msgspec.Struct, omit_defaults=True):
     version: str
     supported_tasks: list[str] = msgspec.field(default_factory=lambda: ["generate"])
     max_num_seqs: int = 256
-    protocol_version: int = PROTOCOL_VERSION
+    protocol_version: int = 1  # as Hello's: absent means 1; engines set PROTOCOL_VERSION
     model: str = ""
     max_logprobs: int = 20  # EngineConfig.max_logprobs: the frontend refuses more up front
     # sampling values a request gets for what it leaves unset (engine.generation_defaults)

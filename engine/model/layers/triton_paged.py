@@ -38,6 +38,7 @@ PREFILL_ROWS = 64
 PROGRAMS_PER_SM = 4
 # Stand-in SM count under the interpreter, small so that CPU tests exercise split-KV.
 _INTERPRETER_SMS = 2
+_ALIGN = 4  # int32s: 16 bytes, the pointer alignment Triton specializes on
 
 
 @dataclass
@@ -83,12 +84,14 @@ class TritonPagedAttention:
     def num_splits(self, rows: int, longest: int) -> int:
         """Split-KV segments for rows decodes whose longest context is `longest` keys:
         enough programs to fill the device, no more segments than key tiles; a batch
-        that fills the device alone gets none."""
+        that fills the device alone gets none. Rounded down to a power of two (1, 2, 4,
+        8, 16), since each count is its own compiled kernel."""
         if rows > self.split_rows:
             return 1
         programs = rows * self.num_kv_heads
         wanted = -(-self.busy_programs // programs)
-        return max(1, min(MAX_SPLITS, wanted, -(-longest // BLOCK_N)))
+        splits = max(1, min(MAX_SPLITS, wanted, -(-longest // BLOCK_N)))
+        return 1 << (splits.bit_length() - 1)  # a power of two: few kernel variants
 
     def step(self, query_lens: list[int], seq_lens: list[int],
              block_tables: list[list[int]], num_decodes: int) -> TritonStep:
@@ -98,8 +101,10 @@ class TritonPagedAttention:
         layout: list[tuple[str, int, tuple[int, ...]]] = []
 
         def add(name: str, values: list[int], shape: tuple[int, ...]) -> None:
+            # each array starts 16 bytes in: Triton specializes a kernel on its pointers'
+            # alignment, and arrays at varying offsets would compile variants mid-serving
             layout.append((name, len(values), shape))
-            parts.append(values)
+            parts.append(values + [0] * (-len(values) % _ALIGN))
 
         count = len(query_lens)
         specs = []
@@ -127,7 +132,7 @@ class TritonPagedAttention:
         arrays, at = {}, 0
         for name, size, shape in layout:
             arrays[name] = flat[at:at + size].view(shape)
-            at += size
+            at += size + (-size % _ALIGN)
         launches: dict[str, AttentionLaunch | None] = {"decode": None, "prefill": None}
         for name, lo, hi, block_q in specs:
             splits = 1

@@ -31,7 +31,9 @@ _LOG2E = 1.4426950408889634
 MAX_SPLITS = 16  # the split-KV scratch holds this many segments a row
 
 
-@triton.jit
+# the block table's row stride is its width, which varies step to step: not specialized
+# on (Triton compiles a variant for a value of 1 or a multiple of 16)
+@triton.jit(do_not_specialize=["stride_bt"])
 def paged_attention_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, part_out_ptr, part_lse_ptr,
         tile_seq_ptr, tile_q_ptr, query_start_ptr, seq_lens_ptr, tables_ptr,
