@@ -43,9 +43,11 @@ def check_openai_error(status: int, body: dict, where: str = "") -> None:
     assert "param" in err and err.get("code") in (status, str(status)), f"{where}: {body}"
 
 
-def _mock_process(address: str, vocab_size: int, itl_s: float) -> subprocess.Popen:
+def _mock_process(address: str, vocab_size: int, itl_s: float,
+                  ttft_s: float | None = None) -> subprocess.Popen:
+    extra = [] if ttft_s is None else ["--ttft-s", str(ttft_s)]
     return subprocess.Popen([sys.executable, "-m", "engine.wire.mock", "--address", address,
-                             "--vocab-size", str(vocab_size), "--itl-s", str(itl_s)],
+                             "--vocab-size", str(vocab_size), "--itl-s", str(itl_s), *extra],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 

@@ -192,3 +192,35 @@ def test_an_engine_back_from_a_blip_is_used_again_and_gets_its_aborts(tokenizer)
         proc.send_signal(signal.SIGCONT)
         proc.kill()
         proc.wait()
+
+
+def test_a_request_a_dead_engine_gave_no_token_goes_to_another_engine(tokenizer):
+    """A request still waiting for its first token on an engine that dies is sent to
+    another engine instead of failing (only a draining engine's were), and the dead
+    engine's copy is aborted should it come back (issue 40, finding 1)."""
+    from tests.app_server import _mock_process, free_tcp_port
+    addresses = [f"tcp://127.0.0.1:{free_tcp_port()}" for _ in range(2)]
+    procs = [_mock_process(a, len(tokenizer), 0.01, ttft_s=3.0) for a in addresses]
+    try:
+        async def main():
+            client = await EngineClient.connect(addresses, tokenizer, handshake_timeout_s=30)
+            try:
+                stream = client.generate("r", [5, 6], SamplingParams(max_tokens=5,
+                                                                     ignore_eos=True))
+                first = asyncio.ensure_future(stream.__anext__())
+                await asyncio.sleep(0.5)  # sent, still in its 3 s prefill
+                engine = client._engine_of["r"]
+                procs[engine].send_signal(signal.SIGKILL)
+                tokens = len((await first).outputs[0].token_ids)
+                async for out in stream:
+                    tokens += len(out.outputs[0].token_ids)
+                return tokens, client.abort_causes["resubmitted"]
+            finally:
+                await client.shutdown()
+
+        tokens, resubmitted = asyncio.run(asyncio.wait_for(main(), 60))
+        assert tokens == 5 and resubmitted == 1
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()

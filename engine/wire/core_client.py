@@ -320,7 +320,8 @@ class EngineClient:
         hashes = self.router.block_hashes(ids, lora_request)
         finished = yielded = False
         abort_cause = "client_disconnect"
-        while True:  # more than once only when a draining engine refuses the request
+        while True:  # again only when a draining engine refused it, or a dead one had
+            # given it no token yet
             engine, uncached = self._route(data_parallel_rank, lora_id, len(ids), hashes,
                                            session_id)
             if lora_id is not None:
@@ -361,9 +362,15 @@ class EngineClient:
                     error = stream.error
                     if error is None:
                         continue
-                    if isinstance(error, EngineDrainingError) and not yielded and \
-                            data_parallel_rank is None and self._others_than(engine):
-                        engine.draining = True  # shutting down: go to another engine
+                    if isinstance(error, (EngineDrainingError, EngineDeadError)) and \
+                            not yielded and data_parallel_rank is None and \
+                            self._others_than(engine):
+                        # nothing came from it yet: another engine takes the request (a
+                        # dead one's copy is aborted, should it only have gone quiet)
+                        if isinstance(error, EngineDrainingError):
+                            engine.draining = True  # shutting down: go to another engine
+                        else:
+                            abort_cause = "resubmitted"
                         break
                     # an engine declared dead may only have gone quiet: its request still
                     # runs there and is aborted (now, or when it speaks again)
