@@ -64,9 +64,8 @@ def main(arch: int) -> dict[str, int]:
         floats=("eps",))
     built["rope + kv write"] = compile_kernel(
         fo.rope_write_kv_kernel, "bf16", dict(
-            NUM_HEADS=32, NUM_KV_HEADS=8, HEAD_DIM=128, HALF_PAD=64, HEADS_PAD=64, KV_PAD=8,
-            WRITE_KV=True), arch, fp32=("cos_ptr", "sin_ptr"), i64=("positions_ptr",
-                                                                     "slots_ptr"))
+            NUM_HEADS=32, NUM_KV_HEADS=8, HEAD_DIM=128, HALF_PAD=64, HEADS_PAD=64, KV_PAD=8),
+        arch, fp32=("cos_ptr", "sin_ptr"), i64=("positions_ptr", "slots_ptr"))
     built["silu x mul"] = compile_kernel(
         fo.silu_and_mul_kernel, "bf16", dict(N=14336, BLOCK=1024), arch)
     return built

@@ -12,9 +12,10 @@ where the torch path rounds them (the residual sum, the normalised row before th
 weight), so the two paths agree to the dtype's precision.
 
 TritonLayerOps gathers them behind the interface the model's layers call for fused
-work (the CPU kernels' names: fused_add_rms_norm, rotary_inplace, silu_and_mul; and
-rms_norm, which the CPU kernels leave to torch), so the layers run on either without
-knowing which.
+work (the CPU kernels' names: fused_add_rms_norm, silu_and_mul; and rms_norm, which
+the CPU kernels leave to torch), so the layers run on either without knowing which. The
+rotary is not among them: on this backend the attention layer hands its fused qkv to
+TritonPagedAttention, whose rope_write_kv rotates and writes the cache in one launch.
 """
 from __future__ import annotations
 
@@ -49,10 +50,9 @@ def rope_write_kv_kernel(qkv_ptr, positions_ptr, cos_ptr, sin_ptr, k_cache_ptr, 
                          slots_ptr, stride_t, stride_cos, stride_kh, stride_ks, stride_vh,
                          stride_vs, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                          HEAD_DIM: tl.constexpr, HALF_PAD: tl.constexpr,
-                         HEADS_PAD: tl.constexpr, KV_PAD: tl.constexpr,
-                         WRITE_KV: tl.constexpr):
+                         HEADS_PAD: tl.constexpr, KV_PAD: tl.constexpr):
     """Grid (tokens,). Rotates (neox, rotate-half) the q and k heads of one token's fused
-    qkv row in place, then (WRITE_KV) stores its k and v heads at the token's cache slot.
+    qkv row in place, then stores its k and v heads at the token's cache slot.
     cos / sin: the tables [max_positions, D] whose two halves repeat."""
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + t).to(tl.int64)
@@ -71,21 +71,20 @@ def rope_write_kv_kernel(qkv_ptr, positions_ptr, cos_ptr, sin_ptr, k_cache_ptr, 
     y2 = (b * cos[None, :] + a * sin[None, :]).to(x1.dtype)
     tl.store(row, y1, mask=ok)
     tl.store(row + half, y2, mask=ok)
-    if WRITE_KV:
-        slot = tl.load(slots_ptr + t).to(tl.int64)
-        kv = (h - NUM_HEADS).to(tl.int64)  # the k heads' rows, as kv head indices
-        k_ok = ((h >= NUM_HEADS) & (h < NUM_HEADS + NUM_KV_HEADS))[:, None] & i_ok[None, :]
-        k_at = k_cache_ptr + kv[:, None] * stride_kh + slot * stride_ks + i[None, :]
-        tl.store(k_at, y1.to(k_cache_ptr.dtype.element_ty), mask=k_ok)
-        tl.store(k_at + half, y2.to(k_cache_ptr.dtype.element_ty), mask=k_ok)
-        g = tl.arange(0, KV_PAD).to(tl.int64)
-        d = tl.arange(0, 2 * HALF_PAD)
-        v_ok = (g < NUM_KV_HEADS)[:, None] & (d < HEAD_DIM)[None, :]
-        v_src = (qkv_ptr + t * stride_t + (NUM_HEADS + NUM_KV_HEADS) * HEAD_DIM
-                 + g[:, None] * HEAD_DIM + d[None, :])
-        v = tl.load(v_src, mask=v_ok, other=0.0)
-        tl.store(v_cache_ptr + g[:, None] * stride_vh + slot * stride_vs + d[None, :],
-                 v.to(v_cache_ptr.dtype.element_ty), mask=v_ok)
+    slot = tl.load(slots_ptr + t).to(tl.int64)
+    kv = (h - NUM_HEADS).to(tl.int64)  # the k heads' rows, as kv head indices
+    k_ok = ((h >= NUM_HEADS) & (h < NUM_HEADS + NUM_KV_HEADS))[:, None] & i_ok[None, :]
+    k_at = k_cache_ptr + kv[:, None] * stride_kh + slot * stride_ks + i[None, :]
+    tl.store(k_at, y1.to(k_cache_ptr.dtype.element_ty), mask=k_ok)
+    tl.store(k_at + half, y2.to(k_cache_ptr.dtype.element_ty), mask=k_ok)
+    g = tl.arange(0, KV_PAD).to(tl.int64)
+    d = tl.arange(0, 2 * HALF_PAD)
+    v_ok = (g < NUM_KV_HEADS)[:, None] & (d < HEAD_DIM)[None, :]
+    v_src = (qkv_ptr + t * stride_t + (NUM_HEADS + NUM_KV_HEADS) * HEAD_DIM
+             + g[:, None] * HEAD_DIM + d[None, :])
+    v = tl.load(v_src, mask=v_ok, other=0.0)
+    tl.store(v_cache_ptr + g[:, None] * stride_vh + slot * stride_vs + d[None, :],
+             v.to(v_cache_ptr.dtype.element_ty), mask=v_ok)
 
 
 @triton.jit
@@ -124,25 +123,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos_table: torch.Tensor,
                   sin_table: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
-                  k_cache: torch.Tensor | None = None, v_cache: torch.Tensor | None = None,
-                  slots: torch.Tensor | None = None) -> None:
-    """Rotate the q and k heads of qkv [T, (H + 2 KVH) * D] in place; with a cache
-    (k_cache, v_cache [KVH, slots, D]), store each token's k and v at slots[t]."""
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> None:
+    """Rotate the q and k heads of qkv [T, (H + 2 KVH) * D] in place and store each
+    token's k and v at slots[t] of the cache (k_cache, v_cache [KVH, slots, D])."""
     t = qkv.shape[0]
     if t == 0:
         return
-    write = k_cache is not None
-    k_cache = k_cache if write else qkv
-    v_cache = v_cache if write else qkv
     rope_write_kv_kernel[(t,)](
-        qkv, positions, cos_table, sin_table, k_cache, v_cache,
-        slots if write else positions, qkv.stride(0), cos_table.stride(0),
-        k_cache.stride(0), k_cache.stride(1) if write else 0,
-        v_cache.stride(0), v_cache.stride(1) if write else 0,
-        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        HALF_PAD=triton.next_power_of_2(head_dim // 2),
+        qkv, positions, cos_table, sin_table, k_cache, v_cache, slots, qkv.stride(0),
+        cos_table.stride(0), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
+        v_cache.stride(1), NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim, HALF_PAD=triton.next_power_of_2(head_dim // 2),
         HEADS_PAD=triton.next_power_of_2(num_heads + num_kv_heads),
-        KV_PAD=max(1, triton.next_power_of_2(num_kv_heads)), WRITE_KV=write)
+        KV_PAD=triton.next_power_of_2(num_kv_heads))
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -168,12 +161,6 @@ class TritonLayerOps:
     @staticmethod
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm(x, weight, eps)
-
-    @staticmethod
-    def rotary_inplace(qkv: torch.Tensor, positions: torch.Tensor, cos_table: torch.Tensor,
-                       sin_table: torch.Tensor, num_rotated: int, head_dim: int) -> None:
-        """Rotate the first num_rotated heads of each qkv row in place."""
-        rope_write_kv(qkv, positions, cos_table, sin_table, num_rotated, 0, head_dim)
 
     @staticmethod
     def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
