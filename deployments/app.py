@@ -16,6 +16,7 @@ from ray.serve import Application
 from deployments.config import AppArgs, parse_app_args
 from deployments.coordinator import Coordinator
 from deployments.engine_server import EngineServer
+from deployments.heap_trim import allocator_env
 from deployments.ingress import OpenAIIngress
 
 
@@ -45,7 +46,8 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
     return OpenAIIngress.options(
         autoscaling_config=ingress_scaling.serve_config(),
         max_ongoing_requests=max(1, math.ceil(4 * ingress_scaling.target_ongoing_requests)),
-        ray_actor_options={"num_cpus": parsed.ingress_num_cpus},
+        ray_actor_options={"num_cpus": parsed.ingress_num_cpus,
+                           "runtime_env": {"env_vars": allocator_env()}},
     ).bind(raw, coordinator, engines)
 
 
