@@ -89,6 +89,10 @@ class EngineConfig:
     max_cpu_loras: int | None = option(None, "adapters cached in host memory; none: max_loras")
     lora_modules: dict | None = option(None, 'adapters loaded at start, {"name": "path"} '
                                              "(JSON)")
+    allowed_lora_roots: str | None = option(
+        None, "folders (separated by ':') that an adapter loaded at run time must lie in "
+        "(add_lora, /v1/load_lora_adapter, an engine-core request naming a path), symlinks "
+        "resolved; none: any folder. lora_modules are always allowed")
     attention_backend: str = option(
         "auto", "attention kernels: auto (the native kernels on CPU, FlexAttention on "
         "CUDA), native (CPU only), flex (FlexAttention; eager, unfused on CPU), triton "
@@ -137,6 +141,8 @@ class EngineConfig:
             (self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras,
              "max_cpu_loras must be >= max_loras"),
             (not self.lora_modules or self.enable_lora, "lora_modules needs enable_lora"),
+            (self.allowed_lora_roots is None or self.enable_lora,
+             "allowed_lora_roots needs enable_lora"),
         ]
         for ok, message in checks:
             if not ok:

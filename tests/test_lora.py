@@ -365,3 +365,28 @@ def test_a_waiting_adapter_is_not_starved_by_newcomers_of_the_running_one(tiny_l
         assert finished == ["a1", "b", "a2"]
     finally:
         llm.shutdown()
+
+
+def test_adapters_load_only_from_the_allowed_roots(tiny_llama, adapters, tmp_path):
+    """allowed_lora_roots: an adapter outside them is refused, a symlink out of a root
+    too; lora_modules given at start load wherever they are."""
+    import shutil
+    (qv, _), (mlp, _), (all_, _) = adapters["qv"], adapters["mlp"], adapters["all"]
+    root = tmp_path / "root"
+    shutil.copytree(qv.lora_path, root / "qv")
+    (root / "escape").symlink_to(mlp.lora_path, target_is_directory=True)
+    llm = LLM(str(tiny_llama), dtype="float32", enable_lora=True, max_lora_rank=16,
+              allowed_lora_roots=str(root), lora_modules={"all": all_.lora_path})
+    try:
+        core = llm.llm_engine.engine_core
+        assert core.add_lora(LoRARequest("qv", 1, str(root / "qv")))
+        for path in (mlp.lora_path, str(root / "escape"), str(root / "qv" / ".." / "..")):
+            with pytest.raises(InvalidRequestError, match="allowed_lora_roots"):
+                core.add_lora(LoRARequest("other", 3, path))
+        with pytest.raises(InvalidRequestError, match="allowed_lora_roots"):  # a request's
+            llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=mlp)
+        assert {r.lora_name for r in core.list_loras()} == {"all", "qv"}
+    finally:
+        llm.shutdown()
+    with pytest.raises(ValueError, match="allowed_lora_roots needs enable_lora"):
+        LLM(str(tiny_llama), allowed_lora_roots=str(root))

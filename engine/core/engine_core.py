@@ -31,6 +31,7 @@ from engine.executor.sampler import Sampler
 from engine.generation_defaults import sampling_defaults
 from engine.lora.manager import LoRAManager
 from engine.lora.request import LoRARequest, adapter_id
+from engine.lora.roots import lora_roots, path_within
 from engine.model.kernels import cpu_kernels
 from engine.model.llama import ModelShape
 from engine.model.loader import load_hf_config, resolve_model
@@ -97,6 +98,7 @@ class EngineCore:
             fill_threads=config.cpu_threads() if self.device.type == "cpu" else 1)
         self.lora = LoRAManager(config.max_loras) if config.enable_lora else None
         self._checked_loras: set[LoRARequest] = set()  # adapters read once already
+        self._lora_roots = lora_roots(config)
         self.requests: dict[str, Request] = {}
         for name, path in (config.lora_modules or {}).items():
             self.add_lora(LoRARequest(name, adapter_id(name), str(path)))
@@ -324,6 +326,11 @@ class EngineCore:
                 f"adapter id {lora.lora_int_id} already stands for {clash.lora_name!r} at "
                 f"{clash.lora_path!r}; give this adapter another id")
         if lora not in self._checked_loras:
+            if self._lora_roots is not None and not path_within(lora.lora_path,
+                                                                self._lora_roots):
+                raise InvalidRequestError(
+                    f"adapter {lora.lora_name!r}: its path is outside the folders this engine "
+                    "loads adapters from (allowed_lora_roots)")
             self.runner.check_lora(lora)  # raises LoRAError
             self._checked_loras.add(lora)
 
