@@ -4,21 +4,28 @@ Starts `python -m engine.wire.mock --engines E` (zero latency model by default, 
 engines answer as fast as they can), opens N concurrent streams of T tokens each,
 and prints streamed tokens/s and requests/s, plus the client's own cost per token
 (CPU time of this process / tokens received), which is what the ingress pays.
+--curve serves and connects over ZMQ CURVE (engine/wire/curve_auth.py), as engines
+deployed under Serve do: run it beside a plain run to see what the encryption costs.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import json
+import os
 import resource
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 from engine import SamplingParams
 from engine.model.loader import load_tokenizer, resolve_model
 from engine.wire.core_client import EngineClient
 from engine.wire.core_server import engine_addresses
+from engine.wire.curve_auth import EngineKeys
 
 
 def free_port_block(count: int) -> int:
@@ -30,8 +37,10 @@ def free_port_block(count: int) -> int:
             return base
 
 
-async def run(args, addresses, tokenizer) -> None:
-    client = await EngineClient.connect(addresses, tokenizer, handshake_timeout_s=60)
+async def run(args, addresses, tokenizer, keys: EngineKeys | None = None) -> None:
+    client = await EngineClient.connect(
+        addresses, tokenizer, handshake_timeout_s=60,
+        keys={a: keys.for_clients() for a in addresses} if keys else None)
     params = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
     prompt = list(range(100, 100 + args.prompt_len))
 
@@ -57,7 +66,7 @@ async def run(args, addresses, tokenizer) -> None:
     tokens = sum(counts)
     cpu = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)
     print(f"engines={len(addresses)} concurrency={args.concurrency} requests={args.requests} "
-          f"tokens/request={args.tokens} chunk={args.chunk_size}")
+          f"tokens/request={args.tokens} chunk={args.chunk_size} curve={keys is not None}")
     print(f"streamed tokens/s: {tokens / wall:.0f}   requests/s: {args.requests / wall:.1f}")
     print(f"client CPU per token: {cpu / tokens * 1e6:.1f} us   "
           f"(client CPU {cpu:.2f}s over {wall:.2f}s wall)")
@@ -72,17 +81,24 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--chunk-size", type=int, default=1)
     parser.add_argument("--itl", type=float, default=0.0)
+    parser.add_argument("--curve", action="store_true", help="engines serve over CURVE")
     args = parser.parse_args()
     tokenizer = load_tokenizer(resolve_model("default"))
     base = f"tcp://127.0.0.1:{free_port_block(args.engines)}"
     addresses = engine_addresses(base, args.engines)
+    keys = EngineKeys.generate() if args.curve else None
+    keys_file = tempfile.NamedTemporaryFile("w", suffix=".json", delete=False)
+    with keys_file:
+        json.dump(dataclasses.asdict(keys) if keys else {}, keys_file)
     proc = subprocess.Popen([sys.executable, "-m", "engine.wire.mock", "--address", base,
                              "--engines", str(args.engines), "--vocab-size", str(len(tokenizer)),
-                             "--output-chunk-size", str(args.chunk_size), "--itl-s", str(args.itl)],
+                             "--output-chunk-size", str(args.chunk_size), "--itl-s", str(args.itl),
+                             *(["--curve-keys", keys_file.name] if keys else [])],
                             stderr=subprocess.DEVNULL)
     try:
-        asyncio.run(run(args, addresses, tokenizer))
+        asyncio.run(run(args, addresses, tokenizer, keys))
     finally:
+        os.unlink(keys_file.name)
         proc.terminate()
         proc.wait(10)
 

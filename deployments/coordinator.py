@@ -28,14 +28,16 @@ from deployments.metrics_sum import MetricsSum
 from deployments.tokenizers import tokenizer_for
 from engine.errors import NoEnginesError
 from engine.wire.core_client import EngineClient
+from engine.wire.curve_auth import ClientKeys, client_keys
 
 logger = logging.getLogger(__name__)
 STALE_AFTER_S = 30.0
 PROBE_TIMEOUT_S = 2.0
 
 
-async def _answers(address: str) -> bool:
-    """Whether an engine-core server answers HELLO at `address` (a liveness probe)."""
+async def _answers(address: str, keys: dict | None) -> bool:
+    """Whether an engine-core server answers HELLO at `address` (a liveness probe);
+    keys: its clients' CURVE keys, as it registered them."""
     import zmq
     import zmq.asyncio
 
@@ -43,6 +45,8 @@ async def _answers(address: str) -> bool:
     ctx = zmq.asyncio.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    if keys:
+        ClientKeys.from_dict(keys).apply(sock)
     try:
         sock.connect(address)
         await sock.send_multipart([HELLO, msgspec.msgpack.encode(Hello("coordinator-probe", PROTOCOL_VERSION))])
@@ -100,7 +104,8 @@ class Coordinator:
             for r in range(self.max_ranks):
                 entry = self.registry.get(r)
                 silent = now - (entry or {}).get("seen", 0) > STALE_AFTER_S
-                if silent or (entry and not await _answers(entry["address"])):
+                if silent or (entry and not await _answers(entry["address"],
+                                                             entry.get("keys"))):
                     free.append(r)
             if not free:
                 raise RuntimeError(f"all {self.max_ranks} data-parallel ranks are taken")
@@ -111,12 +116,16 @@ class Coordinator:
         logger.info("rank %d assigned to replica %s", rank, replica_id)
         return rank
 
-    def register(self, rank: int, replica_id: str, address: str, ready: dict) -> None:
+    def register(self, rank: int, replica_id: str, address: str, ready: dict,
+                 keys: dict | None = None) -> None:
+        """keys: the CURVE keys its clients connect with (ClientKeys.as_dict()); None
+        for an engine serving in the clear."""
         owner = self.owner.get(rank)
         if owner is not None and owner != replica_id:
             raise RuntimeError(f"rank {rank} belongs to replica {owner}, not {replica_id}")
         self.owner[rank] = replica_id
-        self.registry[rank] = {"address": address, "ready": ready, "seen": time.monotonic()}
+        self.registry[rank] = {"address": address, "ready": ready, "seen": time.monotonic(),
+                               "keys": keys}
         self.version += 1
         logger.info("engine rank %d registered at %s", rank, address)
 
@@ -146,9 +155,15 @@ class Coordinator:
             self._started = True
         return [self.registry[r]["address"] for r in sorted(self.registry)]
 
-    def membership(self) -> tuple[int, list[str]]:
-        """(version, engines()): the ingress replicas poll this to follow changes."""
-        return self.version, self.engines()
+    def membership(self) -> tuple[int, list[str], dict[str, dict]]:
+        """(version, engines(), address -> the keys to connect with): the ingress
+        replicas poll this to follow changes."""
+        addresses = self.engines()
+        return self.version, addresses, self._keys_of(addresses)
+
+    def _keys_of(self, addresses: list[str]) -> dict[str, dict]:
+        by_address = {e["address"]: e.get("keys") for e in self.registry.values()}
+        return {a: by_address[a] for a in addresses if by_address.get(a)}
 
     # ---- utilities across engines -------------------------------------------------------------
     async def _engine_client(self) -> EngineClient:
@@ -160,7 +175,9 @@ class Coordinator:
                     not self._client.healthy:
                 if self._client is not None:
                     await self._client.shutdown()
-                self._client = await EngineClient.connect(addresses, tokenizer_for(self.args))
+                self._client = await EngineClient.connect(
+                    addresses, tokenizer_for(self.args),
+                    keys=client_keys(self._keys_of(addresses)))
                 self._client_addresses = addresses
             return self._client
 

@@ -20,6 +20,7 @@ from deployments.autoscaling import autoscaling_stats
 from deployments.config import AppArgs
 from deployments.tokenizers import tokenizer_for
 from engine.wire.core_server import EngineCoreServer, free_port
+from engine.wire.curve_auth import EngineKeys
 
 logger = logging.getLogger(__name__)
 DRAIN_TIMEOUT_S = 15.0  # below graceful_shutdown_timeout_s
@@ -79,7 +80,9 @@ class EngineServer:
             core = await build_on_own_thread(lambda: EngineCore(config, launcher))
         host = ray.util.get_node_ip_address()
         address = f"tcp://{host}:{free_port(host)}"
-        self.server = EngineCoreServer(core, address, self.rank).start()
+        # CURVE keys made here, handed to clients only through the coordinator (Ray)
+        self.keys = EngineKeys.generate()
+        self.server = EngineCoreServer(core, address, self.rank, keys=self.keys).start()
         await self._register()
 
     async def _register(self) -> None:
@@ -87,7 +90,8 @@ class EngineServer:
         await self.coordinator.register.remote(self.rank, self.replica_id, self.server.address,
                                                {"block_size": ready.block_size,
                                                 "max_model_len": ready.max_model_len,
-                                                "num_gpu_blocks": ready.num_gpu_blocks})
+                                                "num_gpu_blocks": ready.num_gpu_blocks},
+                                               self.keys.for_clients().as_dict())
 
     async def __call__(self) -> dict:
         """Where this engine is (also starts it on first use)."""

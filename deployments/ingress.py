@@ -17,6 +17,7 @@ from deployments.openai_app import IngressOptions, build_openai_app
 from deployments.tokenizers import tokenizer_for
 from engine.errors import NoEnginesError
 from engine.wire.core_client import EngineClient
+from engine.wire.curve_auth import client_keys
 
 logger = logging.getLogger(__name__)
 ENGINE_WAIT_S = 300.0
@@ -88,6 +89,7 @@ class OpenAIIngress:
         self._engines = engines  # bound so that Serve deploys the engine replicas
         self._client: EngineClient | None = None
         self._version = -1
+        self._keys: dict[str, dict] = {}  # address -> its CURVE client keys (coordinator)
         self._retried = 0.0  # when an engine left out as dead was last tried again
         self._follower: asyncio.Task | None = None
         self._lock = asyncio.Lock()
@@ -107,7 +109,7 @@ class OpenAIIngress:
             dead = {e.address for e in self._client.engines if e.dead} if self._client else set()
             deadline = time.monotonic() + ENGINE_WAIT_S
             while True:
-                version, addresses = await self.coordinator.membership.remote()
+                version, addresses, self._keys = await self.coordinator.membership.remote()
                 live = [a for a in addresses if a not in dead]
                 if live:
                     break
@@ -126,6 +128,7 @@ class OpenAIIngress:
                       handshake_timeout_s: float = 30.0) -> None:
         """Connect to a new engine set; the old client finishes its streams, then closes."""
         client = await EngineClient.connect(addresses, tokenizer_for(self.args),
+                                            keys=client_keys(self._keys),
                                             routing=self.args.routing,
                                             handshake_timeout_s=handshake_timeout_s)
         if self._client is not None:  # sessions stay on their engines when those stay
@@ -146,7 +149,7 @@ class OpenAIIngress:
                 pushed = time.monotonic()  # keep the coordinator's sum current between scrapes
                 await self._control.sum_metrics(self._app.state.metrics.snapshot())
             try:
-                version, addresses = await self.coordinator.membership.remote()
+                version, addresses, self._keys = await self.coordinator.membership.remote()
                 if addresses and version != self._version:
                     async with self._lock:
                         if version != self._version:
@@ -157,7 +160,7 @@ class OpenAIIngress:
                     # Probe it alone first: the live engines are not asked every time.
                     self._retried = time.monotonic()
                     probe = await EngineClient.connect(
-                        missing, tokenizer_for(self.args),
+                        missing, tokenizer_for(self.args), keys=client_keys(self._keys),
                         handshake_timeout_s=ENGINE_RETRY_HANDSHAKE_S)
                     await probe.shutdown()
                     async with self._lock:

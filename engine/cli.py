@@ -49,13 +49,15 @@ def _serve_engine(args: argparse.Namespace) -> int:
     from engine import FlotillaError
     from engine.core.engine_core import EngineCore
     from engine.wire.core_server import EngineCoreServer
+    from engine.wire.curve_auth import EngineKeys
     logging.basicConfig(level=logging.INFO)
     try:
         core = EngineCore(_engine_config(args))
     except FlotillaError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    server = EngineCoreServer(core, args.address, args.engine_index)
+    keys = EngineKeys.load(args.curve_keys) if args.curve_keys else None
+    server = EngineCoreServer(core, args.address, args.engine_index, keys=keys)
     import signal
     signal.signal(signal.SIGTERM, lambda *_: server.shutdown())
     try:
@@ -83,7 +85,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
     _engine_args(serve_engine)
     serve_engine.add_argument("--address", required=True, help="tcp://host:port or ipc://path")
     serve_engine.add_argument("--engine-index", type=int, default=0)
-    from engine.wire.mock import add_mock_arguments
+    from engine.wire.mock import add_curve_argument, add_mock_arguments
+    add_curve_argument(serve_engine)
     mock = sub.add_parser("mock-engine", help="model-free engine-core server(s) for benchmarks")
     add_mock_arguments(mock)
     return parser, sub

@@ -53,6 +53,7 @@ from engine.outputs import OutputKind, RequestOutput
 from engine.pooling import PoolingParams
 from engine.request_limits import RequestLimits
 from engine.sampling_params import SamplingParams
+from engine.wire.curve_auth import ClientKeys
 from engine.wire.protocol import (
     ABORT,
     ADD,
@@ -182,16 +183,21 @@ class EngineClient:
     async def connect(cls, addresses: list[str], tokenizer, *,
                       handshake_timeout_s: float = 30.0, heartbeat_timeout_s: float = 10.0,
                       is_alive: list[Callable[[], bool]] | None = None,
-                      routing: str = "prefix") -> "EngineClient":
+                      routing: str = "prefix",
+                      keys: dict[str, ClientKeys] | None = None) -> "EngineClient":
         """Handshake with every engine; the READY values configure the client.
-        routing: "prefix" | "least_loaded" | "round_robin" (engine/wire/routing.py)."""
+        routing: "prefix" | "least_loaded" | "round_robin" (engine/wire/routing.py).
+        keys: address -> the CURVE keys of an engine that serves over CURVE
+        (engine/wire/curve_auth.py); an address without them is connected in the clear."""
         if not addresses:
             raise NoEnginesError("no engine addresses given")
         self = cls()
         self.router = Router(routing)
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self._ctx = zmq.asyncio.Context()
-        handshakes = [asyncio.ensure_future(self._handshake(i, a, handshake_timeout_s))
+        keys = keys or {}
+        handshakes = [asyncio.ensure_future(self._handshake(i, a, handshake_timeout_s,
+                                                            keys.get(a)))
                       for i, a in enumerate(addresses)]
         try:
             readies = await asyncio.gather(*handshakes)
@@ -233,9 +239,12 @@ class EngineClient:
                         for e in self.engines]
         return self
 
-    async def _handshake(self, index: int, address: str, timeout: float
+    async def _handshake(self, index: int, address: str, timeout: float,
+                         keys: ClientKeys | None = None
                          ) -> tuple[zmq.asyncio.Socket, EngineCoreReadyResponse]:
         socket = self._ctx.socket(zmq.DEALER)
+        if keys is not None:
+            keys.apply(socket)
         socket.setsockopt(zmq.IDENTITY, self.client_id.encode())
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.RCVHWM, 0)  # the engine's outputs wait here while the loop is busy

@@ -35,6 +35,7 @@ import zmq
 
 from engine.errors import EngineDeadError, EngineDrainingError, FlotillaError
 from engine.wire.coalesce import coalesce
+from engine.wire.curve_auth import CurveServer, EngineKeys
 from engine.wire.protocol import (
     ABORT,
     ADD,
@@ -104,7 +105,10 @@ class EngineCoreServer:
     def __init__(self, core: Any, address: str, engine_index: int = 0,
                  heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S,
                  kv_events_interval_s: float = KV_EVENTS_INTERVAL_S,
-                 client_timeout_s: float = CLIENT_TIMEOUT_S) -> None:
+                 client_timeout_s: float = CLIENT_TIMEOUT_S,
+                 keys: EngineKeys | None = None) -> None:
+        """keys: serve over CURVE, admitting only the client key pair in them
+        (engine/wire/curve_auth.py); None: a plain socket."""
         self.core = core
         self.client_timeout_s = client_timeout_s
         self._client_seen: dict[bytes, float] = {}  # io thread only: client -> last frame
@@ -113,6 +117,7 @@ class EngineCoreServer:
         self.engine_index = engine_index
         self.heartbeat_interval_s = heartbeat_interval_s
         self._ctx = zmq.Context()
+        self._curve = CurveServer(self._ctx, keys) if keys is not None else None
         self._inputs: queue.Queue = queue.Queue()
         self._to_encode: queue.Queue = queue.Queue()
         self._stopped = threading.Event()
@@ -182,6 +187,8 @@ class EngineCoreServer:
         for thread in self._threads + ([self._loop_thread] if self._loop_thread else []):
             if thread is not threading.current_thread():
                 thread.join(timeout)
+        if self._curve is not None:
+            self._curve.stop()
         self._ctx.term()
         stop_core = getattr(self.core, "shutdown", None)  # tensor-parallel workers
         if stop_core is not None:
@@ -198,6 +205,8 @@ class EngineCoreServer:
         self._bound.wait()
         if self._bind_error is not None:
             self._stopped.set()
+            if self._curve is not None:
+                self._curve.stop()
             raise self._bind_error
         enc.start()
 
@@ -211,6 +220,8 @@ class EngineCoreServer:
         # Unbounded as vLLM's sockets: the queue grows only while a live client lags.
         router.setsockopt(zmq.SNDHWM, 0)
         router.setsockopt(zmq.RCVHWM, 0)
+        if self._curve is not None:
+            self._curve.apply(router)
         try:
             router.bind(self.address)
         except zmq.ZMQError as exc:

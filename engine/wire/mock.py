@@ -477,11 +477,19 @@ class MockEngineCore:
 MOCK_OPTIONS = dataclass_options(MockConfig)  # every documented field: timing and shape
 
 
+def add_curve_argument(parser) -> None:
+    parser.add_argument("--curve-keys", metavar="JSON_FILE",
+                        help="serve over ZMQ CURVE with these keys (a JSON object of "
+                             "EngineKeys' four fields, engine/wire/curve_auth.py); only "
+                             "clients holding its client pair are admitted")
+
+
 def add_mock_arguments(parser) -> None:
     """The mock engine's command-line options (shared by both entry points)."""
     parser.add_argument("--address", required=True,
                         help="tcp://host:port or ipc://path; engine i gets port+i / path-i")
     parser.add_argument("--engines", type=int, default=1, help="engines to start (processes)")
+    add_curve_argument(parser)
     add_flags(parser, MOCK_OPTIONS)
 
 
@@ -489,12 +497,14 @@ def config_from_args(args, engine_index: int) -> MockConfig:
     return MockConfig(engine_index=engine_index, **given(args, MOCK_OPTIONS))
 
 
-def serve_one(config: MockConfig, address: str) -> None:
+def serve_one(config: MockConfig, address: str, keys_file: str | None = None) -> None:
     """Run one mock engine-core server until SIGTERM / SIGINT."""
     import signal
 
     from engine.wire.core_server import EngineCoreServer
-    server = EngineCoreServer(MockEngineCore(config), address, config.engine_index)
+    from engine.wire.curve_auth import EngineKeys
+    keys = EngineKeys.load(keys_file) if keys_file else None
+    server = EngineCoreServer(MockEngineCore(config), address, config.engine_index, keys=keys)
     signal.signal(signal.SIGTERM, lambda *_: server.shutdown())
     try:
         server.run()
@@ -509,12 +519,13 @@ def run_mock_engines(args) -> int:
     from engine.wire.core_server import engine_addresses
     addresses = engine_addresses(args.address, args.engines)
     if args.engines == 1:
-        serve_one(config_from_args(args, 0), addresses[0])
+        serve_one(config_from_args(args, 0), addresses[0], args.curve_keys)
         return 0
     import signal
 
     ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=serve_one, args=(config_from_args(args, i), a), daemon=True)
+    procs = [ctx.Process(target=serve_one, args=(config_from_args(args, i), a, args.curve_keys),
+                         daemon=True)
              for i, a in enumerate(addresses)]
     for p in procs:
         p.start()

@@ -298,3 +298,26 @@ def test_metrics_scrape_reports_to_the_coordinator_sum(base_url):
 
 async def _remote(response):
     return await response
+
+
+def test_the_engine_ports_admit_only_clients_with_the_coordinators_keys(base_url):
+    """Deployed engines serve over CURVE (issue 40, finding 8): a client in the clear is
+    not answered; one with the keys the coordinator hands out is."""
+    from ray import serve
+
+    from engine.model.loader import load_tokenizer, resolve_model
+    from engine.wire.core_client import EngineClient, HandshakeError
+    from engine.wire.curve_auth import client_keys
+    coordinator = serve.get_deployment_handle("Coordinator", app_name="flotilla")
+    _, addresses, keys = coordinator.membership.remote().result(timeout_s=30)
+    assert len(addresses) == 2 and set(keys) == set(addresses)
+    tokenizer = load_tokenizer(resolve_model("default"))
+
+    async def main():
+        with pytest.raises(HandshakeError, match="did not answer"):
+            await EngineClient.connect(addresses[:1], tokenizer, handshake_timeout_s=2)
+        client = await EngineClient.connect(addresses, tokenizer, handshake_timeout_s=10,
+                                            keys=client_keys(keys))
+        await client.shutdown()
+
+    asyncio.run(main())
