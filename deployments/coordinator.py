@@ -10,6 +10,8 @@
 - Fans utility calls out to every engine over its own EngineClient, with the
   aggregation rules of docs/architecture.md (is_sleeping must agree, reset is an AND,
   sleep / wake_up must succeed everywhere and failures name the rank).
+- Keeps the rank table in Ray's GCS (deployments/rank_store.py): a coordinator that
+  Serve restarts hands out no rank twice and lists whichever engines re-register.
 - Sums the ingress replicas' request metrics, so that /metrics never goes backwards
   whichever replica a scrape reaches.
 """
@@ -25,6 +27,7 @@ from ray import serve
 
 from deployments.config import AppArgs
 from deployments.metrics_sum import MetricsSum
+from deployments.rank_store import RankStore, RankTable
 from deployments.tokenizers import tokenizer_for
 from engine.errors import NoEnginesError
 from engine.wire.core_client import EngineClient
@@ -33,6 +36,9 @@ from engine.wire.curve_auth import ClientKeys, client_keys
 logger = logging.getLogger(__name__)
 STALE_AFTER_S = 30.0
 PROBE_TIMEOUT_S = 2.0
+# what an engine or an ingress replica waits for an answer to a routine call (membership,
+# heartbeat, register): a coordinator being restarted must not hang their loops
+COORDINATOR_CALL_TIMEOUT_S = 10.0
 
 
 async def _answers(address: str, keys: dict | None) -> bool:
@@ -87,6 +93,35 @@ class Coordinator:
         self._client_addresses: list[str] = []
         self._lock = asyncio.Lock()
         self._metrics = MetricsSum()
+        # ranks survive a restart (deployments/rank_store.py): the engines that own them
+        # count as seen at the restart, and come back at their next health check
+        self._store = self._rank_store()
+        self._restored_at = 0.0
+        table = self._store.load()
+        if table is not None:
+            self.owner, self.version = table.owner, table.version + 1
+            self._started = True  # serve whichever engines are alive, however many
+            self._restored_at = time.monotonic()
+            logger.warning("coordinator restarted: %d ranks owned, membership version %d",
+                           len(self.owner), self.version)
+            self._save()
+
+    def _rank_store(self):
+        return RankStore(serve.get_replica_context().app_name)
+
+    def _save(self) -> None:
+        try:
+            self._store.save(RankTable(dict(self.owner), self.version))
+        except Exception as exc:  # the GCS restarting: the next change writes it again
+            logger.warning("could not save the rank table: %s", exc)
+
+    def __del__(self) -> None:
+        """A graceful stop (the application deleted or redeployed): the next deploy starts
+        with no ranks owned."""
+        try:
+            self._store.delete()
+        except Exception:  # Ray already down
+            pass
 
     # ---- ranks and registry ------------------------------------------------------------------
     async def assign_rank(self, replica_id: str) -> int:
@@ -103,7 +138,8 @@ class Coordinator:
             now = time.monotonic()
             for r in range(self.max_ranks):
                 entry = self.registry.get(r)
-                silent = now - (entry or {}).get("seen", 0) > STALE_AFTER_S
+                seen = entry["seen"] if entry else self._restored_at
+                silent = now - seen > STALE_AFTER_S
                 if silent or (entry and not await _answers(entry["address"],
                                                              entry.get("keys"))):
                     free.append(r)
@@ -113,6 +149,7 @@ class Coordinator:
         self.owner[rank] = replica_id
         if self.registry.pop(rank, None) is not None:
             self.version += 1
+        self._save()
         logger.info("rank %d assigned to replica %s", rank, replica_id)
         return rank
 
@@ -127,6 +164,7 @@ class Coordinator:
         self.registry[rank] = {"address": address, "ready": ready, "seen": time.monotonic(),
                                "keys": keys}
         self.version += 1
+        self._save()
         logger.info("engine rank %d registered at %s", rank, address)
 
     def heartbeat(self, rank: int, replica_id: str) -> bool:
@@ -144,6 +182,7 @@ class Coordinator:
             del self.owner[rank]
             if self.registry.pop(rank, None) is not None:
                 self.version += 1
+            self._save()
             logger.info("engine rank %d released", rank)
 
     def engines(self) -> list[str]:

@@ -18,6 +18,7 @@ from ray import serve
 
 from deployments.autoscaling import autoscaling_stats
 from deployments.config import AppArgs
+from deployments.coordinator import COORDINATOR_CALL_TIMEOUT_S
 from deployments.tokenizers import tokenizer_for
 from engine.wire.core_server import EngineCoreServer, free_port
 from engine.wire.curve_auth import EngineKeys
@@ -116,8 +117,16 @@ class EngineServer:
             return
         if not self.server.alive():
             raise RuntimeError(f"engine rank {self.rank}: engine loop stopped")
-        if not await self.coordinator.heartbeat.remote(self.rank, self.replica_id):
-            await self._register()  # the coordinator restarted and forgot us
+        try:
+            known = await asyncio.wait_for(
+                self.coordinator.heartbeat.remote(self.rank, self.replica_id),
+                COORDINATOR_CALL_TIMEOUT_S)
+            if not known:
+                await asyncio.wait_for(self._register(), COORDINATOR_CALL_TIMEOUT_S)
+        except Exception as exc:  # the coordinator restarting: this engine is fine
+            logger.warning("engine rank %d: the coordinator did not answer (%s); "
+                           "registering again at the next health check", self.rank,
+                           exc or type(exc).__name__)
 
     def __del__(self) -> None:
         """Serve's graceful shutdown (downscale, redeploy): leave the coordinator's engine

@@ -12,6 +12,7 @@ import uuid
 from ray import serve
 
 from deployments.config import AppArgs
+from deployments.coordinator import COORDINATOR_CALL_TIMEOUT_S
 from deployments.heap_trim import IdleHeapTrim
 from deployments.openai_app import IngressOptions, build_openai_app
 from deployments.tokenizers import tokenizer_for
@@ -109,7 +110,12 @@ class OpenAIIngress:
             dead = {e.address for e in self._client.engines if e.dead} if self._client else set()
             deadline = time.monotonic() + ENGINE_WAIT_S
             while True:
-                version, addresses, self._keys = await self.coordinator.membership.remote()
+                try:
+                    version, addresses, self._keys = await asyncio.wait_for(
+                        self.coordinator.membership.remote(), COORDINATOR_CALL_TIMEOUT_S)
+                except asyncio.TimeoutError:
+                    raise NoEnginesError("the coordinator did not answer within "
+                                         f"{COORDINATOR_CALL_TIMEOUT_S:.0f}s") from None
                 live = [a for a in addresses if a not in dead]
                 if live:
                     break
@@ -149,7 +155,8 @@ class OpenAIIngress:
                 pushed = time.monotonic()  # keep the coordinator's sum current between scrapes
                 await self._control.sum_metrics(self._app.state.metrics.snapshot())
             try:
-                version, addresses, self._keys = await self.coordinator.membership.remote()
+                version, addresses, self._keys = await asyncio.wait_for(
+                    self.coordinator.membership.remote(), COORDINATOR_CALL_TIMEOUT_S)
                 if addresses and version != self._version:
                     async with self._lock:
                         if version != self._version:

@@ -1,0 +1,55 @@
+"""A coordinator that Serve restarts (issue 40, finding 4): it used to start with no
+ranks owned, so a new engine replica could take the rank of a live engine that had not
+re-registered yet, and it listed no engine until data_parallel_size had registered,
+though fewer might be alive. The rank table now outlives it (deployments/rank_store.py)."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from deployments import coordinator as coordinator_module
+from deployments.rank_store import MemoryRankStore, RankStore, RankTable
+
+
+def _coordinator_class(store: MemoryRankStore):
+    base = coordinator_module.Coordinator.func_or_class
+    base = base if "_rank_store" in vars(base) else base.__mro__[1]
+
+    class InMemory(base):
+        def _rank_store(self):
+            return store
+    return InMemory
+
+
+ARGS = {"model": "mock", "data_parallel_size": 2}
+
+
+def test_a_restarted_coordinator_hands_out_no_rank_twice_and_lists_the_live_engines():
+    store = MemoryRankStore()
+    cls = _coordinator_class(store)
+    first = cls(ARGS)
+    assert asyncio.run(first.assign_rank("a")) == 0
+    assert asyncio.run(first.assign_rank("b")) == 1
+    first.register(0, "a", "tcp://h:1", {}, None)
+    first.register(1, "b", "tcp://h:2", {}, None)
+    version = first.membership()[0]
+    # killed: no __del__; Serve starts another with the same args
+    second = cls(ARGS)
+    assert second.owner == {0: "a", 1: "b"} and second.membership()[0] > version
+    with pytest.raises(RuntimeError, match="ranks are taken"):  # not rank 0 or 1 again
+        asyncio.run(second.assign_rank("c"))
+    assert not second.heartbeat(0, "a")  # unknown until it registers again
+    second.register(0, "a", "tcp://h:1", {}, None)
+    # engine b died meanwhile: the one that is alive is served, not nothing
+    assert second.membership()[1] == ["tcp://h:1"]
+    assert asyncio.run(second.assign_rank("a")) == 0  # the same replica keeps its rank
+    # a graceful stop clears the table: the next deploy starts clean
+    second.__del__()
+    assert cls(ARGS).owner == {}
+
+
+def test_the_rank_table_round_trips():
+    table = RankTable({0: "a", 3: "d"}, 7)
+    assert RankTable.decode(table.encode()) == table
+    assert RankStore("flotilla").key == b"ranks/flotilla"
