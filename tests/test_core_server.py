@@ -262,3 +262,56 @@ def test_frontend_utilities_answer_or_fail_clearly(served):
 
     answers, tokens = run(main())
     assert answers == [[True], [None]] and len(tokens) == 12
+
+
+def test_requests_queued_behind_a_long_step_are_bounded(tokenizer):  # noqa: F811
+    """A step that runs long (here a utility call held on the core loop) let a flood of
+    ADDs pile up in the server's input queue without bound; past max_waiting_requests
+    queued ones the io thread refuses at once (EngineOverloadedError, served as 429) and
+    those it took run when the step ends."""
+    import threading
+
+    from engine.errors import EngineOverloadedError
+    from engine.wire.mock import MockConfig, MockEngineCore
+    from tests.test_core_client import free_address
+    core = MockEngineCore(MockConfig(vocab_size=len(tokenizer), itl_s=0.001,
+                                     max_waiting_requests=6))
+    held, release = threading.Event(), threading.Event()
+
+    def long_step(*_args, **_kwargs):
+        held.set()
+        release.wait(30)
+        return True
+    core.reset_prefix_cache = long_step
+    address = free_address()
+    server = EngineCoreServer(core, address).start()
+
+    async def one(client, i):
+        out = []
+        async for o in client.generate(f"r{i}", [5, 6, 7], SamplingParams(max_tokens=3,
+                                                                         ignore_eos=True)):
+            out += o.outputs[0].token_ids
+        return out
+
+    async def main():
+        client = await EngineClient.connect([address], tokenizer, handshake_timeout_s=10)
+        try:
+            utility = asyncio.ensure_future(client.call_utility("reset_prefix_cache"))
+            await asyncio.get_running_loop().run_in_executor(None, held.wait, 10)
+            tasks = [asyncio.ensure_future(one(client, i)) for i in range(10)]
+            done, _ = await asyncio.wait(tasks, timeout=5, return_when=asyncio.FIRST_EXCEPTION)
+            refused = [t for t in done if isinstance(t.exception(), EngineOverloadedError)]
+            assert len(refused) == 4 and len(done) == 4  # the rest wait for the step
+            release.set()
+            await utility
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+            assert sum(isinstance(r, list) and len(r) == 3 for r in results) == 6
+        finally:
+            release.set()
+            await client.shutdown()
+
+    try:
+        asyncio.run(main())
+        assert server._adds_in == server._adds_out == 6
+    finally:
+        server.shutdown()

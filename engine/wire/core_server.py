@@ -58,6 +58,7 @@ from engine.wire.protocol import (
 )
 
 logger = logging.getLogger(__name__)
+MAX_QUEUED_ADDS = 4096  # for a core without config.max_waiting_requests
 
 # The utilities a client may call by name. The last four are the ones vLLM's frontends
 # also send (profiling, multimodal / encoder cache resets, a data-parallel dummy step);
@@ -119,6 +120,13 @@ class EngineCoreServer:
         self._ctx = zmq.Context()
         self._curve = CurveServer(self._ctx, keys) if keys is not None else None
         self._inputs: queue.Queue = queue.Queue()
+        # ADDs the io thread queued and the core loop took: a step that runs long (a big
+        # prefill, a stalled device) would otherwise let a flood of requests pile up here
+        # unbounded, ahead of the waiting queue's own bound. Each counter has one writer.
+        self._adds_in = 0  # io thread
+        self._adds_out = 0  # core loop
+        self.max_queued_adds = getattr(getattr(core, "config", None), "max_waiting_requests",
+                                       MAX_QUEUED_ADDS)
         self._to_encode: queue.Queue = queue.Queue()
         self._stopped = threading.Event()
         self._outbox_address = f"inproc://outbox-{id(self)}"
@@ -295,6 +303,13 @@ class EngineCoreServer:
         try:
             if kind == ADD:
                 msg = msgspec.msgpack.decode(payload, type=EngineCoreRequest)
+                if self._adds_in - self._adds_out >= self.max_queued_adds:
+                    self._send(identity, EngineCoreOutputs(self.engine_index, [EngineCoreOutput(
+                        msg.request_id, [], FINISH_ERROR, error="EngineOverloadedError: "
+                        f"{self.max_queued_adds} requests are queued for engine "
+                        f"{self.engine_index} behind a step still running; retry shortly")]))
+                    return
+                self._adds_in += 1
             elif kind == ABORT:
                 msg = msgspec.msgpack.decode(payload, type=list[str])
             elif kind == UTILITY:
@@ -382,6 +397,7 @@ class EngineCoreServer:
 
     def _handle(self, identity: bytes, kind: bytes, msg: Any) -> None:
         if kind == ADD:
+            self._adds_out += 1
             try:
                 if self._dead_error is not None:
                     raise EngineDeadError(self._dead_error.removeprefix("EngineDeadError: "))
