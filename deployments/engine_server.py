@@ -117,6 +117,10 @@ class EngineServer:
             return
         if not self.server.alive():
             raise RuntimeError(f"engine rank {self.rank}: engine loop stopped")
+        stuck = self.server.step_watch.running_for()
+        if stuck > self.args.engine_step_timeout_s:
+            raise RuntimeError(f"engine rank {self.rank}: its step has run for {stuck:.0f}s "
+                               f"(engine_step_timeout_s {self.args.engine_step_timeout_s:g})")
         try:
             known = await asyncio.wait_for(
                 self.coordinator.heartbeat.remote(self.rank, self.replica_id),

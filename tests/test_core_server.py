@@ -299,9 +299,14 @@ def test_requests_queued_behind_a_long_step_are_bounded(tokenizer):  # noqa: F81
             utility = asyncio.ensure_future(client.call_utility("reset_prefix_cache"))
             await asyncio.get_running_loop().run_in_executor(None, held.wait, 10)
             tasks = [asyncio.ensure_future(one(client, i)) for i in range(10)]
-            done, _ = await asyncio.wait(tasks, timeout=5, return_when=asyncio.FIRST_EXCEPTION)
+            for _ in range(100):  # the refusals come at once; the others wait for the step
+                if sum(t.done() for t in tasks) >= 4:
+                    break
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.3)
+            done = [t for t in tasks if t.done()]
             refused = [t for t in done if isinstance(t.exception(), EngineOverloadedError)]
-            assert len(refused) == 4 and len(done) == 4  # the rest wait for the step
+            assert len(refused) == 4 and len(done) == 4
             release.set()
             await utility
             results = await asyncio.gather(*tasks, return_exceptions=True)
@@ -315,3 +320,73 @@ def test_requests_queued_behind_a_long_step_are_bounded(tokenizer):  # noqa: F81
         assert server._adds_in == server._adds_out == 6
     finally:
         server.shutdown()
+
+
+def test_a_handshake_is_answered_during_a_long_step_and_the_step_is_timed(tokenizer):  # noqa: F811
+    """Liveness that means progress (issue 40, finding 5): READY comes from the io thread
+    while a step runs (it waited behind the step), and the server reports how long the
+    running step has taken, which the replica's health check holds to
+    engine_step_timeout_s."""
+    import threading
+
+    from engine.wire.mock import MockConfig, MockEngineCore
+    from tests.test_core_client import free_address
+    core = MockEngineCore(MockConfig(vocab_size=len(tokenizer), itl_s=0.001))
+    inside, release = threading.Event(), threading.Event()
+    real_step = core.step
+
+    def hung_step():
+        inside.set()
+        release.wait(30)
+        return real_step()
+    core.step = hung_step
+    address = free_address()
+    server = EngineCoreServer(core, address).start()
+
+    async def main():
+        first = await EngineClient.connect([address], tokenizer, handshake_timeout_s=10)
+        second = None
+        try:
+            stream = first.generate("r", [5, 6, 7], SamplingParams(max_tokens=2))
+            pending = asyncio.ensure_future(stream.__anext__())
+            await asyncio.get_running_loop().run_in_executor(None, inside.wait, 10)
+            await asyncio.sleep(0.3)
+            assert server.step_watch.running_for() >= 0.3
+            second = await EngineClient.connect([address], tokenizer, handshake_timeout_s=5)
+            assert not release.is_set()  # answered while the step still ran
+            release.set()
+            await pending
+        finally:
+            release.set()
+            await first.shutdown()
+            if second is not None:
+                await second.shutdown()
+
+    try:
+        asyncio.run(main())
+        assert server.step_watch.running_for() == 0.0
+    finally:
+        server.shutdown()
+
+
+def test_the_engine_replica_fails_its_health_check_on_a_step_past_the_timeout():
+    from types import SimpleNamespace
+
+    from deployments import engine_server
+    from deployments.config import AppArgs
+    cls = engine_server.EngineServer.func_or_class
+    cls = cls if "check_health" in vars(cls) else cls.__mro__[1]
+    replica = object.__new__(cls)
+    watch = SimpleNamespace(running_for=lambda: 301.0)
+    replica.server = SimpleNamespace(alive=lambda: True, step_watch=watch)
+    replica.args = AppArgs(model="mock")
+    replica.rank, replica.replica_id = 0, "x"
+
+    async def heartbeat(*_):
+        return True
+    replica.coordinator = SimpleNamespace(heartbeat=SimpleNamespace(remote=heartbeat))
+    with pytest.raises(RuntimeError, match="run for 301s"):
+        asyncio.run(replica.check_health())
+    watch.running_for = lambda: 5.0
+    asyncio.run(replica.check_health())  # a step within the timeout is healthy
+    replica.server = None  # nothing for its __del__ to drain

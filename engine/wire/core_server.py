@@ -36,6 +36,7 @@ import zmq
 from engine.errors import EngineDeadError, EngineDrainingError, FlotillaError
 from engine.wire.coalesce import coalesce
 from engine.wire.curve_auth import CurveServer, EngineKeys
+from engine.wire.step_watch import StepWatch
 from engine.wire.protocol import (
     ABORT,
     ADD,
@@ -120,6 +121,7 @@ class EngineCoreServer:
         self._ctx = zmq.Context()
         self._curve = CurveServer(self._ctx, keys) if keys is not None else None
         self._inputs: queue.Queue = queue.Queue()
+        self.step_watch = StepWatch()  # a step that never ends is not liveness
         # ADDs the io thread queued and the core loop took: a step that runs long (a big
         # prefill, a stalled device) would otherwise let a flood of requests pile up here
         # unbounded, ahead of the waiting queue's own bound. Each counter has one writer.
@@ -318,6 +320,8 @@ class EngineCoreServer:
                 msg = msgspec.msgpack.decode(payload, type=StartDPWave)
             elif kind == HELLO:
                 msg = msgspec.msgpack.decode(payload, type=Hello)
+                if not self._answer_hello(identity, msg):
+                    return
             else:
                 logger.warning("engine %d: unknown request type %r", self.engine_index, kind)
                 return
@@ -329,6 +333,20 @@ class EngineCoreServer:
                     request_id, [], FINISH_ERROR, error=f"invalid request: {exc}")]))
             return
         self._inputs.put((identity, kind, msg))
+
+    def _answer_hello(self, identity: bytes, hello: Hello) -> bool:
+        """READY at once, from the io thread, whatever step is running: a handshake (an
+        ingress reconnecting, the coordinator's liveness probe) waited behind the step
+        before. ready_response reads only values fixed at start. The welcome (KV
+        snapshot, heartbeats) follows on the core loop, after READY in the encoder's
+        queue. False for a client of another protocol: it would not PING, not served."""
+        if hello.protocol_version != PROTOCOL_VERSION:
+            logger.error("engine %d: client %s speaks protocol %d, this engine %d: "
+                         "not answered", self.engine_index, hello.client_id,
+                         hello.protocol_version, PROTOCOL_VERSION)
+            return False
+        self._to_encode.put((identity, READY, self.core.ready_response(self.engine_index)))
+        return True
 
     # ---- encoder thread -----------------------------------------------------------------
     def _encode_loop(self) -> None:
@@ -380,6 +398,7 @@ class EngineCoreServer:
             if not (core.has_unfinished_requests() and self._dead_error is None):
                 self._route([], self._due_kv_events())
             else:
+                self.step_watch.started()
                 try:
                     outputs = core.step()
                 except EngineDeadError as exc:  # e.g. a tensor-parallel worker died
@@ -392,6 +411,7 @@ class EngineCoreServer:
                     logger.exception("engine %d: step failed; failing its requests",
                                      self.engine_index)
                     outputs = self._fail_all("engine step failed")
+                self.step_watch.finished()
                 self._kv_dirty = True
                 self._route(outputs, self._due_kv_events())
 
@@ -428,13 +448,7 @@ class EngineCoreServer:
                                "requests", self.engine_index, identity[:8].decode(errors="replace"),
                                self.client_timeout_s, len(orphans))
                 self.core.abort_requests(orphans)
-        elif kind == HELLO:
-            if msg.protocol_version != PROTOCOL_VERSION:  # it would not PING: not served
-                logger.error("engine %d: client %s speaks protocol %d, this engine %d: "
-                             "not answered", self.engine_index, msg.client_id,
-                             msg.protocol_version, PROTOCOL_VERSION)
-                return
-            self._to_encode.put((identity, READY, self.core.ready_response(self.engine_index)))
+        elif kind == HELLO:  # answered READY on the io thread already
             self._welcome(identity)
         elif kind == _CLIENT_BACK:  # it was silent past the timeout, and spoke again
             self._welcome(identity)
