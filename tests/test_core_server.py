@@ -298,6 +298,7 @@ def test_requests_queued_behind_a_long_step_are_bounded(tokenizer):  # noqa: F81
         try:
             utility = asyncio.ensure_future(client.call_utility("reset_prefix_cache"))
             await asyncio.get_running_loop().run_in_executor(None, held.wait, 10)
+            assert server.step_watch.running_for() > 0  # a utility call is timed as a step
             tasks = [asyncio.ensure_future(one(client, i)) for i in range(10)]
             for _ in range(100):  # the refusals come at once; the others wait for the step
                 if sum(t.done() for t in tasks) >= 4:

@@ -434,9 +434,14 @@ class EngineCoreServer:
             self._owner_of[msg.request_id] = identity
         elif kind == ABORT:
             self.core.abort_requests(msg)
-        elif kind == UTILITY:
+        elif kind == UTILITY:  # timed as a step: a wake_up or add_lora that never returns
+            self.step_watch.started()
+            try:
+                result = self._call_utility(msg)
+            finally:
+                self.step_watch.finished()
             self._send(identity, EngineCoreOutputs(
-                self.engine_index, utility_output=self._call_utility(msg),
+                self.engine_index, utility_output=result,
                 timestamp=time.time(), scheduler_stats=self._safe_stats()))
         elif kind == START_DP_WAVE:
             self._wave = max(self._wave, msg.wave)

@@ -1,10 +1,12 @@
-"""How long the engine's current step has been running: liveness that means progress.
+"""How long the engine's current step (or utility call) has been running: liveness
+that means progress.
 
 An engine-core server's io thread answers handshakes and PINGs and sends heartbeats
 whatever the core loop is doing, so an engine whose step hangs (a stalled device, a
-deadlocked collective, a kernel that never returns) looks alive to its clients and to
-Serve's health check while it serves nothing. The core loop marks each step's start and
-end here; `running_for()` is what the replica's health check compares with its
+deadlocked collective, a kernel that never returns, a wake_up or add_lora stuck on
+storage) looks alive to its clients and to Serve's health check while it serves
+nothing. The core loop marks the start and end of each step and each utility call
+here; `running_for()` is what the replica's health check compares with its
 `engine_step_timeout_s`, so Serve replaces such an engine.
 """
 from __future__ import annotations
