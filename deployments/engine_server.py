@@ -127,7 +127,10 @@ class EngineServer:
                 COORDINATOR_CALL_TIMEOUT_S)
             if not known:
                 await asyncio.wait_for(self._register(), COORDINATOR_CALL_TIMEOUT_S)
-        except Exception as exc:  # the coordinator restarting: this engine is fine
+        except (asyncio.TimeoutError, ray.exceptions.ActorDiedError,
+                ray.exceptions.ActorUnavailableError) as exc:
+            # the coordinator restarting: this engine is fine. A refusal (its rank now
+            # owned by another replica) still fails the check, so Serve replaces it.
             logger.warning("engine rank %d: the coordinator did not answer (%s); "
                            "registering again at the next health check", self.rank,
                            exc or type(exc).__name__)

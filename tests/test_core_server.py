@@ -390,4 +390,17 @@ def test_the_engine_replica_fails_its_health_check_on_a_step_past_the_timeout():
         asyncio.run(replica.check_health())
     watch.running_for = lambda: 5.0
     asyncio.run(replica.check_health())  # a step within the timeout is healthy
+
+    async def silent(*_):  # a coordinator being restarted: no answer
+        await asyncio.sleep(5)
+    replica.coordinator.heartbeat.remote = silent
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(engine_server, "COORDINATOR_CALL_TIMEOUT_S", 0.1)
+        asyncio.run(replica.check_health())  # healthy: the engine is fine
+
+    async def refused(*_):  # its rank went to another replica meanwhile
+        raise RuntimeError("rank 0 belongs to replica y, not x")
+    replica.coordinator.heartbeat.remote = refused
+    with pytest.raises(RuntimeError, match="belongs to replica y"):
+        asyncio.run(replica.check_health())
     replica.server = None  # nothing for its __del__ to drain
