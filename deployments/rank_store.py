@@ -54,18 +54,3 @@ class RankStore:
         from ray.experimental.internal_kv import _internal_kv_del
         _internal_kv_del(self.key, namespace=NAMESPACE)
 
-
-class MemoryRankStore:
-    """A RankStore in this process (tests; a coordinator outside Ray)."""
-
-    def __init__(self) -> None:
-        self.raw: bytes | None = None
-
-    def load(self) -> RankTable | None:
-        return RankTable.decode(self.raw) if self.raw else None
-
-    def save(self, table: RankTable) -> None:
-        self.raw = table.encode()
-
-    def delete(self) -> None:
-        self.raw = None

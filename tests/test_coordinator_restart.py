@@ -9,7 +9,23 @@ import asyncio
 import pytest
 
 from deployments import coordinator as coordinator_module
-from deployments.rank_store import MemoryRankStore, RankStore, RankTable
+from deployments.rank_store import RankStore, RankTable
+
+
+class MemoryRankStore:
+    """RankStore's interface, kept in this process instead of Ray's GCS."""
+
+    def __init__(self) -> None:
+        self.raw: bytes | None = None
+
+    def load(self) -> RankTable | None:
+        return RankTable.decode(self.raw) if self.raw else None
+
+    def save(self, table: RankTable) -> None:
+        self.raw = table.encode()
+
+    def delete(self) -> None:
+        self.raw = None
 
 
 def _coordinator_class(store: MemoryRankStore):

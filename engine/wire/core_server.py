@@ -36,7 +36,6 @@ import zmq
 from engine.errors import EngineDeadError, EngineDrainingError, FlotillaError
 from engine.wire.coalesce import coalesce
 from engine.wire.curve_auth import CurveServer, EngineKeys
-from engine.wire.step_watch import StepWatch
 from engine.wire.protocol import (
     ABORT,
     ADD,
@@ -57,6 +56,7 @@ from engine.wire.protocol import (
     UtilityOutput,
     UtilityRequest,
 )
+from engine.wire.step_watch import StepWatch
 
 logger = logging.getLogger(__name__)
 MAX_QUEUED_ADDS = 4096  # for a core without config.max_waiting_requests
