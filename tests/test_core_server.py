@@ -404,3 +404,71 @@ def test_the_engine_replica_fails_its_health_check_on_a_step_past_the_timeout():
     with pytest.raises(RuntimeError, match="belongs to replica y"):
         asyncio.run(replica.check_health())
     replica.server = None  # nothing for its __del__ to drain
+
+
+def test_heartbeats_carry_the_step_age_and_a_wedged_engine_gets_no_new_request(tokenizer):  # noqa: F811
+    """Issue 40, finding 5: heartbeats came from the io thread whatever the core loop
+    did, so a client could not tell a wedged step from a live engine and kept routing
+    to it. Heartbeats now carry how long the current step has run; past stalled_step_s
+    the client sends new requests to the other engines, and once the step ends (its
+    outputs say 0) the engine is routed to again."""
+    import threading
+
+    from engine.wire.mock import MockConfig, MockEngineCore
+    from tests.test_core_client import free_address
+    cores = [MockEngineCore(MockConfig(vocab_size=len(tokenizer), itl_s=0.001))
+             for _ in range(2)]
+    inside, release = threading.Event(), threading.Event()
+    real_step = cores[0].step
+
+    def hung_step():
+        if cores[0].has_unfinished_requests():
+            inside.set()
+            release.wait(30)
+        return real_step()
+    cores[0].step = hung_step
+    taken: list[str] = []
+    real_add = cores[1].add_request
+
+    def counted_add(req):
+        taken.append(req.request_id)
+        real_add(req)
+    cores[1].add_request = counted_add
+    addresses = [free_address(), free_address()]
+    servers = [EngineCoreServer(c, a).start() for c, a in zip(cores, addresses)]
+
+    async def main():
+        client = await EngineClient.connect(addresses, tokenizer, handshake_timeout_s=10,
+                                            routing="round_robin", stalled_step_s=1.5)
+        try:
+            params = SamplingParams(max_tokens=2, ignore_eos=True)
+            stuck = asyncio.ensure_future(client.generate("r0", [5, 6, 7], params,
+                                                          data_parallel_rank=0).__anext__())
+            await asyncio.get_running_loop().run_in_executor(None, inside.wait, 10)
+            for _ in range(100):
+                if client.engines[0].step_running_s >= 1.5:
+                    break
+                await asyncio.sleep(0.05)
+            assert client.engines[0].step_running_s >= 1.5  # from a heartbeat
+            assert not stuck.done()
+            for i in range(4):  # round robin would send two of these to engine 0
+                async for out in client.generate(f"n{i}", [5, 6, 7], params):
+                    pass
+                assert out.finished
+            assert len(taken) == 4 and not release.is_set()
+            release.set()
+            await stuck
+            for _ in range(100):
+                if client.engines[0].step_running_s == 0.0:
+                    break
+                await asyncio.sleep(0.05)
+            assert client.engines[0].step_running_s == 0.0
+        finally:
+            release.set()
+            await client.shutdown()
+
+    try:
+        asyncio.run(main())
+    finally:
+        for s in servers:
+            s.shutdown()

@@ -81,6 +81,7 @@ READ_BATCH = 64  # messages read before this reader yields to the event loop (fa
 SHUTDOWN_FLUSH_S = 0.05  # after the last ABORTs, before the sockets close
 CLIENT_PING_S = 1.0  # PING every engine this often: an engine drops a silent client's requests
 DISCONNECT_GRACE_S = 2.0  # after a TCP disconnect: time to hear from the engine (beats 1 s)
+STALLED_STEP_S = 10.0  # an engine whose step has run this long gets no new request
 ABORT_RETRY_S = 0.2  # wait before resending aborts whose send failed
 
 
@@ -125,6 +126,7 @@ class _Engine:
     draining: bool = False  # it refused a request because it is shutting down
     is_alive: Callable[[], bool] | None = None
     adapters: set[int] = field(default_factory=set)  # LoRA ids this client sent it
+    step_running_s: float = 0.0  # its current step's age, from its last heartbeat
 
 
 class _Stream:
@@ -174,6 +176,7 @@ class EngineClient:
         self.router = Router()  # routing policy, prefix index, sessions (engine/wire/routing.py)
         self.dead_error: EngineDeadError | None = None
         self.heartbeat_timeout_s = 10.0
+        self.stalled_step_s = STALLED_STEP_S
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
         self._closed = False
@@ -184,16 +187,21 @@ class EngineClient:
                       handshake_timeout_s: float = 30.0, heartbeat_timeout_s: float = 10.0,
                       is_alive: list[Callable[[], bool]] | None = None,
                       routing: str = "prefix",
-                      keys: dict[str, ClientKeys] | None = None) -> "EngineClient":
+                      keys: dict[str, ClientKeys] | None = None,
+                      stalled_step_s: float = STALLED_STEP_S) -> "EngineClient":
         """Handshake with every engine; the READY values configure the client.
         routing: "prefix" | "least_loaded" | "round_robin" (engine/wire/routing.py).
         keys: address -> the CURVE keys of an engine that serves over CURVE
-        (engine/wire/curve_auth.py); an address without them is connected in the clear."""
+        (engine/wire/curve_auth.py); an address without them is connected in the clear.
+        stalled_step_s: an engine whose heartbeat says its step has run this long gets no
+        new request while another engine can take it (it stays connected: its running
+        requests go on, and Serve's health check replaces it if the step never ends)."""
         if not addresses:
             raise NoEnginesError("no engine addresses given")
         self = cls()
         self.router = Router(routing)
         self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.stalled_step_s = stalled_step_s
         self._ctx = zmq.asyncio.Context()
         keys = keys or {}
         handshakes = [asyncio.ensure_future(self._handshake(i, a, handshake_timeout_s,
@@ -437,6 +445,7 @@ class EngineClient:
                 e.index, hashes)
         alive = [e for e in self.engines if not e.dead and not e.draining] or \
             [e for e in self.engines if not e.dead]
+        alive = [e for e in alive if e.step_running_s < self.stalled_step_s] or alive
         if rank is not None:
             if not 0 <= rank < len(self.engines):
                 raise EngineRequestError(
@@ -581,6 +590,7 @@ class EngineClient:
             return
         if msg.scheduler_stats is not None:
             engine.stats = msg.scheduler_stats
+        engine.step_running_s = msg.step_running_s  # 0 on a step's own outputs
         if msg.utility_output is not None:
             self._resolve_utility(msg.utility_output)
         if msg.kv_events is not None and not engine.dead:

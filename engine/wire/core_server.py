@@ -268,7 +268,8 @@ class EngineCoreServer:
                 if time.monotonic() - last_sent >= self.heartbeat_interval_s and self._clients:
                     beat = heartbeat.encode(EngineCoreOutputs(
                         self.engine_index, timestamp=time.time(),
-                        scheduler_stats=self._safe_stats()))
+                        scheduler_stats=self._safe_stats(),
+                        step_running_s=self.step_watch.running_for()))
                     for identity in list(self._clients):
                         router.send_multipart([identity, OUTPUTS, beat])
                     last_sent = time.monotonic()

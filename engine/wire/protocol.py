@@ -198,3 +198,7 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
     scheduler_stats: SchedulerStats | None = None
     wave_complete: int | None = None  # set when the engine went idle ending this wave
     kv_events: KVEvents | None = None  # prefix-cache changes, batched (core_server)
+    # heartbeats only: seconds the engine's current step (or utility call) has run, 0
+    # between steps; the io thread beats whatever the core loop does, so this is how a
+    # client tells a wedged engine from a live one (core_client routes around it)
+    step_running_s: float = 0.0
