@@ -67,6 +67,7 @@ from engine.errors import (
     RequestTimeoutError,
     UtilityCallError,
 )
+from engine.frontend.prep_offload import INLINE_CHARS
 from engine.lora.request import LoRARequest
 from engine.outputs import OutputKind, RequestOutput
 from engine.pooling import PoolingParams
@@ -287,6 +288,7 @@ def build_openai_app(get_client: Callable[[], Awaitable[EngineClient]],
             raise HTTPError(413, f"request body over {options.max_body_bytes} bytes",
                             "RequestTooLargeError")
         raw = await _read_capped(request, options.max_body_bytes)
+        request.state.body_bytes = len(raw)  # a large one is prepared off the event loop
         try:
             body = schema.model_validate_json(raw)
         except ValidationError as exc:
@@ -393,14 +395,18 @@ def build_openai_app(get_client: Callable[[], Awaitable[EngineClient]],
         params = body.sampling_params(body.token_limit(), body.logprob_count(), structured,
                                       client.sampling_defaults, body.prompt_logprobs)
         check_fanout(1, params.n, client.processor.limits)
-        text = render_chat_prompt(client.processor, body.conversation(), plan,
-                                  options.chat_template, body.add_generation_prompt,
-                                  body.chat_template_kwargs or {})
-        ids = client.processor.tokenizer.encode(text, add_special_tokens=False)
+        heavy = request.state.body_bytes > INLINE_CHARS or bool(plan.tools)
+        text, ids = await client.prep.run(heavy, _chat_prompt, client.processor, body, plan)
         return await _generate(f"chatcmpl-{rid}-{uuid.uuid4().hex[:8]}",
                                {"prompt": text, "prompt_token_ids": ids}, params, body, chat=True,
                                tools=plan if plan.parser is not None else None,
                                lora=await _adapter(body), scheduling=scheduling)
+
+    def _chat_prompt(processor, body, plan) -> tuple[str, list[int]]:
+        """The conversation rendered through the chat template, and its token ids."""
+        text = render_chat_prompt(processor, body.conversation(), plan, options.chat_template,
+                                  body.add_generation_prompt, body.chat_template_kwargs or {})
+        return text, processor.tokenizer.encode(text, add_special_tokens=False)
 
     async def _generate(request_id: str, prompt, params, body, chat: bool,
                         tools=None, lora=None, scheduling: dict[str, Any] | None = None

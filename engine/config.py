@@ -26,7 +26,7 @@ CPU_DEFAULT_KV_CACHE_BYTES = 2 << 30
 # the options that bound one request (engine.request_limits.RequestLimits carries them)
 LIMIT_OPTIONS = ("max_stop_strings", "max_stop_string_chars", "max_bad_words",
                  "max_bad_word_chars", "max_logit_bias", "max_allowed_token_ids",
-                 "max_sequences_per_request")
+                 "max_sequences_per_request", "max_structured_output_chars")
 
 
 @dataclass(frozen=True)
@@ -75,6 +75,12 @@ class EngineConfig:
                                                 "may give")
     max_sequences_per_request: int = option(
         512, "the most sequences one API request may start: its prompts x n")
+    max_structured_output_chars: int = option(
+        65536, "the longest structured-outputs constraint (JSON schema, regex, EBNF "
+        "grammar, or all choices together), in characters")
+    structured_outputs_compile_timeout_s: float = option(
+        60.0, "a grammar still compiling after this long is abandoned (its requests fail "
+        "with a 400; past 4 abandoned compiles still running, new ones get 429)")
     max_waiting_requests: int = option(
         4096, "the most requests an engine queues before it refuses more (HTTP 429 with "
         "Retry-After); its running batch is max_num_seqs beside them")
@@ -132,6 +138,8 @@ class EngineConfig:
             (self.max_loras >= 1, "max_loras must be >= 1"),
             *[(getattr(self, name) >= 1, f"{name} must be >= 1") for name in LIMIT_OPTIONS],
             (self.max_waiting_requests >= 1, "max_waiting_requests must be >= 1"),
+            (self.structured_outputs_compile_timeout_s > 0,
+             "structured_outputs_compile_timeout_s must be > 0"),
             (self.attention_backend in ("auto", "native", "flex", "triton", "torch"),
              f"attention_backend must be auto, native, flex, triton or torch, got "
              f"{self.attention_backend!r}"),

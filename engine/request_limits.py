@@ -4,7 +4,8 @@ ingress for everyone else.
 Without caps, stop strings are scanned on the ingress event loop for every token
 (50,000 of them fit under the 1 MiB body limit), bad words are matched on the engine
 thread for every row every step, logit_bias and allowed_token_ids grow the per-request
-tensors, and one completions request could fan out to 64 prompts x n = 128 sequences.
+tensors, one completions request could fan out to 64 prompts x n = 128 sequences, and
+a structured-outputs constraint of any size went to the grammar compiler.
 The limits are EngineConfig options (declared there once, engine.config.LIMIT_OPTIONS);
 engines announce theirs in the handshake, so the frontend refuses early with the same
 numbers, and engines check again, since anything can reach their socket. Each refusal
@@ -27,6 +28,7 @@ class RequestLimits(msgspec.Struct, frozen=True, kw_only=True):
     max_logit_bias: int
     max_allowed_token_ids: int
     max_sequences_per_request: int
+    max_structured_output_chars: int
 
     @classmethod
     def of(cls, config) -> "RequestLimits":
@@ -65,6 +67,10 @@ def check_limits(params, limits: RequestLimits) -> None:
             "max_logit_bias")
     _refuse("allowed_token_ids", len(params.allowed_token_ids or ()),
             limits.max_allowed_token_ids, "max_allowed_token_ids")
+    spec = params.structured_outputs
+    if spec is not None:
+        _refuse(f"the structured-outputs {spec.kind}'s characters", constraint_chars(spec),
+                limits.max_structured_output_chars, "max_structured_output_chars")
     # as the engine gets them: each word with and without a leading space; byte-level
     # tokenizers may spend up to 4 tokens on a character
     _refuse("bad word token sequences", len(params.bad_words_token_ids),
@@ -72,6 +78,14 @@ def check_limits(params, limits: RequestLimits) -> None:
     longest = max(map(len, params.bad_words_token_ids), default=0)
     _refuse("the longest bad word's tokens", longest, 4 * (limits.max_bad_word_chars + 1),
             "max_bad_word_chars")
+
+
+def constraint_chars(spec) -> int:
+    """A StructuredOutputsParams' size: its schema, regex or grammar text, or all its
+    choices together (a JSON object constraint has none)."""
+    if spec.choice is not None:
+        return sum(map(len, spec.choice))
+    return len(spec.json or spec.regex or spec.grammar or "")
 
 
 def check_fanout(prompts: int, n: int, limits: RequestLimits) -> None:

@@ -15,12 +15,13 @@ from engine.config import LIMIT_OPTIONS, EngineConfig
 from engine.errors import InvalidRequestError
 from engine.request_limits import RequestLimits, check_fanout, check_limits
 from engine.sampling_params import SamplingParams
+from engine.structured.params import StructuredOutputsParams
 from engine.wire.protocol import EngineCoreRequest
 from tests.test_openai_app import MODEL, engines, serve, tokenizer  # noqa: F401 - fixtures
 
 TIGHT = RequestLimits(max_stop_strings=2, max_stop_string_chars=5, max_bad_words=2,
                       max_bad_word_chars=6, max_logit_bias=3, max_allowed_token_ids=4,
-                      max_sequences_per_request=6)
+                      max_sequences_per_request=6, max_structured_output_chars=12)
 
 
 @pytest.mark.parametrize("params,option", [
@@ -32,6 +33,10 @@ TIGHT = RequestLimits(max_stop_strings=2, max_stop_string_chars=5, max_bad_words
     (SamplingParams(bad_words_token_ids=[[1] * 29]), "max_bad_word_chars"),
     (SamplingParams(logit_bias={1: 1.0, 2: 1.0, 3: 1.0, 4: 1.0}), "max_logit_bias"),
     (SamplingParams(allowed_token_ids=[1, 2, 3, 4, 5]), "max_allowed_token_ids"),
+    (SamplingParams(structured_outputs=StructuredOutputsParams(regex="[a-z]{1,5000}@x")),
+     "max_structured_output_chars"),
+    (SamplingParams(structured_outputs=StructuredOutputsParams(choice=["yes!!!", "no!!!!!"])),
+     "max_structured_output_chars"),
 ])
 def test_each_limit_is_refused_by_name(params, option):
     with pytest.raises(InvalidRequestError, match=option):
@@ -42,7 +47,9 @@ def test_requests_at_the_limits_pass():
     check_limits(SamplingParams(stop=["abcde", "x"], bad_words=["abcdef", "y"],
                                 bad_words_token_ids=[[1] * 28] * 4,
                                 logit_bias={1: 1.0, 2: 1.0, 3: 1.0},
-                                allowed_token_ids=[1, 2, 3, 4]), TIGHT)
+                                allowed_token_ids=[1, 2, 3, 4],
+                                structured_outputs=StructuredOutputsParams(
+                                    choice=["yes!!!", "no!!!!"])), TIGHT)
     check_fanout(3, 2, TIGHT)
     with pytest.raises(InvalidRequestError, match=r"3 x 3.*max_sequences_per_request"):
         check_fanout(3, 3, TIGHT)

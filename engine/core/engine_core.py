@@ -95,7 +95,8 @@ class EngineCore:
         self.pooler = Pooler(pooling_method(self.checkpoint), self.shape.hidden_size)
         self.structured = StructuredOutputManager(
             self.checkpoint, self.shape.vocab_size, self.eos_token_ids,
-            fill_threads=config.cpu_threads() if self.device.type == "cpu" else 1)
+            fill_threads=config.cpu_threads() if self.device.type == "cpu" else 1,
+            compile_timeout_s=config.structured_outputs_compile_timeout_s)
         self.lora = LoRAManager(config.max_loras) if config.enable_lora else None
         self._checked_loras: set[LoRARequest] = set()  # adapters read once already
         self._lora_roots = lora_roots(config)

@@ -1,7 +1,7 @@
 """StructuredOutputManager: the engine core's side of structured outputs.
 
-A constrained request's grammar compiles on one worker thread while the engine keeps
-stepping; the scheduler leaves the request waiting until its matcher exists (poll()).
+A constrained request's grammar compiles on a thread of its own while the engine keeps
+stepping (engine/structured/compile_pool.py bounds them); the scheduler leaves the request waiting until its matcher exists (poll()).
 Each step the sampling rows with a matcher get their allowed-token bitmask, and every
 sampled token advances its matcher. A matcher only ever sees output tokens, which
 survive preemption (recompute rebuilds KV, not tokens), so it needs no reset.
@@ -11,13 +11,13 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import threading
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from engine.core.request import Request
+from engine.structured.compile_pool import CompilePool
 
 if TYPE_CHECKING:
     from engine.structured.grammar import GrammarCompiler
@@ -25,36 +25,34 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 POLL_WAIT_S = 0.02  # an idle engine waiting only on a compile sleeps this long per step
-COMPILE_THREADS = 2  # one slow schema does not hold up every other new constraint
-# A request whose grammar has not compiled by then fails (xgrammar cannot be interrupted,
-# so the compile itself runs on; its result still fills the cache).
-COMPILE_TIMEOUT_S = 60.0
+COMPILE_SLOTS = 2  # compiles running at once (abandoned ones not counted)
+MAX_ABANDONED_COMPILES = 4  # past this many still running, new compiles get 429
 
 
 class GrammarState:
     """One request's compile future, then its matcher."""
 
-    __slots__ = ("future", "matcher", "is_json", "started")
+    __slots__ = ("future", "key", "matcher", "is_json")
 
-    def __init__(self, future: concurrent.futures.Future, is_json: bool) -> None:
+    def __init__(self, future: concurrent.futures.Future, key: bytes, is_json: bool) -> None:
         self.future = future
-        self.started = time.monotonic()
+        self.key = key  # the compile it waits on (CompilePool)
         self.matcher: Any = None
         self.is_json = is_json  # its mask also bans control characters (grammar.py)
 
 
 class StructuredOutputManager:
     def __init__(self, checkpoint: Path, vocab_size: int, stop_token_ids: tuple[int, ...],
-                 fill_threads: int = 1) -> None:
+                 fill_threads: int = 1, compile_timeout_s: float = 60.0) -> None:
         """fill_threads: threads that fill a step's bitmask rows together (the engine's
-        compute threads, idle at that point of the step)."""
+        compute threads, idle at that point of the step); compile_timeout_s: a compile
+        running longer is abandoned and its requests fail."""
         self.checkpoint = checkpoint
         self.fill_threads = max(1, fill_threads)
         self._batch_filler: Any = None
         self.vocab_size = vocab_size
         self.stop_token_ids = stop_token_ids
-        self._executor = concurrent.futures.ThreadPoolExecutor(COMPILE_THREADS,
-                                                               thread_name_prefix="grammar")
+        self._pool = CompilePool(COMPILE_SLOTS, compile_timeout_s, MAX_ABANDONED_COMPILES)
         self._compiler: GrammarCompiler | None = None
         self._compiler_lock = threading.Lock()
         self._pending: list[Request] = []
@@ -76,13 +74,14 @@ class StructuredOutputManager:
         spec = request.params.structured_outputs
         if spec is None:
             return
+        key = spec.cache_key()
         compiled = self._compiler.cached(spec) if self._compiler is not None else None
         if compiled is not None:  # seen before: ready now, no thread hop
             future: concurrent.futures.Future = concurrent.futures.Future()
             future.set_result(compiled)
         else:
-            future = self._executor.submit(lambda: self._get_compiler().compile(spec))
-        request.grammar = GrammarState(future, spec.kind in ("json", "json_object"))
+            future = self._pool.submit(key, lambda: self._get_compiler().compile(spec))
+        request.grammar = GrammarState(future, key, spec.kind in ("json", "json_object"))
         self._pending.append(request)
 
     def poll(self) -> list[tuple[Request, str]]:
@@ -91,21 +90,22 @@ class StructuredOutputManager:
         which the frontend turns back into that typed error)."""
         if not self._pending:
             return []
+        self._pool.reap()
         failed, still = [], []
         for request in self._pending:
             future = request.grammar.future
             if request.status.finished:
-                future.cancel()
+                self._pool.release(request.grammar.key)
             elif not future.done():
-                if time.monotonic() - request.grammar.started > COMPILE_TIMEOUT_S:
-                    failed.append((request, "InvalidRequestError: the structured-outputs "
-                                   f"grammar did not compile within {COMPILE_TIMEOUT_S:g} s"))
-                else:
-                    still.append(request)
+                still.append(request)
+            elif future.cancelled():  # cannot happen while a request waits on it
+                failed.append((request, "EngineRequestError: its grammar compile was dropped"))
             elif (exc := future.exception()) is not None:
+                self._pool.release(request.grammar.key)
                 failed.append((request, f"{type(exc).__name__}: {exc}"))
             else:
                 import xgrammar as xgr
+                self._pool.release(request.grammar.key)
                 request.grammar.matcher = xgr.GrammarMatcher(future.result())
         self._pending = still
         return failed
@@ -116,7 +116,8 @@ class StructuredOutputManager:
     def wait(self, timeout: float = POLL_WAIT_S) -> None:
         """Block until a pending compile finishes or timeout (the engine has nothing
         else to do)."""
-        concurrent.futures.wait([r.grammar.future for r in self._pending], timeout,
+        concurrent.futures.wait([r.grammar.future for r in self._pending]
+                                + self._pool.running(), timeout,
                                 return_when=concurrent.futures.FIRST_COMPLETED)
 
     # ---- each step ----------------------------------------------------------------------
@@ -155,4 +156,4 @@ class StructuredOutputManager:
         return request.grammar.matcher.is_terminated()
 
     def shutdown(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        """Nothing to join: compile threads are daemons, and their results go nowhere."""

@@ -47,6 +47,7 @@ from engine.errors import (
     UtilityCallError,
 )
 from engine.frontend.output_processor import OutputProcessor
+from engine.frontend.prep_offload import PrepOffload, heavy_prompt
 from engine.frontend.processor import Processor, Prompt
 from engine.lora.request import LoRARequest
 from engine.outputs import OutputKind, RequestOutput
@@ -180,6 +181,7 @@ class EngineClient:
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
         self._closed = False
+        self.prep = PrepOffload()  # CPU-heavy request preparation off the event loop
 
     # ---- set-up -------------------------------------------------------------------------
     @classmethod
@@ -325,11 +327,14 @@ class EngineClient:
                                       f"(they support: {', '.join(self.supported_tasks)})")
         if request_id in self._streams:
             raise EngineRequestError(f"request id {request_id!r} is already running")
-        text, ids = self.processor.tokenize(prompt)
-        requests = self.processor.make_requests(request_id, ids, params, priority=priority,
-                                                data_parallel_rank=data_parallel_rank,
-                                                pooling_params=pooling_params,
-                                                lora_request=lora_request)
+        text, ids, requests = await self.prep.run(
+            heavy_prompt(prompt, params), self._prepare, request_id, prompt, params,
+            priority=priority, data_parallel_rank=data_parallel_rank,
+            pooling_params=pooling_params, lora_request=lora_request)
+        if self._closed:  # shut down while it was prepared
+            raise EngineDeadError("the client was shut down")
+        if request_id in self._streams:  # the same id came in while it was prepared
+            raise EngineRequestError(f"request id {request_id!r} is already running")
         if trace_headers:
             for r in requests:
                 r.trace_headers = trace_headers
@@ -400,6 +405,12 @@ class EngineClient:
                     for engine_id in unfinished:
                         self._queue_abort(engine_id, abort_cause)
                 self._forget(request_id, requests)
+
+    def _prepare(self, request_id: str, prompt: Prompt, params: SamplingParams, **kwargs
+                 ) -> tuple[str | None, list[int], list]:
+        """Tokenize and check a request: (its prompt text, ids, EngineCoreRequests)."""
+        text, ids = self.processor.tokenize(prompt)
+        return text, ids, self.processor.make_requests(request_id, ids, params, **kwargs)
 
     def _submit(self, request_id: str, text, requests, kind: OutputKind,
                 engine: _Engine) -> _Stream:
@@ -790,6 +801,7 @@ class EngineClient:
         if self._closed:
             return
         self._closed = True
+        self.prep.shutdown()
         for task in reversed(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
