@@ -427,6 +427,12 @@ def build_openai_app(get_client: Callable[[], Awaitable[EngineClient]],
         span = getattr(request.state, "trace_span", None)
         if span is not None:
             out["trace_headers"] = tracing.headers_of(span)
+        rank = request.headers.get("x-data-parallel-rank")
+        if rank is not None:  # vLLM's header: this engine, or an error (none other)
+            if not rank.strip().isdigit():
+                raise HTTPError(400, f"x-data-parallel-rank: {rank!r} is not a rank "
+                                "(0, 1, ...)", "BadRequestError", "x-data-parallel-rank")
+            out["data_parallel_rank"] = int(rank)
         return out
 
     async def _respond(stream, request_id: str, params, body, chat: bool, tools,

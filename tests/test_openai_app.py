@@ -368,3 +368,31 @@ def test_completions_with_a_list_of_prompts_and_echo(tiny_server, tiny_llama):
         assert all(v is not None for v in lp["token_logprobs"][1:])
     assert too_many.status_code == 400
 
+
+
+def test_the_data_parallel_rank_header_pins_the_engine(engines):
+    """vLLM's x-data-parallel-rank header: the request runs on that engine; a rank
+    past the engines is a 400, a malformed one a 400 naming the header."""
+    taken = {0: [], 1: []}
+    for rank in (0, 1):
+        core = engines.add(itl_s=0.001)
+        real_add = core.add_request
+
+        def add(req, rank=rank, real_add=real_add):
+            taken[rank].append(req.request_id)
+            real_add(req)
+        core.add_request = add
+
+    async def test(http, oai):
+        body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
+        codes = []
+        for rank in ("1", "1", "0", "1", "2", "x"):
+            r = await http.post("/v1/completions", json=body,
+                                headers={"x-data-parallel-rank": rank})
+            codes.append((r.status_code, r.json().get("error", {}).get("message", "")))
+        return codes
+
+    codes = serve(engines, test)
+    assert [c for c, _ in codes] == [200, 200, 200, 200, 400, 400]
+    assert "out of range" in codes[4][1] and "x-data-parallel-rank" in codes[5][1]
+    assert (len(taken[0]), len(taken[1])) == (1, 3)

@@ -459,7 +459,7 @@ class EngineClient:
         alive = [e for e in alive if e.step_running_s < self.stalled_step_s] or alive
         if rank is not None:
             if not 0 <= rank < len(self.engines):
-                raise EngineRequestError(
+                raise InvalidRequestError(
                     f"data_parallel_rank {rank} out of range [0, {len(self.engines)})")
             if self.engines[rank].dead:
                 raise self.dead_error or EngineDeadError(f"engine {rank} is dead")
