@@ -364,16 +364,39 @@ def _wait_idle(base_url: str, timeout: float) -> dict[str, float]:
     return load
 
 
+def mock_server(port: int, model: str = MODEL) -> Server:
+    """`flotilla serve` of `model` (mock engines unless another model is named), DP=2,
+    INGRESS_REPLICAS fixed ingress replicas: what the soak and the chaos run load."""
+    extra = ["--mock-itl-s", "0.01"] if model == MODEL else []
+    return Server(f"flotilla {model}", [FLOTILLA, "serve", "--model", model, "--port", str(port),
+                                        "--data-parallel-size", "2", *extra,
+                                        "--served-model-name", model,
+                                        "--ingress-num-cpus", "0", "--ingress-autoscaling",
+                                        json.dumps({"min_replicas": INGRESS_REPLICAS,
+                                                    "max_replicas": INGRESS_REPLICAS})], model)
+
+
 def soak(port: int, duration: float, concurrency: int, warmup: float = 15.0,
          quiet_s: float = 10.0, log_dir: Path | None = None) -> Report:
-    """Start the server, warm it up, sample, load it for `duration`, sample, stop it."""
+    """Start the server, soak it (soak_running), stop it."""
     log_dir = log_dir or Path(tempfile.mkdtemp(prefix="soak-"))
-    server = Server("flotilla mock", [FLOTILLA, "serve", "--model", MODEL, "--port", str(port),
-                                      "--data-parallel-size", "2", "--mock-itl-s", "0.01",
-                                      "--served-model-name", MODEL,
-                                      "--ingress-num-cpus", "0", "--ingress-autoscaling",
-                                      json.dumps({"min_replicas": INGRESS_REPLICAS,
-                                                  "max_replicas": INGRESS_REPLICAS})], MODEL)
+    started = time.monotonic()
+    proc = start_server(mock_server(port), port, log_dir / "server.log")
+    start_s = time.monotonic() - started
+    try:
+        report = soak_running(proc, f"http://127.0.0.1:{port}", duration, concurrency,
+                              warmup, quiet_s)
+    finally:
+        stopping = time.monotonic()
+        stop_server(proc)
+    report.phases = {"start": start_s, **report.phases, "stop": time.monotonic() - stopping}
+    return report
+
+
+def soak_running(proc, base_url: str, duration: float, concurrency: int,
+                 warmup: float = 15.0, quiet_s: float = 10.0) -> Report:
+    """Warm the running server up, sample it idle, load it for `duration`, wait for
+    it to be idle again and sample it (proc: the server's process, root of the tree)."""
     phases: dict[str, float] = {}
     mark = time.monotonic()
 
@@ -382,26 +405,19 @@ def soak(port: int, duration: float, concurrency: int, warmup: float = 15.0,
         phases[name] = time.monotonic() - mark
         mark = time.monotonic()
 
-    proc = start_server(server, port, log_dir / "server.log")
-    phase("start")
-    base_url = f"http://127.0.0.1:{port}"
-    try:
-        asyncio.run(drive(base_url, concurrency, warmup, seed=1))  # pools grow to their size
-        idle_load = _wait_idle(base_url, 60)
-        time.sleep(TRIM_WAIT_S)
-        phase("warm-up")
-        start, _ = settled_sample(proc.pid, SETTLE_TIMEOUT_S, quiet_s=quiet_s)
-        phase("idle sample")
-        tally = asyncio.run(drive(base_url, concurrency, duration))
-        seconds = time.monotonic() - tally.started
-        end_load = _wait_idle(base_url, 60)
-        time.sleep(TRIM_WAIT_S)
-        phase("load")
-        end, settle_s = settled_sample(proc.pid, SETTLE_TIMEOUT_S, target=_totals(start))
-        phase("back to idle")
-    finally:
-        stop_server(proc)
-        phase("stop")
+    asyncio.run(drive(base_url, concurrency, warmup, seed=1))  # pools grow to their size
+    idle_load = _wait_idle(base_url, 60)
+    time.sleep(TRIM_WAIT_S)
+    phase("warm-up")
+    start, _ = settled_sample(proc.pid, SETTLE_TIMEOUT_S, quiet_s=quiet_s)
+    phase("idle sample")
+    tally = asyncio.run(drive(base_url, concurrency, duration))
+    seconds = time.monotonic() - tally.started
+    end_load = _wait_idle(base_url, 60)
+    time.sleep(TRIM_WAIT_S)
+    phase("load")
+    end, settle_s = settled_sample(proc.pid, SETTLE_TIMEOUT_S, target=_totals(start))
+    phase("back to idle")
     window = min(60.0, duration / 6)
     first = [t for sent, t in tally.ttfts if sent - tally.started < window]
     last = [t for sent, t in tally.ttfts if sent - tally.started > duration - window]

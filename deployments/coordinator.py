@@ -41,6 +41,19 @@ PROBE_TIMEOUT_S = 2.0
 COORDINATOR_CALL_TIMEOUT_S = 10.0
 
 
+async def _accepts(address: str) -> bool:
+    """Whether anything takes TCP connections at a tcp://host:port address (a stopped
+    process still does: its kernel accepts for it; a dead one's port refuses)."""
+    host, _, port = address.removeprefix("tcp://").rpartition(":")
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)),
+                                           PROBE_TIMEOUT_S)
+    except (OSError, ValueError, asyncio.TimeoutError):
+        return False
+    writer.close()
+    return True
+
+
 async def _answers(address: str, keys: dict | None) -> bool:
     """Whether an engine-core server answers HELLO at `address` (a liveness probe);
     keys: its clients' CURVE keys, as it registered them."""
@@ -87,6 +100,7 @@ class Coordinator:
         self.max_ranks = self.args.max_engines
         self.owner: dict[int, str] = {}  # rank -> replica id
         self.registry: dict[int, dict[str, Any]] = {}  # rank -> {address, ready, seen}
+        self.addresses: dict[int, str] = {}  # rank -> address, kept over a restart
         self.version = 0  # bumped whenever the set of registered engines changes
         self._started = False  # the initial engines have all registered once
         self._client: EngineClient | None = None
@@ -100,6 +114,7 @@ class Coordinator:
         table = self._store.load()
         if table is not None:
             self.owner, self.version = table.owner, table.version + 1
+            self.addresses = {r: a for r, a in table.address.items() if r in self.owner}
             self._started = True  # serve whichever engines are alive, however many
             self._restored_at = time.monotonic()
             logger.warning("coordinator restarted: %d ranks owned, membership version %d",
@@ -111,7 +126,9 @@ class Coordinator:
 
     def _save(self) -> None:
         try:
-            self._store.save(RankTable(dict(self.owner), self.version))
+            self._store.save(RankTable(dict(self.owner), self.version,
+                                       {r: a for r, a in self.addresses.items()
+                                        if r in self.owner}))
         except Exception as exc:  # the GCS restarting: the next change writes it again
             logger.warning("could not save the rank table: %s", exc)
 
@@ -128,7 +145,10 @@ class Coordinator:
         """A rank for a starting EngineServer replica.
 
         A free rank if there is one; else (Serve replaced a replica that died) the
-        rank whose engine no longer answers a handshake, or has been silent too long.
+        rank whose engine no longer answers a handshake, or has been silent too long;
+        after a restart, one whose owner has not registered again and whose engine's
+        port refuses connections (it died meanwhile: waiting STALE_AFTER_S for it kept
+        its replacement out for half a minute).
         """
         for rank, owner in self.owner.items():
             if owner == replica_id:
@@ -143,10 +163,14 @@ class Coordinator:
                 if silent or (entry and not await _answers(entry["address"],
                                                              entry.get("keys"))):
                     free.append(r)
+                elif entry is None and r in self.addresses and \
+                        not await _accepts(self.addresses[r]):
+                    free.append(r)
             if not free:
                 raise RuntimeError(f"all {self.max_ranks} data-parallel ranks are taken")
         rank = min(free)
         self.owner[rank] = replica_id
+        self.addresses.pop(rank, None)
         if self.registry.pop(rank, None) is not None:
             self.version += 1
         self._save()
@@ -163,6 +187,7 @@ class Coordinator:
         self.owner[rank] = replica_id
         self.registry[rank] = {"address": address, "ready": ready, "seen": time.monotonic(),
                                "keys": keys}
+        self.addresses[rank] = address
         self.version += 1
         self._save()
         logger.info("engine rank %d registered at %s", rank, address)
@@ -180,6 +205,7 @@ class Coordinator:
         so the ingress replicas stop sending it requests while it drains."""
         if self.owner.get(rank) == replica_id:
             del self.owner[rank]
+            self.addresses.pop(rank, None)
             if self.registry.pop(rank, None) is not None:
                 self.version += 1
             self._save()

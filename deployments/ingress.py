@@ -198,5 +198,18 @@ class OpenAIIngress:
         return self._app
 
     async def check_health(self) -> None:
-        if self._client is not None and not self._client.healthy:
-            raise RuntimeError(f"engine connection unhealthy: {self._client.dead_error}")
+        """Healthy while the replica runs: a dead engine is its own replica's business
+        (Serve replaces that one), and this replica's client moves to the live engines
+        at its next request or membership poll. This check used to fail while the
+        client held a dead engine, so an engine death while the coordinator restarted
+        (no reconnect possible for up to COORDINATOR_CALL_TIMEOUT_S) had Serve kill
+        the ingress replicas too, cutting every stream they served on the live
+        engines (the chaos run, bench/chaos.py). Here it only starts the reconnect."""
+        if self._client is not None and not self._client.healthy and not self._lock.locked():
+            asyncio.get_running_loop().create_task(self._reconnect())
+
+    async def _reconnect(self) -> None:
+        try:
+            await self.get_client()
+        except Exception as exc:  # no engine or no coordinator yet: requests say so
+            logger.warning("ingress: reconnecting to the engines failed: %s", exc)

@@ -7,8 +7,9 @@ two engines served as rank 0; and it waited for data_parallel_size engines befor
 listing any, though fewer may be alive. So which replica owns which rank, and the
 membership version, are written to Ray's GCS key-value store (the store Serve keeps its
 own checkpoints in), under the application's name; a new coordinator starts from them.
-The engines' addresses and keys are not stored: they come back as each live engine
-re-registers.
+The engines' addresses are kept too, so a restarted coordinator can tell an owner that
+died meanwhile (its port refuses connections) from one that has not re-registered yet;
+their keys are not stored: they come back as each live engine re-registers.
 """
 from __future__ import annotations
 
@@ -24,14 +25,19 @@ NAMESPACE = "flotilla"
 class RankTable:
     owner: dict[int, str] = field(default_factory=dict)  # rank -> replica id
     version: int = 0
+    # rank -> its engine's address, once registered: a restarted coordinator frees the
+    # rank of an owner whose port no longer takes connections (it died meanwhile)
+    address: dict[int, str] = field(default_factory=dict)
 
     def encode(self) -> bytes:
-        return json.dumps({"owner": self.owner, "version": self.version}).encode()
+        return json.dumps({"owner": self.owner, "version": self.version,
+                           "address": self.address}).encode()
 
     @classmethod
     def decode(cls, raw: bytes) -> "RankTable":
         data = json.loads(raw)
-        return cls({int(r): o for r, o in data["owner"].items()}, int(data["version"]))
+        return cls({int(r): o for r, o in data["owner"].items()}, int(data["version"]),
+                   {int(r): a for r, a in data.get("address", {}).items()})
 
 
 class RankStore:

@@ -58,3 +58,44 @@ def test_an_engine_left_out_as_dead_is_tried_again_without_a_membership_change(
 
     addresses, healthy = asyncio.run(main())
     assert addresses == engines.addresses and healthy
+
+
+def test_a_dead_engine_while_the_coordinator_is_down_leaves_the_replica_healthy(
+        engines, monkeypatch):  # noqa: F811
+    """The chaos run killed an engine right after the coordinator: the replica's client
+    held the dead engine, the coordinator could not answer the reconnect, and the
+    replica's health check failed, so Serve killed the ingress and cut its streams on
+    the live engine. Now the check passes and reconnects once the coordinator answers."""
+    engines.add()
+    engines.add()
+    answering = asyncio.Event()
+
+    async def main():
+        replica = _replica(engines.addresses)
+        client = await replica.get_client()
+        real = replica.coordinator.membership.remote
+
+        async def slow_membership():
+            await answering.wait()  # the coordinator restarting
+            return await real()
+        replica.coordinator.membership = _Remote(slow_membership)
+        client._mark_dead(client.engines[1], "its process died")
+        await replica.check_health()  # used to raise: "engine connection unhealthy"
+        await asyncio.sleep(0.1)
+        assert replica._client is client  # the reconnect waits on the coordinator
+        answering.set()
+        for _ in range(100):
+            await asyncio.sleep(0.02)
+            if replica._client is not client:
+                break
+        switched = replica._client
+        found = [e.address for e in switched.engines], switched.healthy
+        await replica.check_health()
+        if replica._follower is not None:
+            replica._follower.cancel()
+        for c in {client, switched}:
+            await c.shutdown()
+        return found
+
+    addresses, healthy = asyncio.run(main())
+    assert addresses == engines.addresses[:1] and healthy

@@ -1,20 +1,56 @@
-"""The suite's soak: bench/soak.py for 60 seconds at concurrency 256 against
-`flotilla serve --model mock` (DP=2, two ingress replicas): no errors, every process's
-RSS within 5 % of its idle value, sockets and threads back at their idle values, no
-request running or waiting and no KV block held once the load ends."""
-from bench.soak import soak
+"""The suite's soak and chaos run, on one `flotilla serve --model mock` (DP=2, two
+ingress replicas), in this order:
+
+- bench/soak.py for 60 seconds at concurrency 256: no errors, every process's RSS
+  within 5 % of its idle value, sockets and threads back at their idle values, no
+  request running or waiting and no KV block held once the load ends;
+- then bench/chaos.py's short version at concurrency 32: each fault the issue names
+  once (kill -9 of an ingress replica, the coordinator and an engine replica, SIGSTOP
+  of an ingress and an engine, hostile requests): no request hung past its deadline,
+  no answer but an OpenAI error body (or the proxy's 5xx for a request whose replica
+  died), the membership whole within 30 s of each fault, the engines idle after.
+"""
+import pytest
+
+from bench.chaos import chaos_running
+from bench.serve import start_server, stop_server
+from bench.soak import mock_server, soak_running
 from tests.e2e.ray_head import free_ports
 
+# the ingress killed first: its orphaned streams are aborted (client_timeout_s) while
+# the rest runs; the engine last, as its replacement takes longest to rejoin
+CHAOS_FAULTS = ["kill_ingress", "hostile", "stop_engine", "stop_ingress", "kill_coordinator",
+                "kill_engine"]
 
-def test_a_minute_at_concurrency_256_loses_and_leaks_nothing(tmp_path):
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
     (port,) = free_ports(1)
+    proc = start_server(mock_server(port), port,
+                        tmp_path_factory.mktemp("soak") / "server.log")
+    yield proc, f"http://127.0.0.1:{port}"
+    stop_server(proc)
+
+
+def test_a_minute_at_concurrency_256_loses_and_leaks_nothing(server):
     # the warm-up at full concurrency brings each pool and buffer to its size before the
     # idle sample (5 s left the ingress's RSS 3-5 % short of it); a short quiet spell
     # keeps the module near two and a half minutes
-    report = soak(port, duration=60, concurrency=256, warmup=15, quiet_s=4, log_dir=tmp_path)
+    report = soak_running(*server, duration=60, concurrency=256, warmup=15, quiet_s=4)
     report.print()
     assert report.requests > 500 and set(report.by_kind) == {
         "stream", "plain", "chat_stream", "chat", "n", "stop", "disconnect", "timeout"}
+    assert report.check() == []
+
+
+def test_chaos_no_request_hangs_nothing_leaks_the_membership_heals(server):
+    report = chaos_running(*server, duration=240, concurrency=32, baseline_s=5,
+                           gap_s=(2, 2), stop_s=(3, 4), faults=list(CHAOS_FAULTS))
+    report.print()
+    assert [f.kind for f in report.faults] == CHAOS_FAULTS
+    assert all(not f.detail.startswith("no such") for f in report.faults)
+    assert report.tally.outcomes["ok"] > 200
+    assert report.hostile.statuses[400] >= 3  # fan-out, stop strings, a regex on the mock
     assert report.check() == []
 
 
