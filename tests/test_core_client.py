@@ -534,3 +534,46 @@ def test_one_silent_engine_fails_the_connect_without_blocking(engines):
 
     result = _finishes(connect, 10)
     assert len(result) == 1 and isinstance(result[0], HandshakeError), result
+
+
+def test_a_stall_of_the_clients_own_loop_declares_no_engine_dead(tokenizer):
+    """An ingress SIGSTOPped for 15 s (the chaos run) woke up before its ZMQ io thread
+    had read what the engines sent meanwhile, found every engine silent for 15 s and
+    declared them all dead, failing its streams. After a stall of its own the client now
+    gives each engine a new heartbeat timeout; a silent engine is still declared dead
+    after that. (The engine's heartbeats stop with the stall here, as if none had
+    arrived yet.)"""
+    import threading
+    core = MockEngineCore(MockConfig(vocab_size=len(tokenizer)))
+    address = free_address()
+    server = EngineCoreServer(core, address, heartbeat_interval_s=0.2).start()
+    quiet, resume = threading.Event(), threading.Event()
+    real_stats = server._safe_stats
+
+    def stats():  # the io thread builds each heartbeat with these
+        if quiet.is_set():
+            resume.wait(10)
+        return real_stats()
+    server._safe_stats = stats
+
+    async def main():
+        client = await EngineClient.connect([address], tokenizer, handshake_timeout_s=5,
+                                            heartbeat_timeout_s=1.0)
+        try:
+            await asyncio.sleep(1.5)
+            before = client.engines[0].dead
+            quiet.set()
+            time.sleep(2.5)  # the event loop stopped, as by SIGSTOP
+            await asyncio.sleep(0.3)
+            after_stall = client.engines[0].dead
+            await asyncio.sleep(1.5)
+            return before, after_stall, client.engines[0].dead
+        finally:
+            resume.set()
+            await client.shutdown()
+
+    try:
+        assert asyncio.run(main()) == (False, False, True)
+    finally:
+        resume.set()
+        server.shutdown()

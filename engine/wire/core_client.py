@@ -721,11 +721,22 @@ class EngineClient:
             return
 
     async def _monitor_health(self) -> None:
+        """After a stall of this client's own event loop (its process stopped, a long
+        blocking call) the engines' messages still wait in the sockets: it judges no
+        engine on that pass but gives each a new heartbeat_timeout_s (an ingress
+        SIGSTOPped for 15 s declared both live engines dead on waking, failing its
+        streams)."""
         period = max(0.05, min(1.0, self.heartbeat_timeout_s / 4))
+        last_pass = time.monotonic()
         try:
             while True:
                 await asyncio.sleep(period)
                 now = time.monotonic()
+                stalled, last_pass = now - last_pass > self.heartbeat_timeout_s / 2, now
+                if stalled:
+                    for e in self.engines:
+                        e.last_heard = max(e.last_heard, now)
+                    continue
                 for e in self.engines:
                     if e.dead:
                         continue
