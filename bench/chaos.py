@@ -7,8 +7,8 @@ request hung, nothing leaked, and the membership healed after every fault.
     python bench/chaos.py --duration 60 ...      # shorter (the suite: tests/e2e/test_soak.py)
 
 Load: `concurrency` clients, one request after another: streamed and plain
-completions and chat, n = 2, clients that disconnect mid-stream and, on a real model,
-JSON-schema structured outputs. Every request carries `timeout` (its deadline).
+completions and chat, n = 2 or 3, clients that disconnect mid-stream and, on a
+real model, JSON-schema structured outputs. Every request carries `timeout` (its deadline).
 After a fault-free spell (the goodput baseline), a fault every 20-40 s, at random:
 kill -9 of an ingress replica, an engine replica or the coordinator; SIGSTOP of an
 engine or an ingress replica for 3-15 s, then SIGCONT; or hostile requests (a fan-out
@@ -43,7 +43,7 @@ import httpx
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 from bench.serve import start_server, stop_server  # noqa: E402
-from bench.soak import descendants, mock_server  # noqa: E402
+from bench.soak import descendants, mock_server, request_body  # noqa: E402
 
 APP = "flotilla"
 ROLES = {"ingress": "OpenAIIngress", "engine": "EngineServer", "coordinator": "Coordinator"}
@@ -53,21 +53,28 @@ DATA_PARALLEL = 2
 HANG_SLACK_S = 20.0  # past its deadline plus the longest SIGSTOP, a request is hung
 HEAL_LIMIT_S = 30.0
 PROBES_IN_A_ROW = 3
+MUST_REFUSE = 2  # of hostile_bodies(): the first ones, which no server may serve
 
 
 # ---- the server's replicas ------------------------------------------------------------
 def replica_pids(root: int, role: str) -> list[int]:
     """PIDs of the Serve replicas of one deployment (Ray titles them
-    ray::ServeReplica:<app>:<deployment>)."""
+    ray::ServeReplica:<app>:<deployment>); a process it forked carries the same title,
+    so only those whose parent does not are replicas."""
     tag = f"ServeReplica:{APP}:{ROLES[role]}".encode()
-    pids = []
-    for pid in descendants(root):
+
+    def tagged(pid: int) -> bool:
         try:
-            if tag in Path(f"/proc/{pid}/cmdline").read_bytes():
-                pids.append(pid)
+            return tag in Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
-            pass
-    return pids
+            return False
+
+    def parent(pid: int) -> int:
+        try:
+            return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            return 0
+    return [pid for pid in descendants(root) if tagged(pid) and not tagged(parent(pid))]
 
 
 # ---- load -------------------------------------------------------------------------------
@@ -92,26 +99,11 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 
 
 def _body(kind: str, model: str, deadline: float, rng: random.Random) -> tuple[str, dict]:
-    tokens = rng.randint(8, 48)
-    prompt = f"chaos {rng.random():.6f} tell me a story"
-    completion = {"model": model, "prompt": prompt, "max_tokens": tokens, "ignore_eos": True,
-                  "timeout": deadline}
-    chat = {"model": model, "messages": [{"role": "user", "content": prompt}],
-            "max_tokens": tokens, "ignore_eos": True, "timeout": deadline}
-    usage = {"stream_options": {"include_usage": True}}
-    if kind == "stream":
-        return "/v1/completions", {**completion, "stream": True, **usage}
-    if kind == "plain":
-        return "/v1/completions", completion
-    if kind == "chat_stream":
-        return "/v1/chat/completions", {**chat, "stream": True, **usage}
-    if kind == "n":
-        return "/v1/completions", {**completion, "n": 2}
-    if kind == "disconnect":
-        return "/v1/completions", {**completion, "max_tokens": 2000, "stream": True}
-    assert kind == "structured"
-    return "/v1/chat/completions", {**chat, "ignore_eos": False, "structured_outputs": {
-        "json": SCHEMA}}
+    """The soak's request of this kind with a deadline, or JSON-schema chat."""
+    if kind != "structured":
+        return request_body(kind, rng, model, {"timeout": deadline})
+    path, chat = request_body("chat", rng, model, {"timeout": deadline})
+    return path, {**chat, "ignore_eos": False, "structured_outputs": {"json": SCHEMA}}
 
 
 async def request(http: aiohttp.ClientSession, url: str, body: dict, tally: Tally,
@@ -199,10 +191,15 @@ class Fault:
     detail: str = ""
     healed_s: float | None = None  # from its end (the kill, the SIGCONT) to a whole membership
     duration_s: float = 0.0  # from its start to healed
+    probe_failures: Counter = field(default_factory=Counter)  # why, until healed
 
 
 def hostile_bodies(model: str) -> list[tuple[str, dict]]:
-    """Requests that ask too much: each should get a 400 (or 408 / 429), nothing else."""
+    """Requests that ask too much. The first two (a fan-out past
+    max_sequences_per_request, 5,000 stop strings) must get a 400; the grammars are
+    costly, not invalid: a real model may serve them (or refuse them clearly: 400 past
+    the compile time limit, 408 past the deadline, 429 while abandoned compiles run),
+    and the mock refuses every constraint."""
     big_schema = {"type": "object", "properties": {
         f"p{i}": {"type": "string", "maxLength": 400} for i in range(40)},
         "required": [f"p{i}" for i in range(40)]}
@@ -218,8 +215,9 @@ def hostile_bodies(model: str) -> list[tuple[str, dict]]:
 
 
 async def whole(http: aiohttp.ClientSession, base_url: str, model: str, timeout: float
-                ) -> bool:
-    """Every engine answers a probe pinned to it, PROBES_IN_A_ROW times each."""
+                ) -> str | None:
+    """None when every engine answers a probe pinned to it, PROBES_IN_A_ROW times
+    each; else why not (the first failure)."""
     body = {"model": model, "prompt": "probe", "max_tokens": 1, "timeout": timeout}
     for rank in range(DATA_PARALLEL):
         for _ in range(PROBES_IN_A_ROW):
@@ -227,24 +225,27 @@ async def whole(http: aiohttp.ClientSession, base_url: str, model: str, timeout:
                 async with http.post(base_url + "/v1/completions", json=body,
                                      headers={"x-data-parallel-rank": str(rank)},
                                      timeout=aiohttp.ClientTimeout(total=timeout + 5)) as r:
-                    await r.read()
+                    text = await r.text()
                     if r.status != 200:
-                        return False
-            except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError):
-                return False
-    return True
+                        return f"rank {rank}: HTTP {r.status} {text[:100]}"
+            except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as exc:
+                return f"rank {rank}: {type(exc).__name__}"
+    return None
 
 
 async def wait_whole(base_url: str, model: str, probe_timeout: float,
-                     limit: float = 90.0) -> float | None:
-    """Seconds until the membership is whole (None: not within `limit`)."""
-    started = time.monotonic()
+                     limit: float = 90.0) -> tuple[float | None, Counter]:
+    """(seconds until the membership is whole, None if not within `limit`; why the
+    probes failed until then, counted)."""
+    started, why = time.monotonic(), Counter()
     async with aiohttp.ClientSession() as http:
         while time.monotonic() - started < limit:
-            if await whole(http, base_url, model, probe_timeout):
-                return time.monotonic() - started
+            failure = await whole(http, base_url, model, probe_timeout)
+            if failure is None:
+                return time.monotonic() - started, why
+            why[failure.split(" (", 1)[0][:90]] += 1
             await asyncio.sleep(0.5)
-    return None
+    return None, why
 
 
 async def inject(kind: str, root: int, base_url: str, model: str, rng: random.Random,
@@ -268,6 +269,9 @@ async def inject(kind: str, root: int, base_url: str, model: str, rng: random.Ra
     async with aiohttp.ClientSession() as http:
         outcomes = await asyncio.gather(*(request(http, base_url + path, body, hostile)
                                           for path, body in hostile_bodies(model)))
+    refused = outcomes[:MUST_REFUSE]
+    if any(o != "error" for o in refused):
+        hostile.note("served", f"fan-out / stop strings answered {refused}")
     return "hostile: " + ", ".join(outcomes)
 
 
@@ -307,8 +311,8 @@ class Report:
             bad.append(f"membership not whole within {HEAL_LIMIT_S:g}s: {unhealed}")
         if self.end_load != {"running": 0.0, "waiting": 0.0, "kv_usage": 0.0}:
             bad.append(f"engines not idle after the run: {self.end_load}")
-        if self.hostile.outcomes["ok"]:
-            bad.append(f"{self.hostile.outcomes['ok']} hostile requests were served")
+        if self.hostile.outcomes["served"]:
+            bad.append(f"hostile requests served: {self.hostile.examples.get('served')}")
         return bad
 
     def print(self) -> None:
@@ -327,6 +331,8 @@ class Report:
         for f in self.faults:
             healed = "NOT healed" if f.healed_s is None else f"whole {f.healed_s:.1f}s after"
             print(f"  {f.at:6.0f}s {f.kind:<17} {healed}  ({f.detail})")
+            for why, n in f.probe_failures.most_common(3):
+                print(f"          probes failing: {n} x {why}")
         windows = [(f.at, f.at + f.duration_s) for f in self.faults
                    if f.kind != "hostile"]
         print(f"  goodput: fault-free {self.goodput([(0, self.baseline_s)]):.0f} tok/s; "
@@ -388,7 +394,8 @@ async def _chaos(root: int, base_url: str, model: str, duration: float, concurre
         fault = Fault(kind, time.monotonic() - t0)
         fault.detail = await inject(kind, root, base_url, model, rng, hostile, stop_s)
         ended = time.monotonic()
-        fault.healed_s = await wait_whole(base_url, model, probe_timeout)
+        fault.healed_s, fault.probe_failures = await wait_whole(base_url, model,
+                                                                probe_timeout)
         fault.duration_s = time.monotonic() - t0 - fault.at
         done.append(fault)
         rest = rng.uniform(*gap_s) - (time.monotonic() - ended)

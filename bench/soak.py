@@ -148,13 +148,16 @@ class Tally:
     ttfts: list[tuple[float, float]] = field(default_factory=list)  # (sent at, ttft s)
 
 
-def _body(kind: str, rng: random.Random) -> tuple[str, dict]:
-    """(path, body) of one request of this kind."""
+def request_body(kind: str, rng: random.Random, model: str = MODEL,
+                 extra: dict | None = None) -> tuple[str, dict]:
+    """(path, body) of one request of this kind (extra: fields every body gets; the
+    chaos run's deadlines)."""
     tokens = rng.randint(8, 48)
     prompt = f"soak {rng.random():.6f} tell me a story"
-    chat = {"model": MODEL, "messages": [{"role": "user", "content": prompt}],
-            "max_tokens": tokens, "ignore_eos": True}
-    completion = {"model": MODEL, "prompt": prompt, "max_tokens": tokens, "ignore_eos": True}
+    chat = {"model": model, "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": tokens, "ignore_eos": True, **(extra or {})}
+    completion = {"model": model, "prompt": prompt, "max_tokens": tokens, "ignore_eos": True,
+                  **(extra or {})}
     usage = {"stream_options": {"include_usage": True}}
     if kind == "stream":
         return "/v1/completions", {**completion, "stream": True, **usage}
@@ -178,7 +181,7 @@ def _body(kind: str, rng: random.Random) -> tuple[str, dict]:
 
 async def _one(http: aiohttp.ClientSession, base_url: str, kind: str, rng: random.Random,
                tally: Tally) -> None:
-    path, body = _body(kind, rng)
+    path, body = request_body(kind, rng)
     sent = time.monotonic()
     try:
         async with http.post(base_url + path, json=body) as r:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.errors import InvalidRequestError
+from engine.lora.modules_flag import parse_lora_modules
 from engine.options import option
 
 CPU_STEP_TOKENS = 512  # default step token budget on CPU (see step_token_budget)
@@ -93,8 +94,10 @@ class EngineConfig:
                                "mixes)")
     max_lora_rank: int = option(16, "the highest adapter rank accepted")
     max_cpu_loras: int | None = option(None, "adapters cached in host memory; none: max_loras")
-    lora_modules: dict | None = option(None, 'adapters loaded at start, {"name": "path"} '
-                                             "(JSON)")
+    lora_modules: dict | None = option(
+        None, 'adapters loaded at start: name=path ... (vLLM\'s forms: also {"name": ..., '
+        '"path": ...} per adapter) or one JSON object {"name": "path", ...}',
+        parse=parse_lora_modules)
     allowed_lora_roots: str | None = option(
         None, "folders (separated by ':') that an adapter loaded at run time must lie in "
         "(add_lora, /v1/load_lora_adapter, an engine-core request naming a path), symlinks "

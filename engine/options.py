@@ -19,9 +19,13 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
 
-def option(default: Any, help: str, *, choices: Sequence[str] | None = None) -> Any:
-    """A dataclass field that is also a documented option."""
-    return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
+def option(default: Any, help: str, *, choices: Sequence[str] | None = None,
+           parse: Callable[[list[str]], Any] | None = None) -> Any:
+    """A dataclass field that is also a documented option. parse: the flag takes one or
+    more values and this turns them into the option's value (ValueError: exit 2 naming
+    the flag), for flags whose values follow vLLM's own syntax."""
+    return dataclasses.field(default=default, metadata={"help": help, "choices": choices,
+                                                        "parse": parse})
 
 
 @dataclass(frozen=True)
@@ -34,6 +38,7 @@ class Option:
     help: str
     nullable: bool = False  # None is a valid value (JSON null for dict options)
     choices: Sequence[str] | None = None
+    parse: Callable[[list[str]], Any] | None = None  # values -> value (see option())
 
     @property
     def flag(self) -> str:
@@ -68,7 +73,7 @@ def dataclass_options(cls: type, skip: Iterable[str] = (), prefix: str = "") -> 
             continue
         kind, nullable = option_kind(hints[f.name])
         found.append(Option(prefix + f.name, kind, f.default, f.metadata["help"], nullable,
-                            f.metadata.get("choices")))
+                            f.metadata.get("choices"), f.metadata.get("parse")))
     return found
 
 
@@ -83,6 +88,20 @@ _PARSERS: dict[type, Callable[[str], Any]] = {int: int, float: float, str: str,
                                                dict: _json_value}
 
 
+class _Parsed(argparse.Action):
+    """Stores parse(values) for a flag with vLLM's multi-value syntax."""
+
+    def __init__(self, *args: Any, parse: Callable[[list[str]], Any], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.parse = parse
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        try:
+            setattr(namespace, self.dest, self.parse(list(values)))
+        except ValueError as exc:
+            raise argparse.ArgumentError(self, str(exc)) from None
+
+
 def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup,
               options: Iterable[Option]) -> None:
     """One flag per option; unset flags are absent from the parsed namespace."""
@@ -93,6 +112,10 @@ def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup,
         if opt.kind is bool:
             parser.add_argument(opt.flag, action=argparse.BooleanOptionalAction,
                                 default=argparse.SUPPRESS, help=text)
+            continue
+        if opt.parse is not None:
+            parser.add_argument(opt.flag, nargs="+", action=_Parsed, parse=opt.parse,
+                                default=argparse.SUPPRESS, help=text, metavar="VALUE")
             continue
         parser.add_argument(opt.flag, type=_PARSERS[opt.kind], default=argparse.SUPPRESS,
                             choices=opt.choices, help=text,

@@ -182,3 +182,33 @@ def test_flotilla_serve_gives_a_local_engine_every_core():
                           {"CPU": 2}) == (mine, "")
     mock = parse_app_args({"model": "mock"})
     assert fit_to_machine(mock, {}, {"CPU": 2}) == (mock, "")
+
+
+@pytest.mark.parametrize("values,want", [
+    # vLLM's documented forms (docs: "LoRA Adapters", serving with --lora-modules)
+    (["sql-lora=/models/sql-lora"], {"sql-lora": "/models/sql-lora"}),
+    (["a1=/p/a1", "a2=/p/a2"], {"a1": "/p/a1", "a2": "/p/a2"}),
+    (['{"name": "sql-lora", "path": "/models/sql", "base_model_name": "meta-llama/Llama-2-7b"}'],
+     {"sql-lora": "/models/sql"}),
+    (['{"name": "x", "path": "/p/x"}', "y=/p/y"], {"x": "/p/x", "y": "/p/y"}),
+    # Flotilla's (and its chart's) form: one object, name -> path
+    (['{"a1": "/p/a1", "a2": "/p/a2"}'], {"a1": "/p/a1", "a2": "/p/a2"}),
+])
+def test_lora_modules_takes_vllms_syntax(values, want):
+    """`flotilla serve --lora-modules a1=/path` (vLLM's form) failed with "not valid
+    JSON" (issue 41, item 4)."""
+    from engine.options import given
+    parser, options = _serve_parser()
+    args = given(parser.parse_args(["serve", "--enable-lora", "--lora-modules", *values]),
+                 options)
+    assert args["lora_modules"] == want
+    assert parse_app_args(args).engine.lora_modules == want
+
+
+@pytest.mark.parametrize("value", ["no-path", "=/p", '{"name": "x"', '{"x": 1}'])
+def test_a_bad_lora_modules_value_exits_2_naming_the_flag(value, capsys):
+    parser, _ = _serve_parser()
+    with pytest.raises(SystemExit) as exit_:
+        parser.parse_args(["serve", "--lora-modules", value])
+    assert exit_.value.code == 2
+    assert "--lora-modules" in capsys.readouterr().err
