@@ -308,9 +308,10 @@ def test_router_prefers_an_engine_that_ran_the_adapter_unless_overloaded():
     from engine.wire.core_client import EngineClient
     from engine.wire.routing import Router
     client = object.__new__(EngineClient)  # only the routing policy, no sockets
-    engines = [SimpleNamespace(index=i, dead=False, draining=False, stats=None, in_flight=0,
-                               adapters=set()) for i in range(2)]
+    engines = [SimpleNamespace(index=i, dead=False, draining=False, step_running_s=0.0,
+                               stats=None, in_flight=0, adapters=set()) for i in range(2)]
     client.engines, client._rr, client.dead_error = engines, itertools.count(), None
+    client.stalled_step_s = 10.0
     client.router = Router()  # no prefix cached anywhere: the cost is the load
     engines[1].adapters.add(7)
     engines[1].in_flight = 2  # within max(2, 0 // 4) of the least loaded
