@@ -687,7 +687,12 @@ def build_openai_app(get_client: Callable[[], Awaitable[EngineClient]],
         return JSONResponse(openapi_document(__version__))
 
     async def metrics_endpoint(request: Request, rid: str) -> Response:
-        client = seen.get("client")
+        # the replica's current client: it may have moved to another engine set since its
+        # last request (the gauges were those of the retired client, the chaos run found)
+        try:
+            client = await asyncio.wait_for(asyncio.shield(get_client()), STATS_WAIT_S)
+        except Exception:  # noqa: BLE001 - no engines yet: serve what there is
+            client = seen.get("client")
         if client is not None:  # the engines' counters as of now, the same from every replica
             try:
                 await asyncio.wait_for(client.get_stats(), STATS_WAIT_S)

@@ -99,3 +99,33 @@ def test_a_dead_engine_while_the_coordinator_is_down_leaves_the_replica_healthy(
 
     addresses, healthy = asyncio.run(main())
     assert addresses == engines.addresses[:1] and healthy
+
+
+def test_metrics_report_the_engines_of_the_replicas_current_client(engines):  # noqa: F811
+    """A replica that moved to another engine set after its last request served the
+    engine gauges of its retired client (the chaos run's idle check saw one engine where
+    two served). /metrics now reads the current client."""
+    import httpx
+    engines.add()
+    engines.add()
+
+    async def main():
+        replica = _replica(engines.addresses)
+        app = replica.__serve_build_asgi_app__()
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://x") as http:
+            r = await http.post("/v1/completions", json={"model": "mock", "prompt": "Hi",
+                                                          "max_tokens": 2})
+            assert r.status_code == 200
+            old = replica._client
+            await replica._switch(replica._version + 1, engines.addresses[:1])
+            text = (await http.get("/metrics")).text
+        if replica._follower is not None:
+            replica._follower.cancel()
+        for c in {old, replica._client}:
+            await c.shutdown()
+        return [line for line in text.splitlines()
+                if line.startswith("vllm:cache_config_info{")]  # one per engine
+
+    lines = asyncio.run(main())
+    assert len(lines) == 1 and 'engine="0"' in lines[0]
