@@ -285,6 +285,7 @@ class Report:
     hostile: Tally
     faults: list[Fault]
     end_load: dict[str, float]
+    t0: float  # time.monotonic() at the start of the load
 
     def goodput(self, windows: list[tuple[float, float]]) -> float:
         """Completion tokens per second of the requests that ended well in the windows."""
@@ -292,8 +293,6 @@ class Report:
         tokens = sum(n for t, n in self.tally.good_tokens
                      if any(a <= t - self.t0 <= b for a, b in windows))
         return tokens / span if span else float("nan")
-
-    t0: float = 0.0
 
     def check(self) -> list[str]:
         bad = []
@@ -402,9 +401,7 @@ async def _chaos(root: int, base_url: str, model: str, duration: float, concurre
         await asyncio.sleep(max(0.0, min(rest, duration - (time.monotonic() - t0))))
     until[0] = min(until[0], time.monotonic())  # a fixed plan ends the load when done
     await load
-    report = Report(model, time.monotonic() - t0, baseline_s, tally, hostile, done, {})
-    report.t0 = t0
-    return report
+    return Report(model, time.monotonic() - t0, baseline_s, tally, hostile, done, {}, t0)
 
 
 def chaos_running(proc, base_url: str, model: str = "mock", duration: float = 600.0,

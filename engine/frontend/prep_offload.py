@@ -25,8 +25,7 @@ INLINE_CHARS = 2048  # prompt text or request body up to this size is prepared i
 def heavy_prompt(prompt: Any, params: Any) -> bool:
     """Whether preparing this generate() call is worth a thread: long prompt text to
     tokenize, bad words to tokenize, or a grammar to check."""
-    if getattr(params, "structured_outputs", None) is not None or getattr(params, "bad_words",
-                                                                           None):
+    if params.structured_outputs is not None or params.bad_words:
         return True
     if isinstance(prompt, dict):
         if "prompt_token_ids" in prompt:
