@@ -268,7 +268,7 @@ def run_served(args) -> None:
     import httpx
     from serve import FLOTILLA, Server, start_server, stop_server
 
-    from engine.wire.core_server import free_port
+    from engine.wire.ports import free_port
     rng = random.Random(args.seed)
     prompts = zipf_workload(rng, args.prompts, args.requests, (256, 768), (16, 48))
     work = Path(tempfile.mkdtemp(prefix="bench-routing-"))

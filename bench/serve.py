@@ -229,7 +229,7 @@ def main() -> int:
             parser.error("--isa holds the model's kernels: use it with --workload model")
         args.dtype = "float32"
     from engine.model.loader import resolve_model
-    from engine.wire.core_server import free_port
+    from engine.wire.ports import free_port
     args.tokenizer = resolve_model("default")  # the converted checkpoint: vLLM loads it too
     concurrencies = args.concurrency or ([32, 1] if args.workload == "model" else [32])
     work = Path(tempfile.mkdtemp(prefix="bench-serve-"))

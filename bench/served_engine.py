@@ -112,7 +112,7 @@ def _background(kind: str, work: Path) -> subprocess.Popen | None:
         return None
     if kind == "beside-ray":
         return _start([sys.executable, "-c", _IDLE_RAY], "ray up", work / "ray.log")
-    from engine.wire.core_server import free_port
+    from engine.wire.ports import free_port
     flotilla = str(Path(sys.executable).parent / "flotilla")
     return _start([flotilla, "serve", "--model", "mock", "--port",
                    str(free_port("127.0.0.1"))], "Flotilla is serving", work / "serve.log")
@@ -129,7 +129,7 @@ def main() -> int:
     args = parser.parse_args()
     import tempfile
 
-    from engine.wire.core_server import free_port
+    from engine.wire.ports import free_port
     work = Path(tempfile.mkdtemp(prefix="bench-served-engine-"))
     address = f"tcp://127.0.0.1:{free_port('127.0.0.1')}"
     engine = _start([sys.executable, "-c", _SERVER, address], "engine serving",

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from engine.cli import build_parser, run_command
 from engine.options import Option, add_flags, given
-from engine.wire.core_server import free_port
+from engine.wire.ports import free_port
 
 if TYPE_CHECKING:  # the app's modules import Ray: only `serve` needs them
     from deployments.config import AppArgs

@@ -20,7 +20,8 @@ from deployments.autoscaling import autoscaling_stats
 from deployments.config import AppArgs
 from deployments.coordinator import COORDINATOR_CALL_TIMEOUT_S
 from deployments.tokenizers import tokenizer_for
-from engine.wire.core_server import EngineCoreServer, free_port
+from engine.wire.core_server import EngineCoreServer
+from engine.wire.ports import free_port
 from engine.wire.curve_auth import EngineKeys
 
 logger = logging.getLogger(__name__)

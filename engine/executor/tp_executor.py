@@ -33,7 +33,7 @@ from engine.executor.model_runner import ModelRunner, StepInput, StepResult
 from engine.executor.parallel import ShardPlan, TPGroup, check_divisible
 from engine.lora.adapter import LoRAError
 from engine.lora.request import LoRARequest
-from engine.wire.core_server import free_port
+from engine.wire.ports import free_port
 
 logger = logging.getLogger(__name__)
 # How long a failed collective waits for the launcher to report which worker ended.

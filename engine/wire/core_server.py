@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import queue
-import socket
 import threading
 import time
 from collections import defaultdict
@@ -79,13 +78,6 @@ _CLIENT_BACK = b"back"
 KV_EVENTS_INTERVAL_S = 0.1  # the most often KV events are sent (batched in between)
 ENCODE_BATCH = 256  # the most queued messages the encoder takes (and merges) at once
 _STOP = object()
-
-
-def free_port(host: str) -> int:
-    """A TCP port free on host right now (for a server or rendezvous to bind next)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def engine_addresses(address: str, count: int) -> list[str]:

@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-import random
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -20,30 +18,16 @@ from typing import Callable, Iterator
 
 import httpx
 
+from engine.wire import ports
+
 BIN = Path(sys.executable).parent
 START_TIMEOUT_S = 120
 
 
 def free_ports(n: int) -> list[int]:
-    """n distinct ports below the kernel's ephemeral range that bind now. A port the OS
-    hands out for a bind to 0 is ephemeral, so once released it can be handed out again
-    to any of Ray's sockets that bind to 0 before our server binds it: CI saw Serve's
-    proxy fail to bind its chosen HTTP port that way. Below the range, only an
-    explicit bind can take it."""
-    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    rng = random.SystemRandom()
-    ports: list[int] = []
-    while len(ports) < n:
-        port = rng.randrange(10000, low)
-        if port in ports:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        ports.append(port)
-    return ports
+    """n distinct ports that bind now, where none of Ray's sockets can take them before
+    our server binds them (engine/wire/ports.py says why)."""
+    return ports.free_ports("127.0.0.1", n)
 
 
 def pids_naming(marker: str) -> list[int]:

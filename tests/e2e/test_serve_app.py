@@ -1,18 +1,13 @@
 """End to end through Ray Serve: mock engines, DP=2, two ingress replicas, one Ray session
 for the module."""
 import asyncio
-import socket
 import tempfile
 
 import httpx
 import openai
 import pytest
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from engine.wire.ports import free_port
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +16,7 @@ def base_url():
     from ray import serve
 
     from deployments.app import build_app
-    port = _free_port()
+    port = free_port("127.0.0.1")
     ray.init(num_cpus=2, _temp_dir=tempfile.mkdtemp(prefix="ray-"), include_dashboard=False,
              log_to_driver=False)
     try:

@@ -1,17 +1,12 @@
 """End to end through Ray Serve with tensor parallelism on CPU: a real tiny Llama,
 data_parallel_size=2 x tensor_parallel_size=2 (4 ranks: 2 engine replicas, each with a
 TP worker actor in its placement group), logical CPUs, one Ray session."""
-import socket
 import tempfile
 
 import openai
 import pytest
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from engine.wire.ports import free_port
 
 
 @pytest.fixture(scope="module")
@@ -20,7 +15,7 @@ def served(tiny_llama):
     from ray import serve
 
     from deployments.app import build_app
-    port = _free_port()
+    port = free_port("127.0.0.1")
     # logical resources: each engine's placement group takes 2 bundles of 1 CPU
     ray.init(num_cpus=4, _temp_dir=tempfile.mkdtemp(prefix="ray-"), include_dashboard=False,
              log_to_driver=False)
