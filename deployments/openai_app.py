@@ -91,7 +91,7 @@ class IngressOptions:
     max_body_bytes: int = 1 << 20
     metrics_need_api_key: bool = False  # /metrics behind api_key (off: open to scrapers)
     chat_template: str | None = None  # Jinja text; None: the tokenizer's
-    tool_call_parser: str = "hermes"  # how tool_choice "auto" reads calls (tool_calls.py)
+    tool_call_parser: str = "hermes"  # how tool_choice "auto" reads calls (deployments/tool_calls/)
     request_timeout_s: float | None = 600.0  # a request's deadline when it names none
 
 

@@ -130,7 +130,7 @@ def test_forced_tool_calls_validate_and_stream_like_the_whole(real):
         out = {}
         r = await oai.chat.completions.create(model=MODEL, messages=MSGS, tools=TOOLS,
                                               tool_choice="required", max_tokens=120, seed=7)
-        out["required"] = r.choices[0]
+        out["required"], full = r.choices[0], r.usage.completion_tokens
         named = {"type": "function", "function": {"name": "get_weather"}}
         greedy = dict(model=MODEL, messages=MSGS, tools=TOOLS, tool_choice=named,
                       max_tokens=80, temperature=0)
@@ -151,6 +151,17 @@ def test_forced_tool_calls_validate_and_stream_like_the_whole(real):
                                               tool_choice="required", max_tokens=120, seed=7,
                                               parallel_tool_calls=False)
         out["single"] = r.choices[0]
+        # the same sampled reply cut short by max_tokens at every few tokens
+        cut = dict(model=MODEL, messages=MSGS, tools=TOOLS, tool_choice="required", seed=7)
+        out["cuts"] = [(await oai.chat.completions.create(max_tokens=m, **cut)).choices[0]
+                       for m in range(2, full, 2)]
+        args, out["cut_stream_finish"] = [], None
+        async for chunk in await oai.chat.completions.create(max_tokens=full - 2, stream=True,
+                                                             **cut):
+            for c in chunk.choices:
+                out["cut_stream_finish"] = c.finish_reason or out["cut_stream_finish"]
+                args += [d.function.arguments for d in c.delta.tool_calls or []]
+        out["cut_stream_args"] = args
         return out
 
     out = serve(real, test)
@@ -171,6 +182,16 @@ def test_forced_tool_calls_validate_and_stream_like_the_whole(real):
     assert list(streamed) == [0] and streamed[0]["name"] == "get_weather"
     assert streamed[0]["args"] == call.function.arguments and streamed[0]["id"]
     assert out["stream_finish"] == named.finish_reason == "tool_calls"
+    # cut short by max_tokens: finish_reason says so, no call carries broken JSON, and
+    # the calls are those completed before the cut
+    whole = [(c.function.name, c.function.arguments) for c in required.message.tool_calls]
+    for choice in out["cuts"]:
+        assert choice.finish_reason == "length"
+        calls = [(c.function.name, c.function.arguments)
+                 for c in choice.message.tool_calls or []]
+        assert calls == whole[:len(calls)]
+    assert out["cut_stream_finish"] == "length"
+    assert all(isinstance(json.loads(a), dict) for a in out["cut_stream_args"])
 
 
 def test_auto_tool_calls_are_parsed_and_a_tool_result_conversation_runs(real):

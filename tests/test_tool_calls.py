@@ -367,16 +367,17 @@ def test_named_parser():
     parser = NamedToolParser("get_weather")
     assert parser.parse(' {"city": "Paris"}\n') == ParsedMessage(
         None, [ToolCall("get_weather", '{"city": "Paris"}')])
-    assert parser.parse("") == ParsedMessage(None, [ToolCall("get_weather", "{}")])
-    assert parser.parse('{"city": "Pa') == ParsedMessage(  # cut short by max_tokens
-        None, [ToolCall("get_weather", '{"city": "Pa')])
+    assert parser.parse("") == ParsedMessage("", [])
+    assert parser.parse('{"city": "Pa') == ParsedMessage("", [])  # cut short: no call
+    assert parser.parse('"Paris"') == ParsedMessage("", [])  # not an arguments object
 
 
-def test_named_parser_streams_arguments_as_generated():
+def test_named_parser_sends_the_call_when_its_arguments_close():
     streamer = NamedToolParser("f").streamer()
-    assert streamer.feed(" ") == [ToolCallDelta(0, "f", "")]
-    assert streamer.feed('{"a"') == [ToolCallDelta(0, None, '{"a"')]
-    assert streamer.feed(": 1}\n") == [ToolCallDelta(0, None, ": 1}")]
+    assert streamer.feed(" ") == []
+    assert streamer.feed('{"a"') == []
+    assert streamer.feed(": {}}\n") == [ToolCallDelta(0, "f", '{"a": {}}')]
+    assert streamer.feed("more") == []
     assert streamer.finish() == []
 
 
@@ -386,9 +387,14 @@ def test_named_parser_streams_arguments_as_generated():
      [("f", '{"s":"] } \\" ["}'), ("g", "{}")]),
     ('[{"arguments": {"b": [2]}, "name": "late"}]', [("late", '{"b": [2]}')]),
     ('[{"name": "caf\\u00e9"}]', [("café", "{}")]),
-    ('[{"name": "f", "arguments": {"a": "東', [("f", '{"a": "東')]),  # truncated
+    ('[{"name": "f", "arguments": {"a": "東', []),  # cut short: dropped
     ('[{"name": "f", "arguments": {"a": 1}}, {"name": "g', [("f", '{"a": 1}')]),
+    ('[{"name": "f", "arguments": {"a": 1}}, {"name": "f", "arguments": {"a":',
+     [("f", '{"a": 1}')]),
+    ('[{"name": "f", "arguments": {"a": 1}', [("f", '{"a": 1}')]),  # complete call
+    ('[{"name": "f"', []),  # arguments may still follow: no call yet
     ('[{"arguments": {"a": 1}, "na', []),
+    ('[{"name": "f", "arguments": [1]}, {"name": "g"}]', []),  # off the schema: stop
     ('[{"name": "f", "arguments": {}}] trailing', [("f", "{}")]),
     ("", []),
 ])
@@ -397,14 +403,26 @@ def test_required_parser(text, calls):
     assert parsed == ParsedMessage(None if calls else "", [ToolCall(n, a) for n, a in calls])
 
 
-def test_required_parser_streams_arguments_after_the_name():
+def test_required_parser_sends_each_call_whole():
     streamer = RequiredToolParser().streamer()
     assert streamer.feed('[{"name": "f') == []
-    assert streamer.feed('", "arguments": {"a"') == [ToolCallDelta(0, "f", '{"a"')]
-    assert streamer.feed(": 1}") == [ToolCallDelta(0, None, ": 1}")]
+    assert streamer.feed('", "arguments": {"a"') == []
+    assert streamer.feed(": 1}") == [ToolCallDelta(0, "f", '{"a": 1}')]
     assert streamer.feed('}, {"arguments": {"b": 2}') == []  # held: no name yet
     assert streamer.feed(', "name": "g"}]') == [ToolCallDelta(1, "g", '{"b": 2}')]
     assert streamer.finish() == []
+
+
+def test_forced_calls_cut_by_max_tokens_are_never_broken_json():
+    """The default model repeated a forced call until max_tokens; the last came back as
+    `{"guests": 4, "time":`. At every cut of such a reply, each call sent is JSON."""
+    call = '{"name": "book", "arguments": {"guests": 4, "time": "19:00"}}'
+    reply = "[" + ", ".join([call] * 4) + "]"
+    for cut in range(len(reply) + 1):
+        for parser in (RequiredToolParser(), NamedToolParser("book")):
+            text = reply[:cut] if isinstance(parser, RequiredToolParser) else call[:cut]
+            for tool_call in parser.parse(text).tool_calls:
+                assert isinstance(json.loads(tool_call.arguments), dict), (cut, text)
 
 
 # --- the streaming invariant ----------------------------------------------------------
