@@ -306,7 +306,7 @@ def test_killed_engine_ends_streams_with_engine_dead_error(tokenizer):
             return errors, elapsed, healthy
 
         errors, elapsed, healthy = asyncio.run(main())
-        assert len(errors) == 3 and elapsed < 10
+        assert len(errors) == 3 and elapsed < 60  # failed, not hung (generous on 2 cores)
         assert not healthy
     finally:
         proc.kill()
