@@ -15,6 +15,7 @@ import hashlib
 import logging
 import os
 import platform
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -55,6 +56,24 @@ def cpu_kernels(march: str | None = None) -> ModuleType | None:
     return _build(march or os.environ.get("FLOTILLA_KERNELS_MARCH") or "native")
 
 
+def staged_sources(build: Path) -> list[Path]:
+    """The sources and headers copied into the build's own folder, and the sources'
+    paths there. torch's build records the absolute paths of the sources it compiled
+    and rebuilds when they change, so building from the checkout made every other
+    checkout of the same code (a developer's tree, CI's fresh clones, a deployment)
+    rebuild for a minute and a half and evict the others' build. The build folder is
+    keyed by the sources' content, so its copies' paths are the same for every checkout.
+    A copy is written only when missing or different: a new mtime would rebuild too."""
+    staged = build / "src"
+    staged.mkdir(parents=True, exist_ok=True)
+    for path in _SOURCES + _HEADERS:
+        target = staged / path.name
+        data = path.read_bytes()
+        if not target.exists() or target.read_bytes() != data:
+            target.write_bytes(data)
+    return [staged / p.name for p in _SOURCES]
+
+
 @functools.cache
 def _build(march: str) -> ModuleType | None:
     """cpu_kernels for one resolved target, built (or loaded) once per process."""
@@ -66,12 +85,20 @@ def _build(march: str) -> ModuleType | None:
 
         from engine.model.loader import cache_root
         build = cache_root() / "kernels" / f"torch{torch.__version__}-{_build_tag(march)}"
-        build.mkdir(parents=True, exist_ok=True)
         suffix = "" if march == "native" else "_" + "".join(c if c.isalnum() else "_" for c in march)
-        return cpp_extension.load(
-            name="flotilla_cpu_kernels" + suffix, sources=[str(p) for p in _SOURCES],
+        name = "flotilla_cpu_kernels" + suffix
+        sources = staged_sources(build)
+        built_before = (build / f"{name}.so").exists()
+        started = time.monotonic()
+        module = cpp_extension.load(
+            name=name, sources=[str(p) for p in sources],
             build_directory=str(build), extra_ldflags=["-fopenmp"], verbose=False,
             extra_cflags=["-O3", f"-march={march}", "-ffast-math", "-fopenmp", "-Wno-psabi"])
+        if not built_before:  # the one start that pays for it says why it was slow
+            logger.warning("compiled the native CPU kernels (%s, -march=%s) in %.0f s; "
+                           "cached in %s for later starts (make setup builds them ahead)",
+                           module.isa, march, time.monotonic() - started, build)
+        return module
     except Exception as exc:  # no compiler, no headers, ...: fall back to torch ops
         logger.warning("native CPU kernels unavailable (%s); using torch ops", exc)
         return None

@@ -1,0 +1,55 @@
+"""The native kernels' build cache does not depend on where the checkout lives, and a
+start that has to compile them says so (issue 41, item 3)."""
+import logging
+import shutil
+import types
+
+import engine.model.kernels as kernels
+
+
+def _checkout_copy(tmp_path, name):
+    folder = tmp_path / name
+    shutil.copytree(kernels._DIR, folder, ignore=shutil.ignore_patterns("__pycache__"))
+    return ([folder / p.name for p in kernels._SOURCES],
+            [folder / p.name for p in kernels._HEADERS])
+
+
+def test_two_checkouts_stage_the_same_source_paths_without_rewriting(tmp_path, monkeypatch):
+    build = tmp_path / "cache" / "kernels" / "tag"
+    staged = {}
+    for checkout in ("dev-tree", "ci-clone"):
+        sources, headers = _checkout_copy(tmp_path, checkout)
+        monkeypatch.setattr(kernels, "_SOURCES", sources)
+        monkeypatch.setattr(kernels, "_HEADERS", headers)
+        staged[checkout] = kernels.staged_sources(build)
+        if checkout == "dev-tree":
+            mtimes = {p: p.stat().st_mtime_ns for p in (build / "src").iterdir()}
+    assert staged["dev-tree"] == staged["ci-clone"]
+    assert all(str(p).startswith(str(build)) for p in staged["ci-clone"])
+    assert {p: p.stat().st_mtime_ns for p in (build / "src").iterdir()} == mtimes
+    # headers travel with the sources: their #include "vec.h" resolves in the copy
+    assert {p.name for p in (build / "src").iterdir()} >= {"vec.h", "simd.h", "amx.h"}
+    # a changed source is rewritten (and its build key changes with it)
+    sources[0].write_text(sources[0].read_text() + "\n// changed\n")
+    kernels.staged_sources(build)
+    assert (build / "src" / sources[0].name).read_text().endswith("// changed\n")
+
+
+def test_a_start_that_compiles_logs_one_line_with_the_time(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("FLOTILLA_CACHE_DIR", str(tmp_path))
+    loads = []
+
+    def fake_load(name, sources, build_directory, **_):
+        loads.append(sources)
+        (tmp_path / build_directory / f"{name}.so").touch()
+        return types.SimpleNamespace(isa="avx512")
+
+    from torch.utils import cpp_extension
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    build = kernels._build.__wrapped__  # past the per-process cache
+    with caplog.at_level(logging.WARNING, logger="engine.model.kernels"):
+        assert build("x86-64-test").isa == "avx512"
+        assert build("x86-64-test").isa == "avx512"  # the cached build: no line
+    lines = [r.getMessage() for r in caplog.records if "compiled" in r.getMessage()]
+    assert len(lines) == 1 and "-march=x86-64-test" in lines[0] and " s; cached in " in lines[0]
+    assert len(loads) == 2 and all(str(tmp_path) in s for s in loads[0])
