@@ -1,6 +1,7 @@
 """The native kernels' build cache does not depend on where the checkout lives, and a
 start that has to compile them says so (issue 41, item 3)."""
 import logging
+import os
 import shutil
 import types
 
@@ -37,11 +38,14 @@ def test_two_checkouts_stage_the_same_source_paths_without_rewriting(tmp_path, m
 
 def test_a_start_that_compiles_logs_one_line_with_the_time(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("FLOTILLA_CACHE_DIR", str(tmp_path))
-    loads = []
+    loads, rebuild = [], []
 
-    def fake_load(name, sources, build_directory, **_):
+    def fake_load(name, sources, build_directory, **_):  # ninja: write only when stale
         loads.append(sources)
-        (tmp_path / build_directory / f"{name}.so").touch()
+        library = tmp_path / build_directory / f"{name}.so"
+        if not library.exists() or rebuild:
+            library.write_bytes(b"%d" % len(loads))
+            os.utime(library, ns=(len(loads) * 10 ** 9, len(loads) * 10 ** 9))
         return types.SimpleNamespace(isa="avx512")
 
     from torch.utils import cpp_extension
@@ -50,6 +54,8 @@ def test_a_start_that_compiles_logs_one_line_with_the_time(tmp_path, monkeypatch
     with caplog.at_level(logging.WARNING, logger="engine.model.kernels"):
         assert build("x86-64-test").isa == "avx512"
         assert build("x86-64-test").isa == "avx512"  # the cached build: no line
+        rebuild.append(True)  # a library there, but stale (sources or flags changed)
+        build("x86-64-test")
     lines = [r.getMessage() for r in caplog.records if "compiled" in r.getMessage()]
-    assert len(lines) == 1 and "-march=x86-64-test" in lines[0] and " s; cached in " in lines[0]
-    assert len(loads) == 2 and all(str(tmp_path) in s for s in loads[0])
+    assert len(lines) == 2 and "-march=x86-64-test" in lines[0] and " s; cached in " in lines[0]
+    assert len(loads) == 3 and all(str(tmp_path) in s for s in loads[0])

@@ -88,13 +88,16 @@ def _build(march: str) -> ModuleType | None:
         suffix = "" if march == "native" else "_" + "".join(c if c.isalnum() else "_" for c in march)
         name = "flotilla_cpu_kernels" + suffix
         sources = staged_sources(build)
-        built_before = (build / f"{name}.so").exists()
+        library = build / f"{name}.so"
+        before = library.stat().st_mtime_ns if library.exists() else None
         started = time.monotonic()
         module = cpp_extension.load(
             name=name, sources=[str(p) for p in sources],
             build_directory=str(build), extra_ldflags=["-fopenmp"], verbose=False,
             extra_cflags=["-O3", f"-march={march}", "-ffast-math", "-fopenmp", "-Wno-psabi"])
-        if not built_before:  # the one start that pays for it says why it was slow
+        # torch rebuilds whenever the sources or flags changed, so a library written by
+        # this load, not a missing one, is what tells a compile happened
+        if library.stat().st_mtime_ns != before:  # the start that paid says why it was slow
             logger.warning("compiled the native CPU kernels (%s, -march=%s) in %.0f s; "
                            "cached in %s for later starts (make setup builds them ahead)",
                            module.isa, march, time.monotonic() - started, build)
