@@ -96,6 +96,14 @@ def human_int(text: str) -> int:
     return int(value)
 
 
+def _int_value(text: str) -> int:
+    try:
+        return human_int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r} (a whole number, "
+                                         "or one such as 8k, 8K, 1M)") from None
+
+
 def _json_value(text: str) -> Any:
     try:
         return json.loads(text)
@@ -103,7 +111,7 @@ def _json_value(text: str) -> Any:
         raise argparse.ArgumentTypeError(f"not valid JSON: {exc.msg}") from None
 
 
-_PARSERS: dict[type, Callable[[str], Any]] = {int: human_int, float: float, str: str,
+_PARSERS: dict[type, Callable[[str], Any]] = {int: _int_value, float: float, str: str,
                                                dict: _json_value}
 
 

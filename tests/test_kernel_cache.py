@@ -36,26 +36,33 @@ def test_two_checkouts_stage_the_same_source_paths_without_rewriting(tmp_path, m
     assert (build / "src" / sources[0].name).read_text().endswith("// changed\n")
 
 
-def test_a_start_that_compiles_logs_one_line_with_the_time(tmp_path, monkeypatch, caplog):
+def test_a_start_compiles_once_logs_it_and_later_starts_import_the_library(
+        tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("FLOTILLA_CACHE_DIR", str(tmp_path))
-    loads, rebuild = [], []
+    loads, imports = [], []
 
     def fake_load(name, sources, build_directory, **_):  # ninja: write only when stale
         loads.append(sources)
         library = tmp_path / build_directory / f"{name}.so"
-        if not library.exists() or rebuild:
-            library.write_bytes(b"%d" % len(loads))
-            os.utime(library, ns=(len(loads) * 10 ** 9, len(loads) * 10 ** 9))
+        library.write_bytes(b"%d" % len(loads))
+        os.utime(library, ns=(len(loads) * 10 ** 9, len(loads) * 10 ** 9))
+        return types.SimpleNamespace(isa="avx512")
+
+    def fake_import(name, library):  # what another checkout or virtualenv does
+        imports.append(library)
         return types.SimpleNamespace(isa="avx512")
 
     from torch.utils import cpp_extension
     monkeypatch.setattr(cpp_extension, "load", fake_load)
+    monkeypatch.setattr(kernels, "import_library", fake_import)
     build = kernels._build.__wrapped__  # past the per-process cache
     with caplog.at_level(logging.WARNING, logger="engine.model.kernels"):
         assert build("x86-64-test").isa == "avx512"
-        assert build("x86-64-test").isa == "avx512"  # the cached build: no line
-        rebuild.append(True)  # a library there, but stale (sources or flags changed)
+        assert build("x86-64-test").isa == "avx512"  # built: imported, no ninja, no line
+        (ready,) = tmp_path.glob("kernels/*/*.ready")
+        ready.unlink()  # a build cut short leaves no marker: the next start builds
         build("x86-64-test")
     lines = [r.getMessage() for r in caplog.records if "compiled" in r.getMessage()]
     assert len(lines) == 2 and "-march=x86-64-test" in lines[0] and " s; cached in " in lines[0]
-    assert len(loads) == 3 and all(str(tmp_path) in s for s in loads[0])
+    assert len(loads) == 2 and all(str(tmp_path) in s for s in loads[0])
+    assert imports == [ready.with_suffix(".so")]

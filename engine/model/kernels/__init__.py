@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
 import logging
 import os
 import platform
+import sys
 import time
 from pathlib import Path
 from types import ModuleType
@@ -26,15 +28,21 @@ _SOURCES = [_DIR / n for n in ("bindings.cpp", "paged_attention.cpp", "fused_ops
 _HEADERS = [_DIR / n for n in ("amx.h", "convert.h", "simd.h", "vec.h")]
 
 
+def _cflags(march: str) -> list[str]:
+    return ["-O3", f"-march={march}", "-ffast-math", "-fopenmp", "-Wno-psabi"]
+
+
 def _build_tag(march: str) -> str:
     """Builds target -march=native by default, so the cache is keyed by the CPU they
-    were built for, by the target, and by the sources and headers (a changed header
-    alone rebuilds too)."""
+    were built for, by the target and flags, by the Python ABI, and by the sources and
+    headers (a changed header alone rebuilds too): a library in the folder of a tag is
+    the build of exactly this code for this machine, whichever checkout made it."""
     try:
         flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags"))
     except (OSError, StopIteration):
         flags = platform.processor()
-    digest = hashlib.sha256(f"{march}\n{flags}".encode())
+    digest = hashlib.sha256(f"{march}\n{flags}\n{_cflags(march)}\n{sys.implementation.cache_tag}"
+                            .encode())
     for path in _SOURCES + _HEADERS:
         digest.update(path.read_bytes())
     return digest.hexdigest()[:12]
@@ -74,6 +82,17 @@ def staged_sources(build: Path) -> list[Path]:
     return [staged / p.name for p in _SOURCES]
 
 
+def import_library(name: str, library: Path) -> ModuleType:
+    """A built kernel library imported directly. torch's own loader would rerun ninja,
+    whose build file names this environment's torch headers by absolute path, so a
+    checkout with its own virtualenv (CI's fresh clones) rebuilt for a minute and a half
+    what the tag says is already built."""
+    spec = importlib.util.spec_from_file_location(name, library)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @functools.cache
 def _build(march: str) -> ModuleType | None:
     """cpu_kernels for one resolved target, built (or loaded) once per process."""
@@ -87,19 +106,24 @@ def _build(march: str) -> ModuleType | None:
         build = cache_root() / "kernels" / f"torch{torch.__version__}-{_build_tag(march)}"
         suffix = "" if march == "native" else "_" + "".join(c if c.isalnum() else "_" for c in march)
         name = "flotilla_cpu_kernels" + suffix
-        sources = staged_sources(build)
-        library = build / f"{name}.so"
+        library, ready = build / f"{name}.so", build / f"{name}.ready"
+        if ready.exists():  # built before, by any checkout or environment: load it as is
+            try:
+                return import_library(name, library)
+            except Exception as exc:  # damaged or foreign: build it again
+                logger.warning("rebuilding the native CPU kernels: %s did not load (%s)",
+                               library, exc)
+                ready.unlink(missing_ok=True)
         before = library.stat().st_mtime_ns if library.exists() else None
         started = time.monotonic()
         module = cpp_extension.load(
-            name=name, sources=[str(p) for p in sources],
+            name=name, sources=[str(p) for p in staged_sources(build)],
             build_directory=str(build), extra_ldflags=["-fopenmp"], verbose=False,
-            extra_cflags=["-O3", f"-march={march}", "-ffast-math", "-fopenmp", "-Wno-psabi"])
-        # torch rebuilds whenever the sources or flags changed, so a library written by
-        # this load, not a missing one, is what tells a compile happened
+            extra_cflags=_cflags(march))
+        ready.touch()  # only now: another process never imports a library being linked
         if library.stat().st_mtime_ns != before:  # the start that paid says why it was slow
-            logger.warning("compiled the native CPU kernels (%s, -march=%s) in %.0f s; "
-                           "cached in %s for later starts (make setup builds them ahead)",
+            logger.warning("compiled the native CPU kernels (%s, -march=%s) in %.0f s; cached "
+                           "in %s for every later start (make setup builds them ahead)",
                            module.isa, march, time.monotonic() - started, build)
         return module
     except Exception as exc:  # no compiler, no headers, ...: fall back to torch ops
