@@ -15,10 +15,12 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 from deployments import vllm_flags
+from deployments.local_ray import LocalRayHead, use_own_auth_token
 from engine.cli import build_parser, run_command
 from engine.options import Option, add_flags, given
 from engine.wire.ports import free_port
@@ -26,7 +28,7 @@ from engine.wire.ports import free_port
 if TYPE_CHECKING:  # the app's modules import Ray: only `serve` needs them
     from deployments.config import AppArgs
 
-SERVE_SHUTDOWN_TIMEOUT_S = 30.0
+RAY_STOP_RESERVE_S = 5.0  # of the grace period, kept for stopping the local Ray
 DEFAULT_PROXY = "haproxy"  # Serve's Python proxy off the streaming path (docs/benchmarks.md)
 _ENGINE_GROUP = "engine options (EngineConfig)"
 _APP_GROUP = "app options (Ray Serve deployments)"
@@ -56,6 +58,11 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> list[Option]:
                              f"(default: {DEFAULT_PROXY}); on a cluster its Ray decides")
     srv.add_argument("model_tag", nargs="?", metavar="MODEL",
                      help="the model, as `vllm serve MODEL` takes it (the same as --model)")
+    server.add_argument("--shutdown-grace-s", type=float, default=25.0,
+                        help="seconds from SIGTERM / SIGINT to exit: Serve drains (streams "
+                             "finish, new requests are refused) and the Ray this command "
+                             "started stops within them; keep it under the supervisor's "
+                             "grace period (Kubernetes: 30 s) (default: 25)")
     server.add_argument("--ray-dashboard", action="store_true",
                         help="start Ray's dashboard (port 8265) with the local Ray this "
                              "command starts (default: off: it costs the engine cores)")
@@ -117,6 +124,8 @@ class _Stop(Exception):
 
 def _serve(args: argparse.Namespace, options: list[Option],
            parser: argparse.ArgumentParser) -> int:
+    if not os.environ.get("RAY_ADDRESS"):
+        use_own_auth_token()  # before the imports below bring ray in
     from deployments.app import build_app
     from deployments.config import parse_app_args
     explicit = given(args, options)
@@ -132,11 +141,10 @@ def _serve(args: argparse.Namespace, options: list[Option],
     from ray import serve
     address = os.environ.get("RAY_ADDRESS")
     proxy_dir = None
-    init_options: dict[str, Any] = {}
+    head = None
     if not address:
         for key, value in LOCAL_RAY_ENV.items():  # a variable the user set wins
             os.environ.setdefault(key, value)
-        init_options["include_dashboard"] = args.ray_dashboard
         chosen = ", ".join(f"{key}={os.environ[key]}" for key in LOCAL_RAY_ENV)
         print(f"Flotilla: local Ray tuned for serving: {chosen}"
               f"{'' if args.ray_dashboard else '; no dashboard (--ray-dashboard)'}",
@@ -144,12 +152,18 @@ def _serve(args: argparse.Namespace, options: list[Option],
     if not address and args.http_proxy == "haproxy":  # read by the Serve controller
         proxy_dir = tempfile.mkdtemp(prefix="fh-", dir="/tmp")  # see haproxy_env
         os.environ.update(haproxy_env(proxy_dir))
-    ray.init(address=address, **init_options)  # joins RAY_ADDRESS or starts a local Ray
-    # Ray's driver handlers would dump a stack on SIGTERM: both signals stop cleanly.
-    for signum in (signal.SIGINT, signal.SIGTERM):
+    for signum in (signal.SIGINT, signal.SIGTERM):  # both signals stop cleanly
         signal.signal(signum, _raise_stop)
+    stop_started = None
     try:
-        if not address:  # a local Ray has no autoscaler: what does not fit would wait forever
+        if not address:  # in a session of its own: a group's stop signal is ours alone
+            head = LocalRayHead(include_dashboard=args.ray_dashboard)
+            ray.init(address=head.start())
+        else:
+            ray.init(address=address)
+        for signum in (signal.SIGINT, signal.SIGTERM):  # over the handlers ray.init set
+            signal.signal(signum, _raise_stop)
+        if head is not None:  # a local Ray has no autoscaler: what does not fit would wait
             cluster = ray.cluster_resources()
             parsed, choice = fit_to_machine(parsed, explicit, cluster)
             if choice:
@@ -165,13 +179,21 @@ def _serve(args: argparse.Namespace, options: list[Option],
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except (_Stop, KeyboardInterrupt):
-        print("Flotilla: shutting down", flush=True)
+        stop_started = time.monotonic()
+        print(f"Flotilla: shutting down (at most {args.shutdown_grace_s:g} s)", flush=True)
     finally:
         for signum in (signal.SIGINT, signal.SIGTERM):  # a second signal must not cut it
             signal.signal(signum, signal.SIG_IGN)
-        clean = _shut_down(serve, ray)
+        deadline = (stop_started or time.monotonic()) + args.shutdown_grace_s
+        clean = True
+        if ray.is_initialized():
+            clean = _shut_down(serve, ray, deadline, head)
+        elif head is not None:  # Ray did not come up: nothing of Serve's to drain
+            head.stop(0)
         if proxy_dir is not None:
             stop_haproxy(proxy_dir)
+        if stop_started is not None:
+            print(f"Flotilla: stopped in {time.monotonic() - stop_started:.1f} s", flush=True)
         if not clean:  # serve.shutdown is still waiting on a Ray that is gone: do not
             sys.stdout.flush()  # let it fail at interpreter exit
             sys.stderr.flush()
@@ -215,19 +237,23 @@ def stop_haproxy(state_dir: str) -> None:
     shutil.rmtree(state_dir, ignore_errors=True)
 
 
-def _shut_down(serve, ray) -> bool:
-    """Delete the app (engines drain), then leave Ray; a Ray that started here stops
-    with it. serve.shutdown() waits on the Serve controller, which never answers when the
-    signal also reached Ray's own processes (a terminal's Ctrl-C or systemd's stop
-    signal the whole group), so it gets a bounded wait before Ray goes down anyway."""
+def _shut_down(serve, ray, deadline: float, head: LocalRayHead | None) -> bool:
+    """Delete the app (ingress replicas stop taking requests, streams finish, engines
+    drain), leave Ray, then stop the Ray started here, all by `deadline` (the grace
+    period). Serve gets the time left less RAY_STOP_RESERVE_S; past it Ray stops anyway
+    and what still streams is cut. serve.shutdown() never returns when Ray died first
+    (a cluster's node lost; only a Ray we did not start can share our signals)."""
     stopper = threading.Thread(target=serve.shutdown, name="serve-shutdown", daemon=True)
     stopper.start()
-    stopper.join(SERVE_SHUTDOWN_TIMEOUT_S)
+    stopper.join(max(1.0, deadline - RAY_STOP_RESERVE_S - time.monotonic()))
     clean = not stopper.is_alive()
     if not clean:
-        print(f"Flotilla: Serve did not stop within {SERVE_SHUTDOWN_TIMEOUT_S:g} s; "
-              "stopping Ray", file=sys.stderr, flush=True)
-    ray.shutdown()
+        print("Flotilla: Serve did not stop within the grace period; stopping Ray",
+              file=sys.stderr, flush=True)
+    if clean or head is not None:  # leaving a dead cluster's GCS would hang for 60 s
+        ray.shutdown()
+    if head is not None:
+        head.stop(max(1.0, deadline - time.monotonic() - 1.0))
     return clean
 
 

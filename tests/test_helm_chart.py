@@ -227,6 +227,26 @@ def test_values_schema_rejects_bad_values(helm):
         assert needle in result.stderr, result.stderr
 
 
+def test_pods_stop_within_kubernetes_grace_with_a_deregistration_sleep_first(helm):
+    """Every Ray pod sleeps in preStop (the Service drops it, load balancers stop
+    sending) and then has the rest of its grace period for Serve's drain: 5 s + Serve's
+    20 s graceful shutdown within 30 s, as flotilla serve's --shutdown-grace-s 25 fits
+    Kubernetes' default 30 s."""
+    from deployments.cli import add_serve_parser
+    from engine.cli import build_parser
+    (rayservice,) = by_kind(helm.render(MINIMAL), "RayService")
+    for name, pod in _pods(rayservice).items():
+        spec = pod["spec"]
+        assert spec["terminationGracePeriodSeconds"] == 30, name
+        sleep = spec["containers"][0]["lifecycle"]["preStop"]["exec"]["command"]
+        assert sleep == ["sleep", "5"], name
+        assert 5 + 20 < spec["terminationGracePeriodSeconds"]
+    parser, sub = build_parser()
+    add_serve_parser(sub)
+    cli_grace = parser.parse_args(["serve"]).shutdown_grace_s
+    assert cli_grace + 5 <= 30
+
+
 def test_render_checks_catch_inconsistent_values(helm):
     cases = {
         "image.repository is required": {"image": {"repository": ""}},
@@ -238,6 +258,8 @@ def test_render_checks_catch_inconsistent_values(helm):
         # 2 GPUs per engine fit only the large pods (2 per pod)
         "hold 4 engine replicas": {**MINIMAL, "app": {"engine_num_gpus": 2,
                                                       "data_parallel_size": 5}},
+        "preStopSleepSeconds must be shorter than gracePeriodSeconds": {
+            **MINIMAL, "termination": {"preStopSleepSeconds": 30, "gracePeriodSeconds": 30}},
     }
     for message, values in cases.items():
         result = helm.template(values)

@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import openai
@@ -76,6 +77,109 @@ def test_flotilla_serve_answers_then_stops_leaving_no_ray_process(stop_signal):
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        for pid in pids_naming(temp_dir) + list(_haproxies() - haproxies_before):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+GRACE_S = 25
+
+
+def test_sigterm_to_the_whole_group_under_load_stops_within_the_grace_period():
+    """systemd's default KillMode, `kill -- -PGID` and a terminal's Ctrl-C signal the
+    whole process group. Ray's processes used to share it and died under the CLI's
+    graceful shutdown: 61 s to exit, past Kubernetes' 30 s. Now Ray runs in a session of
+    its own and the CLI drains Serve, then stops Ray, within --shutdown-grace-s: every
+    stream ends (finished or cut at the deadline, none hangs), exit 0, nothing left."""
+    import threading
+    port, = free_ports(1)
+    haproxies_before = _haproxies()
+    temp_dir = tempfile.mkdtemp(prefix="rcli-", dir="/tmp")
+    log = Path(temp_dir) / "flotilla.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [FLOTILLA, "serve", "--model", "mock", "--data-parallel-size", "2",
+             "--port", str(port), "--served-model-name", "m", "--mock-itl-s", "0.01",
+             "--shutdown-grace-s", str(GRACE_S)],
+            env=_env(temp_dir), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    ended: list[str] = []
+    try:
+        try:
+            wait_for(lambda: b"Flotilla is serving" in log.read_bytes(), START_TIMEOUT_S,
+                     "flotilla serve ready", proc)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{log.read_text(errors='replace')[-4000:]}") from None
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
+                               max_retries=0, timeout=120)
+        started = threading.Barrier(9)
+
+        def stream():  # 3,000 tokens at 10 ms: longer than the grace period
+            try:
+                chunks = client.completions.create(model="m", prompt="hi", max_tokens=3000,
+                                                   stream=True)
+                started.wait(30)
+                for _ in chunks:
+                    pass
+                ended.append("finished")
+            except Exception as exc:  # cut at the deadline: an error, not a hang
+                ended.append(type(exc).__name__)
+
+        threads = [threading.Thread(target=stream, daemon=True) for _ in range(8)]
+        for t in threads:
+            t.start()
+        started.wait(60)
+        signalled = time.monotonic()
+        os.killpg(proc.pid, signal.SIGTERM)
+        assert proc.wait(GRACE_S + 20) == 0, log.read_text()[-3000:]
+        took = time.monotonic() - signalled
+        print(f"SIGTERM to the process group with 8 live streams: exit after {took:.1f} s")
+        for t in threads:
+            t.join(30)
+        assert len(ended) == 8, ended  # every stream ended, none hangs
+        assert took <= GRACE_S + 5, log.read_text()[-3000:]  # Python's own exit aside
+        output = log.read_text()
+        assert "Flotilla: stopped in" in output and "Traceback" not in output, output[-3000:]
+        wait_for(lambda: not pids_naming(temp_dir), 30, "Ray processes gone")
+        assert _haproxies() <= haproxies_before
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        for pid in pids_naming(temp_dir) + list(_haproxies() - haproxies_before):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def test_a_killed_cli_takes_its_ray_with_it():
+    """Ray runs outside the CLI's process group, so a SIGKILL to the CLI (or the OOM
+    killer) no longer takes Ray down with the group: `ray start` is told of its
+    parent's death and stops its node. No process naming the temp dir is left."""
+    port, = free_ports(1)
+    haproxies_before = _haproxies()
+    temp_dir = tempfile.mkdtemp(prefix="rcli-", dir="/tmp")
+    log = Path(temp_dir) / "flotilla.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [FLOTILLA, "serve", "--model", "mock", "--port", str(port),
+             "--http-proxy", "serve"],
+            env=_env(temp_dir), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_for(lambda: b"Flotilla is serving" in log.read_bytes(), START_TIMEOUT_S,
+                 "flotilla serve ready", proc)
+        assert pids_naming(temp_dir)
+        proc.kill()
+        proc.wait()
+        wait_for(lambda: not pids_naming(temp_dir), 60, "Ray processes gone after kill -9")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
             proc.wait()
         for pid in pids_naming(temp_dir) + list(_haproxies() - haproxies_before):
             try:

@@ -81,6 +81,9 @@ applications:
 Defaults are AppArgs' own. */}}
 {{- define "flotilla.checks" -}}
 {{- $app := .Values.app -}}
+{{- if ge (int .Values.termination.preStopSleepSeconds) (int .Values.termination.gracePeriodSeconds) -}}
+{{- fail "termination.preStopSleepSeconds must be shorter than gracePeriodSeconds (SIGTERM comes after the sleep, within the grace period)" -}}
+{{- end -}}
 {{- $as := dig "ingress_autoscaling" dict $app -}}
 {{- if gt (float64 (dig "min_replicas" 1 $as)) (float64 (dig "max_replicas" 4 $as)) -}}
 {{- fail "app.ingress_autoscaling.min_replicas is larger than max_replicas" -}}
