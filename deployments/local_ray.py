@@ -32,8 +32,11 @@ PR_SET_PDEATHSIG = 1  # prctl option (linux/prctl.h)
 
 def use_own_auth_token() -> None:
     """Token authentication for the Ray about to start, with a token of its own (not
-    ~/.ray's), unless the user chose a mode. Ray reads these once, when it is imported,
-    so this runs before anything imports ray."""
+    ~/.ray's), unless the user chose a mode. Ray reads these once, when it is imported:
+    in a process that imported it already (a test calling the CLI in-process) they are
+    left alone, or this process and the Ray it starts would disagree on the mode."""
+    if "ray" in sys.modules:
+        return
     os.environ.setdefault("RAY_AUTH_MODE", "token")
     if os.environ["RAY_AUTH_MODE"] == "token":
         os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
@@ -93,7 +96,7 @@ class LocalRayHead:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
-        for pid in _pids_naming(self.temp_dir):  # workers in process groups of their own
+        for pid in pids_naming(self.temp_dir):  # workers in process groups of their own
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         shutil.rmtree(self.temp_dir, ignore_errors=True)
@@ -114,7 +117,8 @@ def _accepts(host: str, port: int) -> bool:
         return s.connect_ex((host, port)) == 0
 
 
-def _pids_naming(marker: str) -> list[int]:
+def pids_naming(marker: str) -> list[int]:
+    """Processes whose command line names marker (a Ray temp dir), this one aside."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():

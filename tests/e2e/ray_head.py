@@ -18,6 +18,7 @@ from typing import Callable, Iterator
 
 import httpx
 
+from deployments.local_ray import pids_naming
 from engine.wire import ports
 
 BIN = Path(sys.executable).parent
@@ -28,20 +29,6 @@ def free_ports(n: int) -> list[int]:
     """n distinct ports that bind now, where none of Ray's sockets can take them before
     our server binds them (engine/wire/ports.py says why)."""
     return ports.free_ports("127.0.0.1", n)
-
-
-def pids_naming(marker: str) -> list[int]:
-    """Processes whose command line names marker (our head's temp dir)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            if marker.encode() in (entry / "cmdline").read_bytes():
-                pids.append(int(entry.name))
-        except OSError:
-            continue
-    return pids
 
 
 def wait_for(predicate, timeout_s: float, what: str, proc: subprocess.Popen | None = None):
