@@ -271,7 +271,7 @@ def vllm_pairs(args, prompts) -> None:
             "--dtype", dtype, "--max-num-seqs", str(args.max_num_seqs)]
     theirs = [args.vllm_python, "-c", _VLLM_RUN, str(HERE), model, dtype, json.dumps(prompts)]
     peak, how, memory_rate, memory_how = roofline(dtype, args.isa)
-    ratios, pairs = [], []
+    pairs = []
     for pair in range(args.pairs):
         print(f"pair {pair + 1}:", flush=True)
         runs = [("flotilla", ours, isa_env(args.isa, "flotilla")),
@@ -279,7 +279,6 @@ def vllm_pairs(args, prompts) -> None:
         got = {name: rate(cmd, env, name)  # who goes first flips every pair
                for name, cmd, env in (runs if pair % 2 == 0 else runs[::-1])}
         f, v = got["flotilla"], got["vllm"]
-        ratios.append(f / v)
         pairs.append({"flotilla_tok_s": f, "vllm_tok_s": v, "ratio": round(f / v, 2),
                       "compute_share_pct": round(100 * f * FLOPS_PER_OUTPUT_TOKEN / peak),
                       "memory_share_pct": round(100 * f / memory_rate)})
@@ -288,7 +287,8 @@ def vllm_pairs(args, prompts) -> None:
               f"{f / memory_rate:.0%} of the memory roofline", flush=True)
     held = "" if args.isa == "native" else f", both held to {args.isa}"
     print(f"W1, {dtype}{held}, {len(cores)} cores: flotilla / vllm per pair: "
-          + ", ".join(f"{r:.2f}x" for r in ratios) + f" (min {min(ratios):.2f}x); compute "
+          + ", ".join(f"{p['ratio']:.2f}x" for p in pairs)
+          + f" (min {min(p['ratio'] for p in pairs):.2f}x); compute "
           f"roofline: {how}; memory roofline: {memory_how}")
     return {"isa": args.isa, "dtype": dtype, "pairs": pairs}
 
