@@ -472,3 +472,38 @@ def test_heartbeats_carry_the_step_age_and_a_wedged_engine_gets_no_new_request(t
     finally:
         for s in servers:
             s.shutdown()
+
+
+def test_an_idle_client_hears_heartbeats_while_another_client_streams(tokenizer):  # noqa: F811
+    """Heartbeats went out only when the engine had sent nothing to anyone for an
+    interval, so while one client streamed, every other client (an ingress replica that
+    had sent no request, the coordinator) heard nothing and took the engine for dead
+    after heartbeat_timeout_s (seen with the ingress scaled out under 256 streams). Each
+    client now gets a heartbeat once it was sent nothing for an interval."""
+    from engine.wire.mock import MockConfig, MockEngineCore
+    from tests.test_core_client import free_address
+    core = MockEngineCore(MockConfig(vocab_size=len(tokenizer), itl_s=0.01))
+    address = free_address()
+    server = EngineCoreServer(core, address, heartbeat_interval_s=0.5).start()
+
+    async def main():
+        busy = await EngineClient.connect([address], tokenizer, handshake_timeout_s=10)
+        idle = await EngineClient.connect([address], tokenizer, handshake_timeout_s=10)
+        try:
+            heard, outputs = set(), 0
+            params = SamplingParams(max_tokens=400, ignore_eos=True)
+            async for out in busy.generate("long", [5, 6, 7], params):
+                outputs += 1
+                heard.add(idle.engines[0].last_heard)
+            assert out.finished and outputs > 50  # the engine sent to `busy` all along
+            # a 4-second stream at 0.5-second heartbeats: the idle client heard several
+            assert len(heard) >= 3, sorted(heard)
+            assert not idle.engines[0].dead and idle.healthy
+        finally:
+            await busy.shutdown()
+            await idle.shutdown()
+
+    try:
+        asyncio.run(main())
+    finally:
+        server.shutdown()

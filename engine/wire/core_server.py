@@ -237,7 +237,11 @@ class EngineCoreServer:
         poller.register(router, zmq.POLLIN)
         poller.register(outbox, zmq.POLLIN)
         heartbeat = msgspec.msgpack.Encoder()
-        last_sent = time.monotonic()
+        # when each client was last sent anything: a heartbeat goes to every client that
+        # heard nothing for an interval, each on its own clock (one clock for all let a
+        # client with streams keep the others' heartbeats from ever going out: an idle
+        # ingress replica, a coordinator, took a busy engine for dead)
+        sent_at: dict[bytes, float] = {}
         try:
             while not self._stopped.is_set():
                 ready = dict(poller.poll(timeout=int(self.heartbeat_interval_s * 1000)))
@@ -255,19 +259,30 @@ class EngineCoreServer:
                         except zmq.Again:
                             break
                         router.send_multipart([identity, kind, payload], copy=False)
-                        last_sent = time.monotonic()
+                        sent_at[identity] = time.monotonic()
                 self._forget_silent_clients()
-                if time.monotonic() - last_sent >= self.heartbeat_interval_s and self._clients:
-                    beat = heartbeat.encode(EngineCoreOutputs(
-                        self.engine_index, timestamp=time.time(),
-                        scheduler_stats=self._safe_stats(),
-                        step_running_s=self.step_watch.running_for()))
-                    for identity in list(self._clients):
-                        router.send_multipart([identity, OUTPUTS, beat])
-                    last_sent = time.monotonic()
+                self._send_heartbeats(router, heartbeat, sent_at)
         finally:
             router.close(linger=0)
             outbox.close(linger=0)
+
+    def _send_heartbeats(self, router: zmq.Socket, encoder: msgspec.msgpack.Encoder,
+                         sent_at: dict[bytes, float]) -> None:
+        """A heartbeat (stats, step age) to each client sent nothing for an interval
+        (io thread); `sent_at` keeps only the current clients."""
+        now = time.monotonic()
+        clients = list(self._clients)
+        due = [c for c in clients if now - sent_at.get(c, 0.0) >= self.heartbeat_interval_s]
+        if due:
+            beat = encoder.encode(EngineCoreOutputs(
+                self.engine_index, timestamp=time.time(), scheduler_stats=self._safe_stats(),
+                step_running_s=self.step_watch.running_for()))
+            for identity in due:
+                router.send_multipart([identity, OUTPUTS, beat])
+                sent_at[identity] = now
+        if len(sent_at) > len(clients):
+            for gone in set(sent_at).difference(clients):
+                del sent_at[gone]
 
     def _forget_silent_clients(self) -> None:
         """Hand the core loop every client silent past client_timeout_s (io thread).
