@@ -8,7 +8,6 @@
 """
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from ray.serve import Application
@@ -18,6 +17,9 @@ from deployments.coordinator import Coordinator
 from deployments.engine_server import EngineServer
 from deployments.heap_trim import allocator_env
 from deployments.ingress import OpenAIIngress
+
+# an ingress replica's concurrency cap: none in practice (see build_app)
+INGRESS_MAX_ONGOING_REQUESTS = 1_000_000_000
 
 
 def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
@@ -38,14 +40,16 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
                            "num_gpus": parsed.engine_num_gpus},
         **count, **placement,
     ).bind(raw, coordinator)
-    # Serve's default max_ongoing_requests (5) would cap each ingress replica at 5
-    # concurrent streams: the proxy queues the rest, so the engines never see more load,
-    # and the ingress target of 64 could never be reached (Serve warns "Autoscaling will
-    # never happen"). Room for 4x the target: bursts while new ingress replicas start.
-    ingress_scaling = parsed.ingress_autoscaling
+    # The ingress has no concurrency cap of its own (as Ray Serve LLM's ingress): the
+    # engines bound the load (max_num_seqs running, max_waiting_requests waiting, then
+    # 503 with Retry-After). Serve's cap queues every request past it inside the replica,
+    # /metrics and /health included: Serve's default (5) held the engines at 5 streams
+    # a replica, and 4x the target (256) held a scrape behind 256 streams for 15 s+
+    # (streams opened before a scale-out stay on their replica). Autoscaling still
+    # aims at target_ongoing_requests.
     return OpenAIIngress.options(
-        autoscaling_config=ingress_scaling.serve_config(),
-        max_ongoing_requests=max(1, math.ceil(4 * ingress_scaling.target_ongoing_requests)),
+        autoscaling_config=parsed.ingress_autoscaling.serve_config(),
+        max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS,
         ray_actor_options={"num_cpus": parsed.ingress_num_cpus,
                            "runtime_env": {"env_vars": allocator_env()}},
     ).bind(raw, coordinator, engines)

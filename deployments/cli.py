@@ -23,7 +23,7 @@ from deployments import vllm_flags
 from deployments.local_ray import LocalRayHead, use_own_auth_token
 from engine.cli import build_parser, run_command
 from engine.options import Option, add_flags, given
-from engine.wire.ports import free_port
+from engine.wire.ports import free_ports
 
 if TYPE_CHECKING:  # the app's modules import Ray: only `serve` needs them
     from deployments.config import AppArgs
@@ -206,14 +206,19 @@ def haproxy_env(state_dir: str) -> dict[str, str]:
     in `state_dir` (private to this server) and its stats and metrics ports picked free.
     Serve puts the sockets in a 56-character node-id folder inside state_dir and HAProxy
     refuses socket paths over 97 characters: state_dir must stay under ~28."""
+    stats, metrics, fallback_http, fallback_grpc = free_ports("127.0.0.1", 4)
     return {"RAY_SERVE_ENABLE_HA_PROXY": "1",
             "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": f"{state_dir}/haproxy.cfg",
             "RAY_SERVE_HAPROXY_SOCKET_PATH": f"{state_dir}/admin.sock",
             "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": state_dir,
             "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": f"{state_dir}/server-state",
             "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": f"{state_dir}/metrics.sock",
-            "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port("127.0.0.1")),
-            "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port("127.0.0.1")),
+            "RAY_SERVE_HAPROXY_STATS_PORT": str(stats),
+            "RAY_SERVE_HAPROXY_METRICS_PORT": str(metrics),
+            # Serve's own proxy behind HAProxy (8500 and 9500 by default: a second
+            # server on the host failed to start on them)
+            "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(fallback_http),
+            "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT": str(fallback_grpc),
             # an ingress replica leaving stays reachable this long for load balancers to
             # deregister it (Serve's default 30 s); here HAProxy is local and stops first
             "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1"}

@@ -30,6 +30,8 @@ RETIRE_WAIT_S = 600.0
 # quiet: a stopped process, a blip) is tried again this often, with a short handshake
 ENGINE_RETRY_S = 5.0
 ENGINE_RETRY_HANDSHAKE_S = 3.0
+# how long a replica starting beside serving engines waits to connect before it serves
+START_CONNECT_S = 30.0
 
 
 async def _retire(client: EngineClient) -> None:
@@ -84,7 +86,7 @@ class CoordinatorControl:
 @serve.deployment
 @serve.ingress()
 class OpenAIIngress:
-    def __init__(self, args: dict, coordinator, engines) -> None:
+    async def __init__(self, args: dict, coordinator, engines) -> None:
         self.args = AppArgs.model_validate(args)
         self.coordinator = coordinator
         self._engines = engines  # bound so that Serve deploys the engine replicas
@@ -97,6 +99,25 @@ class OpenAIIngress:
         self._app = None  # the ASGI app, once Serve built it
         self._control: CoordinatorControl | None = None
         self._heap_trim = IdleHeapTrim()  # RSS back to what is live once a burst is over
+        self._starting = await self._connect_at_start()
+
+    async def _connect_at_start(self) -> asyncio.Task:
+        """Connect to the engines before this replica takes traffic when they already
+        serve (a scale-out, a replacement): a new replica used to report no engine gauge
+        at all until its first request made its client, so scrapes behind the load
+        balancer alternated between full and empty (issue 41). At the app's first start
+        the engines are still loading (minutes, for a real model): the replica starts
+        at once and connects in the background."""
+        task = asyncio.get_running_loop().create_task(self._reconnect())
+        try:
+            _, addresses, _ = await asyncio.wait_for(self.coordinator.membership.remote(),
+                                                     COORDINATOR_CALL_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - the coordinator restarting: later
+            logger.warning("ingress: no engine membership at start: %s", exc)
+            addresses = []
+        if addresses:
+            await asyncio.wait({task}, timeout=START_CONNECT_S)
+        return task
 
     async def get_client(self) -> EngineClient:
         """The client for the current engines. The first call waits for them; a
@@ -133,7 +154,8 @@ class OpenAIIngress:
     async def _switch(self, version: int, addresses: list[str],
                       handshake_timeout_s: float = 30.0) -> None:
         """Connect to a new engine set; the old client finishes its streams, then closes."""
-        client = await EngineClient.connect(addresses, tokenizer_for(self.args),
+        tokenizer = await asyncio.to_thread(tokenizer_for, self.args)  # seconds, once
+        client = await EngineClient.connect(addresses, tokenizer,
                                             keys=client_keys(self._keys),
                                             routing=self.args.routing,
                                             handshake_timeout_s=handshake_timeout_s)
@@ -167,7 +189,8 @@ class OpenAIIngress:
                     # Probe it alone first: the live engines are not asked every time.
                     self._retried = time.monotonic()
                     probe = await EngineClient.connect(
-                        missing, tokenizer_for(self.args), keys=client_keys(self._keys),
+                        missing, await asyncio.to_thread(tokenizer_for, self.args),
+                        keys=client_keys(self._keys),
                         handshake_timeout_s=ENGINE_RETRY_HANDSHAKE_S)
                     await probe.shutdown()
                     async with self._lock:

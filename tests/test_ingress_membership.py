@@ -23,9 +23,12 @@ class _Coordinator:
         self.membership = _Remote(membership)
 
 
-def _replica(addresses: list[str]):
+async def _replica(addresses: list[str]):
+    """The replica's class constructed as Serve does (its __init__ is async)."""
     cls = ingress.OpenAIIngress.func_or_class.__mro__[1]  # the class under Serve's wrapper
-    return cls({"model": "mock"}, _Coordinator(addresses), None)
+    replica = cls.__new__(cls)
+    await replica.__init__({"model": "mock"}, _Coordinator(addresses), None)
+    return replica
 
 
 def test_an_engine_left_out_as_dead_is_tried_again_without_a_membership_change(
@@ -39,7 +42,7 @@ def test_an_engine_left_out_as_dead_is_tried_again_without_a_membership_change(
     engines.add()
 
     async def main():
-        replica = _replica(engines.addresses)
+        replica = await _replica(engines.addresses)
         client = await replica.get_client()
         assert [e.address for e in client.engines] == engines.addresses
         client._mark_dead(client.engines[1], "silent for 10.0s (a blip)")
@@ -71,7 +74,7 @@ def test_a_dead_engine_while_the_coordinator_is_down_leaves_the_replica_healthy(
     answering = asyncio.Event()
 
     async def main():
-        replica = _replica(engines.addresses)
+        replica = await _replica(engines.addresses)
         client = await replica.get_client()
         real = replica.coordinator.membership.remote
 
@@ -110,7 +113,7 @@ def test_metrics_report_the_engines_of_the_replicas_current_client(engines):  # 
     engines.add()
 
     async def main():
-        replica = _replica(engines.addresses)
+        replica = await _replica(engines.addresses)
         app = replica.__serve_build_asgi_app__()
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://x") as http:
@@ -129,3 +132,43 @@ def test_metrics_report_the_engines_of_the_replicas_current_client(engines):  # 
 
     lines = asyncio.run(main())
     assert len(lines) == 1 and 'engine="0"' in lines[0]
+
+
+def test_a_replica_started_beside_serving_engines_reports_their_gauges_at_once(
+        engines):  # noqa: F811
+    """Issue 41, item 1: a replica made by a scale-out (or replacing one) reported no
+    engine gauge until its first request made its client, so scrapes behind the load
+    balancer alternated between full and empty. It now connects before it serves when
+    the engines are up; with none registered yet (the app's first start) it starts at
+    once and connects when they come."""
+    import httpx
+    engines.add()
+    engines.add()
+
+    async def main():
+        replica = await _replica(engines.addresses)
+        assert replica._client is not None  # connected in __init__
+        app = replica.__serve_build_asgi_app__()
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://x") as http:
+            text = (await http.get("/metrics")).text  # no request served before
+        early = await _replica([])
+        assert early._client is None and not early._starting.done()  # did not wait
+        early.coordinator.membership = _Coordinator(engines.addresses).membership
+        for _ in range(100):
+            await asyncio.sleep(0.05)
+            if early._client is not None:
+                break
+        connected = early._client is not None
+        for r in (replica, early):
+            if r._follower is not None:
+                r._follower.cancel()
+            if r._client is not None:
+                await r._client.shutdown()
+        return text, connected
+
+    text, connected = asyncio.run(main())
+    running = [line for line in text.splitlines()
+               if line.startswith("vllm:num_requests_running{")]
+    assert sorted(line.split('engine="', 1)[1][0] for line in running) == ["0", "1"], running
+    assert connected

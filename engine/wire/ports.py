@@ -6,13 +6,16 @@ socket closes, the kernel may hand the same port to any socket that binds to 0 o
 connects out (Ray starts dozens) before our server binds it. CI saw HAProxy's metrics
 frontend and Serve's HTTP proxy fail with "Address already in use" that way. Below the
 ephemeral range only an explicit bind takes a port, so we pick there, above Ray's
-default worker ports."""
+default worker ports, outside the ports Serve gives its ingress replicas."""
 import random
 import socket
 from pathlib import Path
 
 EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 LOWEST_PORT = 20000  # Ray's workers take 10002-19999 by default (min/max_worker_port)
+# Serve hands its ingress replicas HTTP ports from this range (its direct ingress,
+# RAY_SERVE_DIRECT_INGRESS_MIN/MAX_HTTP_PORT; gRPC's 40000.. lies above the floor)
+SERVE_REPLICA_PORTS = range(30000, 31001)
 TRIES = 200
 
 
@@ -40,7 +43,7 @@ def free_port(host: str, avoid: frozenset[int] = frozenset()) -> int:
         rng = random.SystemRandom()
         for _ in range(TRIES):
             port = rng.randrange(LOWEST_PORT, floor)
-            if port not in avoid and _binds(host, port):
+            if port not in avoid and port not in SERVE_REPLICA_PORTS and _binds(host, port):
                 return port
     while True:
         with socket.socket() as s:
