@@ -29,6 +29,7 @@ if TYPE_CHECKING:  # the app's modules import Ray: only `serve` needs them
     from deployments.config import AppArgs
 
 RAY_STOP_RESERVE_S = 5.0  # of the grace period, kept for stopping the local Ray
+STOP_NOTICE_S = 1.0  # for the ingress replicas to see a stop (they poll every 0.5 s)
 DEFAULT_PROXY = "haproxy"  # Serve's Python proxy off the streaming path (docs/benchmarks.md)
 _ENGINE_GROUP = "engine options (EngineConfig)"
 _APP_GROUP = "app options (Ray Serve deployments)"
@@ -242,12 +243,27 @@ def stop_haproxy(state_dir: str) -> None:
     shutil.rmtree(state_dir, ignore_errors=True)
 
 
+def _stop_serving(serve) -> None:
+    """Tell the ingress replicas that the server stops (they answer /health and new
+    requests with 503, so load balancers drain them, while their streams go on), and
+    give them STOP_NOTICE_S to see it before Serve starts removing them."""
+    try:
+        coordinator = serve.get_deployment_handle("Coordinator", app_name="flotilla")
+        coordinator.stop_serving.remote().result(timeout_s=STOP_NOTICE_S)
+    except Exception as exc:  # noqa: BLE001 - the app never started, or is gone already
+        print(f"Flotilla: the replicas were not told of the stop ({exc})", file=sys.stderr,
+              flush=True)
+        return
+    time.sleep(STOP_NOTICE_S)
+
+
 def _shut_down(serve, ray, deadline: float, head: LocalRayHead | None) -> bool:
     """Delete the app (ingress replicas stop taking requests, streams finish, engines
     drain), leave Ray, then stop the Ray started here, all by `deadline` (the grace
     period). Serve gets the time left less RAY_STOP_RESERVE_S; past it Ray stops anyway
     and what still streams is cut. serve.shutdown() never returns when Ray died first
     (a cluster's node lost; only a Ray we did not start can share our signals)."""
+    _stop_serving(serve)
     stopper = threading.Thread(target=serve.shutdown, name="serve-shutdown", daemon=True)
     stopper.start()
     stopper.join(max(1.0, deadline - RAY_STOP_RESERVE_S - time.monotonic()))

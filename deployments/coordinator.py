@@ -103,6 +103,7 @@ class Coordinator:
         self.addresses: dict[int, str] = {}  # rank -> address, kept over a restart
         self.version = 0  # bumped whenever the set of registered engines changes
         self._started = False  # the initial engines have all registered once
+        self.stopping = False  # stop_serving() was called
         self._client: EngineClient | None = None
         self._client_addresses: list[str] = []
         self._lock = asyncio.Lock()
@@ -220,11 +221,18 @@ class Coordinator:
             self._started = True
         return [self.registry[r]["address"] for r in sorted(self.registry)]
 
-    def membership(self) -> tuple[int, list[str], dict[str, dict]]:
-        """(version, engines(), address -> the keys to connect with): the ingress
-        replicas poll this to follow changes."""
+    def membership(self) -> tuple[int, list[str], dict[str, dict], bool]:
+        """(version, engines(), address -> the keys to connect with, stopping): the
+        ingress replicas poll this to follow changes."""
         addresses = self.engines()
-        return self.version, addresses, self._keys_of(addresses)
+        return self.version, addresses, self._keys_of(addresses), self.stopping
+
+    def stop_serving(self) -> None:
+        """The server is stopping (`flotilla serve` got SIGTERM or Ctrl-C): the ingress
+        replicas see it at their next membership poll, answer /health with 503 so load
+        balancers drain them, and refuse new requests with 503 while their streams
+        finish."""
+        self.stopping = True
 
     def _keys_of(self, addresses: list[str]) -> dict[str, dict]:
         by_address = {e["address"]: e.get("keys") for e in self.registry.values()}

@@ -110,8 +110,8 @@ class OpenAIIngress:
         at once and connects in the background."""
         task = asyncio.get_running_loop().create_task(self._reconnect())
         try:
-            _, addresses, _ = await asyncio.wait_for(self.coordinator.membership.remote(),
-                                                     COORDINATOR_CALL_TIMEOUT_S)
+            _, addresses, _, _ = await asyncio.wait_for(self.coordinator.membership.remote(),
+                                                        COORDINATOR_CALL_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 - the coordinator restarting: later
             logger.warning("ingress: no engine membership at start: %s", exc)
             addresses = []
@@ -132,7 +132,7 @@ class OpenAIIngress:
             deadline = time.monotonic() + ENGINE_WAIT_S
             while True:
                 try:
-                    version, addresses, self._keys = await asyncio.wait_for(
+                    version, addresses, self._keys, _ = await asyncio.wait_for(
                         self.coordinator.membership.remote(), COORDINATOR_CALL_TIMEOUT_S)
                 except asyncio.TimeoutError:
                     raise NoEnginesError("the coordinator did not answer within "
@@ -177,8 +177,12 @@ class OpenAIIngress:
                 pushed = time.monotonic()  # keep the coordinator's sum current between scrapes
                 await self._control.sum_metrics(self._app.state.metrics.snapshot())
             try:
-                version, addresses, self._keys = await asyncio.wait_for(
+                version, addresses, self._keys, stopping = await asyncio.wait_for(
                     self.coordinator.membership.remote(), COORDINATOR_CALL_TIMEOUT_S)
+                if stopping and self._app is not None and not self._app.state.stopping:
+                    self._app.state.stopping = True
+                    logger.info("ingress: the server is stopping: /health answers 503, "
+                                "new requests are refused, streams finish")
                 if addresses and version != self._version:
                     async with self._lock:
                         if version != self._version:

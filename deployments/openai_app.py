@@ -339,6 +339,9 @@ def build_openai_app(get_client: Callable[[], Awaitable[EngineClient]],
                     _check_admin(request)
                 elif auth:
                     _check_key(request, options.api_key)
+                if request.method == "POST" and request.app.state.stopping:
+                    raise HTTPError(503, "the server is stopping; retry on another replica",
+                                    "ServiceUnavailableError")
                 response = await handler(request, rid)
             except Exception as exc:  # noqa: BLE001 - every error becomes OpenAI JSON
                 err = _map_error(exc)
@@ -708,6 +711,8 @@ def build_openai_app(get_client: Callable[[], Awaitable[EngineClient]],
         HEALTH_WAIT_S. It never waits for engines to register (that can take minutes
         while a cluster scales up): the connection attempt goes on in the background
         and the next probe sees how it went."""
+        if request.app.state.stopping:  # load balancers take this replica out
+            raise HTTPError(503, "the server is stopping", "ServiceUnavailableError")
         task = connecting.get("task")
         if task is None or task.done():
             task = connecting["task"] = asyncio.ensure_future(get_client())
@@ -793,4 +798,5 @@ def build_openai_app(get_client: Callable[[], Awaitable[EngineClient]],
     ]
     app = Starlette(routes=routes)
     app.state.metrics = metrics  # the ingress reports its snapshot from here too
+    app.state.stopping = False  # set when the server stops: /health and new requests 503
     return app

@@ -70,3 +70,36 @@ def test_health_reports_a_failed_connection_and_tries_again(engines):  # noqa: F
     assert failed.status_code == 503 and "did not register" in failed.json()["error"]["message"]
     assert ok.status_code == 200
     assert dead.status_code == 503, dead.text
+
+
+def test_a_stopping_server_fails_health_and_refuses_new_requests_but_serves_metrics(
+        engines):  # noqa: F811
+    """Issue 41, item 2: once the server stops (the coordinator's stop_serving, seen by
+    each ingress replica), /health answers 503 so load balancers drain the replica, and
+    a new request gets 503 while the streams already running go on; /metrics stays."""
+    engines.add()
+
+    async def main():
+        client = await engines.client()
+
+        async def get_client():
+            return client
+        app = build_openai_app(get_client, IngressOptions("m"))
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://flotilla") as http:
+            before = await http.get("/health")
+            app.state.stopping = True
+            after = await http.get("/health")
+            late = await http.post("/v1/completions", json={"model": "m", "prompt": "Hi",
+                                                            "max_tokens": 2})
+            metrics = await http.get("/metrics")
+        await client.shutdown()
+        return before, after, late, metrics
+
+    before, after, late, metrics = asyncio.run(main())
+    assert before.status_code == 200
+    assert after.status_code == 503 and after.json()["error"]["message"] == (
+        "the server is stopping")
+    assert late.status_code == 503
+    assert late.json()["error"]["type"] == "ServiceUnavailableError"
+    assert metrics.status_code == 200 and "vllm:num_requests_running" in metrics.text

@@ -15,11 +15,11 @@ class _Remote:
 
 
 class _Coordinator:
-    """membership -> (version, addresses, keys), fixed: engines in the clear."""
+    """membership -> (version, addresses, keys, stopping), fixed: engines in the clear."""
 
     def __init__(self, addresses: list[str]) -> None:
         async def membership():
-            return 1, list(addresses), {}
+            return 1, list(addresses), {}, False
         self.membership = _Remote(membership)
 
 

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
+import httpx
 import openai
 import pytest
 
@@ -153,9 +154,19 @@ def test_sigterm_to_the_whole_group_under_load_stops_within_the_grace_period():
         started.wait(60)
         signalled = time.monotonic()
         os.killpg(proc.pid, signal.SIGTERM)
+        # load balancers drain the server at once: /health fails, a new request is
+        # refused with 503, while the streams go on
+        health = _health_until_503(port)
+        unhealthy_after = time.monotonic() - signalled
+        late = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=10,
+                          json={"model": "m", "prompt": "late", "max_tokens": 2})
         assert proc.wait(GRACE_S + 20) == 0, log.read_text()[-3000:]
         took = time.monotonic() - signalled
-        print(f"SIGTERM to the process group with 8 live streams: exit after {took:.1f} s")
+        print(f"SIGTERM to the process group with 8 live streams: /health 503 after "
+              f"{unhealthy_after:.1f} s, exit after {took:.1f} s")
+        assert health[-1] == 503, health
+        assert late.status_code == 503, late.text
+        assert late.json()["error"]["type"] == "ServiceUnavailableError"
         for t in threads:
             t.join(30)
         assert len(ended) == 8, ended  # every stream ended, none hangs
@@ -167,6 +178,20 @@ def test_sigterm_to_the_whole_group_under_load_stops_within_the_grace_period():
         assert "Flotilla: stopped in" in output, output[-3000:]
         assert not [line for line in own if "Traceback" in line], output[-3000:]
         wait_for(lambda: not pids_naming(temp_dir), 30, "Ray processes gone")
+
+
+def _health_until_503(port: int, timeout: float = 10.0) -> list[int | None]:
+    """GET /health until it answers 503 (or `timeout`): every status seen, None for
+    no answer."""
+    seen: list[int | None] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and (not seen or seen[-1] != 503):
+        try:
+            seen.append(httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code)
+        except httpx.HTTPError:
+            seen.append(None)
+        time.sleep(0.05)
+    return seen
 
 
 def test_a_killed_cli_takes_its_ray_with_it():

@@ -304,7 +304,7 @@ def test_the_engine_ports_admit_only_clients_with_the_coordinators_keys(base_url
     from engine.wire.core_client import EngineClient, HandshakeError
     from engine.wire.curve_auth import client_keys
     coordinator = serve.get_deployment_handle("Coordinator", app_name="flotilla")
-    _, addresses, keys = coordinator.membership.remote().result(timeout_s=30)
+    _, addresses, keys, _ = coordinator.membership.remote().result(timeout_s=30)
     assert len(addresses) == 2 and set(keys) == set(addresses)
     tokenizer = load_tokenizer(resolve_model("default"))
 
