@@ -6,10 +6,13 @@ PROMPT ?= The three primary colors are
 PORT   ?= 8000
 
 IMAGE  ?= flotilla
+# docker, else podman; IMAGE_FLAGS: more `build` flags (--build-arg BASE_IMAGE=...)
+CONTAINER   ?= $(if $(shell command -v docker 2>/dev/null),docker,podman)
+IMAGE_FLAGS ?=
 # the package's version (pyproject.toml), which is also the chart's appVersion
 VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 
-.PHONY: setup run generate test bench image clean
+.PHONY: setup run generate test bench image image-check clean
 
 setup: $(VENV)/.installed
 
@@ -39,7 +42,13 @@ bench: setup
 
 # The serving image that helm/flotilla and cluster.yaml run (Dockerfile).
 image:
-	docker build -t $(IMAGE):$(VERSION) .
+	$(CONTAINER) build $(IMAGE_FLAGS) -t $(IMAGE):$(VERSION) .
+
+# CI's check of that image (run by .ci/run after `make test`; root, podman): built on a
+# debootstrapped Debian, then `flotilla serve --model mock` runs from its root (chroot)
+# and answers the openai client. See .ci/image_check.py.
+image-check: setup
+	$(PY) .ci/image_check.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -179,6 +179,19 @@ def test_cluster_shape_head_without_gpus_autoscaled_gpu_workers(helm):
     assert selector.items() <= service["metadata"]["labels"].items()
 
 
+def test_default_values_run_the_image_make_image_builds(helm):
+    """`helm template` with the chart's own values names, in every Ray container, the
+    tag `make image` builds (CI builds it and checks it exists: .ci/image_check.py)."""
+    from tests.test_image import built_image
+    (rayservice,) = by_kind(helm.render(), "RayService")
+    pods = _pods(rayservice)
+    assert set(pods) == {"head", "gpu-small", "gpu-large"}
+    for pod in pods.values():
+        (container,) = pod["spec"]["containers"]
+        assert container["image"] == built_image()  # flotilla:<version>
+        assert container["imagePullPolicy"] == "IfNotPresent"  # a local build is used
+
+
 def test_serve_config_is_a_valid_flotilla_app(helm):
     from ray.serve.config import AutoscalingConfig
     from ray.serve.schema import ServeDeploySchema

