@@ -24,7 +24,8 @@ logger = logging.getLogger(__name__)
 ENGINE_WAIT_S = 300.0
 MEMBERSHIP_POLL_S = 0.5  # how fast a replica follows engines joining or leaving
 METRICS_PUSH_S = 5.0  # how often a replica reports its request metrics to the coordinator
-METRICS_TIMEOUT_S = 2.0  # a scrape waits this long for the sum, then serves its own
+METRICS_TIMEOUT_S = 2.0  # the periodic push waits this long for the sum
+REPORT_GIVE_UP_S = 30.0  # a report still unanswered is dropped (the next one follows)
 RETIRE_WAIT_S = 600.0
 # an engine this replica left out as dead while the coordinator still lists it (it went
 # quiet: a stopped process, a blip) is tried again this often, with a short handshake
@@ -49,6 +50,13 @@ class CoordinatorControl:
         self.coordinator = coordinator
         self.replica_id = uuid.uuid4().hex  # names this replica's share of the metrics
 
+    async def _report(self, snapshot) -> list:
+        """One report, given up after REPORT_GIVE_UP_S (a coordinator gone for good
+        must not leave reports pending)."""
+        return await asyncio.wait_for(
+            self.coordinator.report_metrics.remote(self.replica_id, snapshot),
+            REPORT_GIVE_UP_S)
+
     async def is_sleeping(self) -> bool:
         return await self.coordinator.is_sleeping.remote()
 
@@ -71,13 +79,14 @@ class CoordinatorControl:
     async def list_loras(self) -> list:
         return await self.coordinator.list_loras.remote()
 
-    async def sum_metrics(self, snapshot) -> list | None:
+    async def sum_metrics(self, snapshot, timeout_s: float = METRICS_TIMEOUT_S) -> list | None:
         """Report this replica's request metrics; the sum over every replica (None if
-        the coordinator does not answer in time: this replica's own are served)."""
-        try:
-            return await asyncio.wait_for(
-                self.coordinator.report_metrics.remote(self.replica_id, snapshot),
-                METRICS_TIMEOUT_S)
+        the coordinator does not answer within timeout_s: the caller serves its last
+        sum raised to this replica's counts)."""
+        report = asyncio.ensure_future(self._report(snapshot))
+        report.add_done_callback(lambda t: t.cancelled() or t.exception())  # seen here
+        try:  # shielded: a report that answers late still reaches the sum
+            return await asyncio.wait_for(asyncio.shield(report), timeout_s)
         except Exception as exc:
             logger.warning("ingress: metrics not summed over the replicas: %s", exc)
             return None

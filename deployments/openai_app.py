@@ -78,7 +78,10 @@ from engine.wire.core_client import EngineClient
 logger = logging.getLogger(__name__)
 _JSON = msgspec.json.Encoder()  # SSE chunks
 HEALTH_WAIT_S = 0.9  # /health answers within a second, connected or not
-STATS_WAIT_S = 1.0  # a scrape asks the engines for their stats, waiting this long at most
+STATS_WAIT_S = 0.5  # a scrape asks the engines for their stats, waiting this long at most
+STATS_MAX_AGE_S = 1.0  # ... when their last (from outputs, heartbeats) are older than this
+SUM_WAIT_S = 0.5  # and waits this long for the sum over the replicas (else its last, raised)
+SLOW_SCRAPE_S = 1.0  # a scrape slower than this is logged with where its time went
 RETRY_AFTER_S = 1  # what a 429 (an engine's waiting queue full) asks the client to wait
 
 
@@ -224,7 +227,7 @@ class ClientControl:
     async def list_loras(self) -> list[LoRARequest]:
         return await (await self.get_client()).list_loras()
 
-    async def sum_metrics(self, snapshot: Snapshot) -> Snapshot | None:
+    async def sum_metrics(self, snapshot: Snapshot, timeout_s: float) -> Snapshot | None:
         """The request metrics over every ingress replica: this one is the only one."""
         return None
 
@@ -692,17 +695,26 @@ def build_openai_app(get_client: Callable[[], Awaitable[EngineClient]],
     async def metrics_endpoint(request: Request, rid: str) -> Response:
         # the replica's current client: it may have moved to another engine set since its
         # last request (the gauges were those of the retired client, the chaos run found)
+        began = time.monotonic()
         try:
             client = await asyncio.wait_for(asyncio.shield(get_client()), STATS_WAIT_S)
         except Exception:  # noqa: BLE001 - no engines yet: serve what there is
             client = seen.get("client")
-        if client is not None:  # the engines' counters as of now, the same from every replica
+        connected = time.monotonic()
+        if client is not None:  # the engines' values at most a stats interval old
             try:
-                await asyncio.wait_for(client.get_stats(), STATS_WAIT_S)
+                await client.refresh_stats(STATS_MAX_AGE_S, STATS_WAIT_S)
             except Exception as exc:  # noqa: BLE001 - serve what the outputs last brought
                 logger.debug("metrics: engine stats not refreshed: %s", exc)
-        return Response(metrics.exposition(await control.sum_metrics(metrics.snapshot())),
-                        media_type="text/plain; version=0.0.4")
+        refreshed = time.monotonic()
+        summed = await control.sum_metrics(metrics.snapshot(), SUM_WAIT_S)
+        body = metrics.exposition(summed)
+        took = time.monotonic() - began
+        if took > SLOW_SCRAPE_S:
+            logger.warning("metrics: a scrape took %.2f s (client %.2f s, engine stats "
+                           "%.2f s, the replicas' sum %.2f s)", took, connected - began,
+                           refreshed - connected, time.monotonic() - refreshed)
+        return Response(body, media_type="text/plain; version=0.0.4")
 
     connecting: dict[str, asyncio.Task] = {}
 

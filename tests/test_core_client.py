@@ -577,3 +577,37 @@ def test_a_stall_of_the_clients_own_loop_declares_no_engine_dead(tokenizer):
     finally:
         resume.set()
         server.shutdown()
+
+
+def test_a_scrape_asks_the_engines_for_stats_only_when_the_last_are_old(tokenizer):
+    """/metrics used to ask every engine for its stats on each scrape, so a scrape waited
+    on the busiest engine's loop; outputs and heartbeats bring stats at least every
+    heartbeat interval, so refresh_stats asks only when one engine's are older."""
+    core = MockEngineCore(MockConfig(vocab_size=len(tokenizer)))
+    address = free_address()
+    server = EngineCoreServer(core, address, heartbeat_interval_s=60).start()
+
+    async def main():
+        client = await EngineClient.connect([address], tokenizer, handshake_timeout_s=10)
+        calls = []
+        real = client.call_utility
+
+        async def counted(method, *args, **kwargs):
+            calls.append(method)
+            return await real(method, *args, **kwargs)
+        client.call_utility = counted
+        try:
+            client.engines[0].stats_at = 0.0  # as if none came yet
+            await client.refresh_stats(max_age_s=30, timeout_s=10)
+            asked = list(calls)
+            assert client.engines[0].stats is not None
+            await client.refresh_stats(max_age_s=30, timeout_s=10)  # fresh: not asked
+            return asked, list(calls)
+        finally:
+            await client.shutdown()
+
+    try:
+        asked, after = asyncio.run(main())
+    finally:
+        server.shutdown()
+    assert asked == ["get_stats"] and after == ["get_stats"]

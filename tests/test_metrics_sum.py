@@ -45,7 +45,7 @@ class SharedControl(ClientControl):
         super().__init__(get_client)
         self.hub, self.replica_id = hub, replica_id
 
-    async def sum_metrics(self, snapshot):
+    async def sum_metrics(self, snapshot, timeout_s: float = 2.0):
         return self.hub.report(self.replica_id, snapshot)
 
 

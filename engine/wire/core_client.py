@@ -120,6 +120,7 @@ class _Engine:
     ready: EngineCoreReadyResponse
     last_heard: float
     stats: SchedulerStats | None = None
+    stats_at: float = 0.0  # time.monotonic() when `stats` came
     in_flight: int = 0
     dead: bool = False
     silent: bool = False  # dead because it went quiet (not gone, not by its own word)
@@ -552,9 +553,24 @@ class EngineClient:
         return sorted(common, key=lambda r: r.lora_int_id)
 
     async def get_stats(self) -> list[SchedulerStats]:
-        """Every engine's scheduler stats, fresh (not the last ones seen with outputs)."""
-        return [msgspec.convert(v, SchedulerStats)
-                for v in await self.call_utility("get_stats")]
+        """Every live engine's scheduler stats, fresh (not the last ones seen with
+        outputs); kept as each engine's `stats` too."""
+        engines = [e for e in self.engines if not e.dead]
+        stats = [msgspec.convert(v, SchedulerStats)
+                 for v in await self.call_utility("get_stats")]
+        now = time.monotonic()
+        for e, s in zip(engines, stats):
+            e.stats, e.stats_at = s, now
+        return stats
+
+    async def refresh_stats(self, max_age_s: float, timeout_s: float) -> None:
+        """Make every live engine's `stats` at most `max_age_s` old: asks the engines
+        only when one is older (outputs and heartbeats bring stats at least every
+        heartbeat interval, so a scrape rarely waits on a busy engine's loop)."""
+        now = time.monotonic()
+        if all(now - e.stats_at <= max_age_s for e in self.engines if not e.dead):
+            return
+        await asyncio.wait_for(self.get_stats(), timeout_s)
 
     async def is_sleeping(self) -> bool:
         return consensus("is_sleeping", await self.call_utility("is_sleeping"))
@@ -600,7 +616,7 @@ class EngineClient:
             logger.warning("engine %d sent an undecodable frame", engine.index)
             return
         if msg.scheduler_stats is not None:
-            engine.stats = msg.scheduler_stats
+            engine.stats, engine.stats_at = msg.scheduler_stats, engine.last_heard
         engine.step_running_s = msg.step_running_s  # 0 on a step's own outputs
         if msg.utility_output is not None:
             self._resolve_utility(msg.utility_output)
