@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 from deployments import vllm_flags
+from deployments.haproxy_leash import leashed_haproxy
 from deployments.local_ray import LocalRayHead, use_own_auth_token
 from engine.cli import build_parser, run_command
 from engine.options import Option, add_flags, given
@@ -208,7 +209,8 @@ def haproxy_env(state_dir: str) -> dict[str, str]:
     Serve puts the sockets in a 56-character node-id folder inside state_dir and HAProxy
     refuses socket paths over 97 characters: state_dir must stay under ~28."""
     stats, metrics, fallback_http, fallback_grpc = free_ports("127.0.0.1", 4)
-    return {"RAY_SERVE_ENABLE_HA_PROXY": "1",
+    return {**leashed_haproxy(state_dir),  # HAProxy dies with the actor that started it
+            "RAY_SERVE_ENABLE_HA_PROXY": "1",
             "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": f"{state_dir}/haproxy.cfg",
             "RAY_SERVE_HAPROXY_SOCKET_PATH": f"{state_dir}/admin.sock",
             "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": state_dir,

@@ -12,12 +12,12 @@ def test_picked_ports_bind_and_lie_between_ray_workers_and_the_ephemeral_range()
     assert not set(picked) & set(ports.SERVE_REPLICA_PORTS)
 
 
-def test_each_server_picks_its_own_serve_proxy_ports():
+def test_each_server_picks_its_own_serve_proxy_ports(tmp_path):
     """Serve's fallback proxy took 8500 (gRPC 9500) whatever the server: a second
     `flotilla serve` on the host (the image check's, beside the suite's) failed to
     start. Each server now picks them free, as HAProxy's stats and metrics ports."""
     from deployments.cli import haproxy_env
-    env = haproxy_env("/tmp/a")
+    env = haproxy_env(str(tmp_path))
     keys = ["RAY_SERVE_FALLBACK_PROXY_HTTP_PORT", "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT",
             "RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT"]
     picked = [int(env[k]) for k in keys]

@@ -197,8 +197,10 @@ def _health_until_503(port: int, timeout: float = 10.0) -> list[int | None]:
 def test_a_killed_cli_takes_its_ray_with_it():
     """Ray runs outside the CLI's process group, so a SIGKILL to the CLI (or the OOM
     killer) no longer takes Ray down with the group: `ray start` is told of its
-    parent's death and stops its node. No process naming the temp dir is left."""
-    with _serving("--http-proxy", "serve") as (proc, _, temp_dir, _):
+    parent's death and stops its node, and HAProxy (on its leash) dies with the Serve
+    actor that started it. No process naming the temp dir is left, and no HAProxy of
+    this server's (checked on leaving _serving): one used to outlive it, port and all."""
+    with _serving() as (proc, _, temp_dir, _):
         assert pids_naming(temp_dir)
         proc.kill()
         proc.wait()
