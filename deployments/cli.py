@@ -136,8 +136,15 @@ def _serve(args: argparse.Namespace, options: list[Option],
     except ValueError as exc:
         parser.error(str(exc))  # exits 2 with the usage line
 
+    stop_signals: list[int] = []
+
     def _raise_stop(signum, _frame):
-        raise _Stop(signal.Signals(signum).name)
+        # once: `make run` stopped as a job gets SIGTERM from the group and again from
+        # make (GNU make passes a fatal signal on to its children), and the second one
+        # raised in the middle of the shutdown (a traceback, Ray left to its deadline)
+        stop_signals.append(signum)
+        if len(stop_signals) == 1:
+            raise _Stop(signal.Signals(signum).name)
 
     import ray
     from ray import serve
