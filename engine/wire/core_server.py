@@ -272,7 +272,9 @@ class EngineCoreServer:
         (io thread); `sent_at` keeps only the current clients."""
         now = time.monotonic()
         clients = list(self._clients)
-        due = [c for c in clients if now - sent_at.get(c, 0.0) >= self.heartbeat_interval_s]
+        for c in clients:  # a client's clock starts when it joins: its READY goes first
+            sent_at.setdefault(c, now)
+        due = [c for c in clients if now - sent_at[c] >= self.heartbeat_interval_s]
         if due:
             beat = encoder.encode(EngineCoreOutputs(
                 self.engine_index, timestamp=time.time(), scheduler_stats=self._safe_stats(),
