@@ -60,6 +60,11 @@ BASE_CHANGES = ["USER ray", "WORKDIR /home/ray", "ENV HOME=/home/ray", "ENV LANG
                 f"ENV PATH={VENV}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:"
                 "/sbin:/bin"]
 HEALTH_DEADLINE_S = 180.0
+# disk the build needs where podman keeps its storage: the image's venv (~2.7 GiB) is
+# written as the build container's changes, then committed as a blob and a layer (a
+# build with ~9 GiB free failed there: "no space left on device")
+BUILD_NEEDS_GIB = 12.0
+STORAGE = Path("/var/lib/containers")
 GRACE_S = 25.0  # flotilla serve's --shutdown-grace-s default
 TOOLS = {"podman": "podman", "debootstrap": "debootstrap"}
 
@@ -490,6 +495,16 @@ def remove_earlier_runs() -> None:
     log(f"removed {CACHE} and images {ours}")
 
 
+def disk_shortfall() -> str | None:
+    """Why this machine cannot hold the build (too little free disk), or None."""
+    probe = STORAGE if STORAGE.exists() else STORAGE.parent
+    free = shutil.disk_usage(probe).free / 2**30
+    if free >= BUILD_NEEDS_GIB:
+        return None
+    return (f"{free:.1f} GiB free on the disk of {probe}; the build needs about "
+            f"{BUILD_NEEDS_GIB:.0f} GiB")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cold", action="store_true",
@@ -509,6 +524,12 @@ def main() -> int:
             with phases("remove earlier runs"):
                 remove_earlier_runs()
         CACHE.mkdir(parents=True, exist_ok=True)
+        shortfall = disk_shortfall()
+        if shortfall is not None:  # the machine's limit, not the image's: say so, with df
+            df = subprocess.run(["df", "-h", str(STORAGE.parent), "/tmp"],
+                                capture_output=True, text=True).stdout
+            log(f"NOT RUN on this machine: {shortfall}\n{df}")
+            return 0
         with phases("base image (debootstrap, podman import)"):
             base = base_image()
         with phases("build (make image, podman build --isolation chroot)"):
