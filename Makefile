@@ -36,8 +36,11 @@ run: setup
 generate: setup
 	$(VENV)/bin/flotilla generate "$(PROMPT)"
 
+# The suite, then the serving image built and served from its root (.ci/image_check.py:
+# root and podman; elsewhere it says why it did not run). CI runs exactly this.
 test: setup
 	$(PY) -m pytest -q --durations=15 tests
+	$(PY) .ci/image_check.py
 
 bench: setup
 	$(PY) bench/throughput.py --baseline hf

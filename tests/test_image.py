@@ -99,12 +99,16 @@ def test_the_chart_and_cluster_yaml_run_that_image():
 
 
 def test_ci_builds_and_serves_the_image_after_the_suite():
-    """.ci/run: the README's test command, then the image check; the check builds with
-    `make image` (so the tag is the chart's) on a base laid out as Ray's images are."""
+    """.ci/run: exactly the README's test command, which runs the suite, then the image
+    check; the check builds with `make image` (so the tag is the chart's) on a base laid
+    out as Ray's images are."""
     steps = [line for line in (REPO / ".ci/run").read_text().splitlines()
              if line and not line.startswith(("#", "set ", "cd "))]
-    assert steps == ["make test", "make image-check"]
+    assert steps == ["make test"]
     makefile = (REPO / "Makefile").read_text()
+    (recipe,) = re.findall(r"^test:.*\n((?:\t.+\n)+)", makefile, re.M)
+    assert [line.strip() for line in recipe.splitlines()] == [
+        "$(PY) -m pytest -q --durations=15 tests", "$(PY) .ci/image_check.py"]
     (recipe,) = re.findall(r"^image-check:.*\n\t(.+)$", makefile, re.M)
     assert recipe.strip() == "$(PY) .ci/image_check.py"
     check = (REPO / ".ci/image_check.py").read_text()
