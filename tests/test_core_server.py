@@ -507,3 +507,36 @@ def test_an_idle_client_hears_heartbeats_while_another_client_streams(tokenizer)
         asyncio.run(main())
     finally:
         server.shutdown()
+
+
+def test_a_big_output_is_forwarded_without_starting_pyzmq_s_garbage_collector(tokenizer):  # noqa: F811
+    """The io thread sent each encoded batch as bytes with copy=False; pyzmq sends a
+    bytes object over 64 KiB without copying by keeping it alive in a garbage collector
+    of its own, a zmq context and a thread it starts at the first such send. An engine
+    replica thus grew three threads at its first big batch, mid-soak, which the soak's
+    leak check reported. Frames are now forwarded as the zmq messages they came in."""
+    from zmq.utils.garbage import gc as zmq_gc
+
+    from engine.wire.mock import MockConfig, MockEngineCore
+    from tests.test_core_client import free_address
+    core = MockEngineCore(MockConfig(vocab_size=len(tokenizer), itl_s=0.001))
+    big = "x" * 300_000
+    core.reset_prefix_cache = lambda *_a, **_k: big
+    if zmq_gc.is_alive():
+        zmq_gc.stop()
+    address = free_address()
+    server = EngineCoreServer(core, address).start()
+
+    async def main():
+        client = await EngineClient.connect([address], tokenizer, handshake_timeout_s=10)
+        try:
+            return await client.call_utility("reset_prefix_cache")
+        finally:
+            await client.shutdown()
+
+    try:
+        answer = asyncio.run(main())
+    finally:
+        server.shutdown()
+    assert big in (answer if isinstance(answer, list) else [answer])
+    assert not zmq_gc.is_alive()
