@@ -112,9 +112,11 @@ def fit_to_machine(parsed: AppArgs, explicit: dict[str, Any],
 LOCAL_RAY_ENV = {
     # Ray starts workers at niceness 15; a local server's replicas are the workload
     "RAY_worker_niceness": "0",
-    # Serve's controller reconciles every 0.1 s (6 % of a core idle here); once a
-    # second is plenty for one machine's deployments and autoscaling decisions
-    "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "1.0",
+    # Serve's controller reconciles every 0.1 s by default. Idle, a mock server's Ray
+    # took 14.0 % of a core at 0.1 s, 9.8 % at 0.3 s and 9.3 % at 1.0 s; but every step
+    # of a start and a stop waits a loop, and at 1.0 s a second start answered after
+    # 23.5 s (median of five) against 19.3 s at 0.3 s (bench/startup.py, 2-core Xeon)
+    "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.3",
     # every replica and handle flushes its cached Serve metrics every 100 ms
     "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000",
 }

@@ -28,7 +28,6 @@ from ray import serve
 from deployments.config import AppArgs
 from deployments.metrics_sum import MetricsSum
 from deployments.rank_store import RankStore, RankTable
-from deployments.tokenizers import tokenizer_for
 from engine.errors import NoEnginesError
 from engine.wire.core_client import EngineClient
 from engine.wire.curve_auth import ClientKeys, client_keys
@@ -248,9 +247,8 @@ class Coordinator:
                     not self._client.healthy:
                 if self._client is not None:
                     await self._client.shutdown()
-                self._client = await EngineClient.connect(
-                    addresses, tokenizer_for(self.args),
-                    keys=client_keys(self._keys_of(addresses)))
+                self._client = await EngineClient.connect(  # utility calls only
+                    addresses, keys=client_keys(self._keys_of(addresses)))
                 self._client_addresses = addresses
             return self._client
 

@@ -108,7 +108,23 @@ class OpenAIIngress:
         self._app = None  # the ASGI app, once Serve built it
         self._control: CoordinatorControl | None = None
         self._heap_trim = IdleHeapTrim()  # RSS back to what is live once a burst is over
+        # loaded at once, while the engines load: it takes seconds (transformers, torch),
+        # and loaded when the first engine registered it kept a new server from
+        # answering for ~6 s after Serve called it ready (bench/startup.py)
+        self._tokenizer_load: asyncio.Task | None = None
+        self._load_tokenizer()
         self._starting = await self._connect_at_start()
+
+    def _load_tokenizer(self) -> asyncio.Task:
+        """The one load of the tokenizer, started again only if it failed."""
+        task = self._tokenizer_load
+        if task is None or (task.done() and task.exception() is not None):
+            self._tokenizer_load = task = asyncio.get_running_loop().create_task(
+                asyncio.to_thread(tokenizer_for, self.args))
+        return task
+
+    async def _tokenizer(self):
+        return await asyncio.shield(self._load_tokenizer())
 
     async def _connect_at_start(self) -> asyncio.Task:
         """Connect to the engines before this replica takes traffic when they already
@@ -163,8 +179,7 @@ class OpenAIIngress:
     async def _switch(self, version: int, addresses: list[str],
                       handshake_timeout_s: float = 30.0) -> None:
         """Connect to a new engine set; the old client finishes its streams, then closes."""
-        tokenizer = await asyncio.to_thread(tokenizer_for, self.args)  # seconds, once
-        client = await EngineClient.connect(addresses, tokenizer,
+        client = await EngineClient.connect(addresses, await self._tokenizer(),
                                             keys=client_keys(self._keys),
                                             routing=self.args.routing,
                                             handshake_timeout_s=handshake_timeout_s)
@@ -202,7 +217,7 @@ class OpenAIIngress:
                     # Probe it alone first: the live engines are not asked every time.
                     self._retried = time.monotonic()
                     probe = await EngineClient.connect(
-                        missing, await asyncio.to_thread(tokenizer_for, self.args),
+                        missing, await self._tokenizer(),
                         keys=client_keys(self._keys),
                         handshake_timeout_s=ENGINE_RETRY_HANDSHAKE_S)
                     await probe.shutdown()

@@ -7,18 +7,22 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from engine.errors import InvalidRequestError
 from engine.lora.modules_flag import parse_lora_modules
 from engine.options import option
 
+if TYPE_CHECKING:
+    import torch
+
 CPU_STEP_TOKENS = 512  # default step token budget on CPU (see step_token_budget)
 CUDA_STEP_TOKENS = 8192
-_DTYPES = {"auto": None, "float32": torch.float32, "fp32": torch.float32,
-           "float": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+# by name: torch is imported only where a dtype is made, so that the processes that
+# merely configure an engine (the CLI, the coordinator, the ingress) never load it
+_DTYPES = {"auto": None, "float32": "float32", "fp32": "float32", "float": "float32",
+           "bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16",
+           "fp16": "float16", "half": "float16"}
 
 # CPU KV cache budget when kv_cache_memory_bytes is not set (vLLM's CPU default is 4 GiB).
 CPU_DEFAULT_KV_CACHE_BYTES = 2 << 30
@@ -160,14 +164,16 @@ class EngineConfig:
                 raise InvalidRequestError(message)
 
     def torch_device(self) -> torch.device:
+        import torch
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
     def torch_dtype(self, device: torch.device) -> torch.dtype:
+        import torch
         chosen = _DTYPES[self.dtype]
         if chosen is not None:
-            return chosen
+            return getattr(torch, chosen)
         if device.type == "cuda":
             return torch.bfloat16
         # bf16 matmuls ran 2.2x faster than fp32 here (avx512_bf16); without native bf16

@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
-import torch
 
 from engine.errors import InvalidRequestError
+
+if TYPE_CHECKING:  # the wire protocol imports PoolingParams; only the Pooler runs torch
+    import torch
 
 POOLING_METHODS = ("last", "mean", "cls")
 
@@ -83,6 +86,7 @@ class Pooler:
         if self.method == "mean":
             vector = vector / request.num_tokens
         if request.pooling.normalize:
+            import torch
             vector = torch.nn.functional.normalize(vector, dim=0)
         request.pool_sum = None
         return vector.cpu().tolist()

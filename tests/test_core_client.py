@@ -245,6 +245,31 @@ def test_utility_aggregation(engines):
     assert per_engine == [["generate"], ["generate"]]
 
 
+def test_a_client_without_a_tokenizer_makes_utility_calls_and_refuses_requests(engines):
+    """The coordinator's client: utilities and liveness only, no tokenizer to load (it
+    loaded one on its first utility call, seconds on the event loop, which held a new
+    server's first /v1/models for 3-5 s)."""
+    engines.add()
+    engines.add(force_reset_prefix_cache=False)
+
+    async def main():
+        client = await EngineClient.connect(engines.addresses, handshake_timeout_s=5)
+        try:
+            assert client.processor is None and client.output_processor is None
+            sleeping = await client.is_sleeping()
+            reset = await client.reset_prefix_cache()
+            await asyncio.sleep(0.5)  # heartbeats come in and are taken without a processor
+            with pytest.raises(RuntimeError, match="without a tokenizer"):
+                async for _ in client.generate("r", [5, 6], SamplingParams(max_tokens=2)):
+                    pass
+            await client.abort(["r"])
+            return sleeping, reset, client.healthy
+        finally:
+            await client.shutdown()
+
+    assert asyncio.run(main()) == (False, False, True)
+
+
 def test_utility_agreement_and_no_engines(engines):
     engines.add()
     engines.add()

@@ -15,11 +15,15 @@ output that completes it, the window drops it.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import tokenizers
 from tokenizers.decoders import DecodeStream
-from transformers import PreTrainedTokenizerBase
 
 from engine.frontend.text_buffer import TextBuffer
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 _PROMPT_CONTEXT = 5  # prompt tokens the stream starts with
 _MAX_PROMPT_CONTEXT = 16  # how far back to look for a context that decodes cleanly

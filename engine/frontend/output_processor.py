@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-
-from transformers import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING
 
 from engine.frontend.detokenizer import IncrementalDetokenizer
 from engine.frontend.stop_strings import find_stop_string, held_back_chars
@@ -22,6 +21,9 @@ from engine.outputs import (
 )
 from engine.sampling_params import SamplingParams
 from engine.wire.protocol import FINISH_STOP, EngineCoreOutput, EngineCoreRequest
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 @dataclass

@@ -7,9 +7,7 @@ the prompt (and, through the prefix cache, its KV blocks).
 from __future__ import annotations
 
 import time
-from typing import Any
-
-from transformers import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING, Any
 
 from engine.errors import InvalidRequestError
 from engine.frontend.output_processor import child_request_id
@@ -20,6 +18,9 @@ from engine.request_limits import RequestLimits, check_limits
 from engine.sampling_params import SamplingParams
 from engine.structured.grammar import check_structured_outputs, preload_xgrammar
 from engine.wire.protocol import EngineCoreRequest
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 Prompt = str | list[int] | dict[str, Any]
 

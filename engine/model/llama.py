@@ -232,7 +232,12 @@ class LlamaForCausalLM(nn.Module):
         self.plan = plan = plan or ShardPlan.build(shape, 0, 1)
         self.tp = tp if plan.size > 1 else None
         self.rotary = RotaryEmbedding(hf_config, shape.head_dim, max_positions)
-        self.embed_tokens = nn.Embedding(plan.vocab_per_rank, shape.hidden_size)
+        # its weight made empty, not drawn at random: built on the meta device, normal_
+        # runs through torch's Python references, whose first call imports torch._dynamo
+        # (1.7 s of every engine start); the checkpoint fills it
+        self.embed_tokens = nn.Embedding(plan.vocab_per_rank, shape.hidden_size,
+                                         _weight=torch.empty(plan.vocab_per_rank,
+                                                             shape.hidden_size))
         self.layers = nn.ModuleList(LlamaDecoderLayer(shape, plan, self.tp, kernels)
                                     for _ in range(shape.num_layers))
         self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, kernels)

@@ -16,12 +16,11 @@ import threading
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from engine.errors import InvalidRequestError
 from engine.structured.params import StructuredOutputsParams
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # torch too: the ingress checks grammars without loading it
+    import torch
     import xgrammar
 
 # xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:123: " and may carry a
@@ -115,6 +114,7 @@ def _no_control_mask(vocab: list[bytes], vocab_size: int) -> torch.Tensor:
     off, and xgrammar 0.2.8 lets them into strings that have a maxLength (its bounded
     string rule drops the control-character exclusion), which makes the output
     unparseable; JSON constraints AND their mask with this one."""
+    import torch
     words = (vocab_size + 31) // 32
     ok = torch.zeros(words * 32, dtype=torch.bool)
     ok[:len(vocab)] = torch.tensor([not any(b < 0x20 for b in tok) for tok in vocab])

@@ -186,13 +186,15 @@ class EngineClient:
 
     # ---- set-up -------------------------------------------------------------------------
     @classmethod
-    async def connect(cls, addresses: list[str], tokenizer, *,
+    async def connect(cls, addresses: list[str], tokenizer=None, *,
                       handshake_timeout_s: float = 30.0, heartbeat_timeout_s: float = 10.0,
                       is_alive: list[Callable[[], bool]] | None = None,
                       routing: str = "prefix",
                       keys: dict[str, ClientKeys] | None = None,
                       stalled_step_s: float = STALLED_STEP_S) -> "EngineClient":
         """Handshake with every engine; the READY values configure the client.
+        tokenizer: the model's; None makes a client for utility calls and liveness only
+        (the coordinator's: loading a tokenizer costs seconds of CPU and ~100 MiB).
         routing: "prefix" | "least_loaded" | "round_robin" (engine/wire/routing.py).
         keys: address -> the CURVE keys of an engine that serves over CURVE
         (engine/wire/curve_auth.py); an address without them is connected in the clear.
@@ -229,12 +231,12 @@ class EngineClient:
             await self._close_sockets()
             raise HandshakeError(f"engines disagree on block_size: {sorted(sizes)}")
         self.router.block_size = sizes.pop()
-        vocab = len(tokenizer)
-        limits = [r.limits or RequestLimits.defaults() for _, r in readies]
-        self.processor = Processor(tokenizer, self.max_model_len, vocab,
-                                   min(r.max_logprobs for _, r in readies),
-                                   functools.reduce(RequestLimits.tightest, limits))
-        self.output_processor = OutputProcessor(tokenizer)
+        if tokenizer is not None:
+            limits = [r.limits or RequestLimits.defaults() for _, r in readies]
+            self.processor = Processor(tokenizer, self.max_model_len, len(tokenizer),
+                                       min(r.max_logprobs for _, r in readies),
+                                       functools.reduce(RequestLimits.tightest, limits))
+            self.output_processor = OutputProcessor(tokenizer)
         # the model's sampling defaults, from the first engine (they all serve one model)
         self.sampling_defaults: dict[str, int | float] = dict(readies[0][1].sampling_defaults)
         # what every engine can do ("generate", "embed")
@@ -410,6 +412,9 @@ class EngineClient:
     def _prepare(self, request_id: str, prompt: Prompt, params: SamplingParams, **kwargs
                  ) -> tuple[str | None, list[int], list]:
         """Tokenize and check a request: (its prompt text, ids, EngineCoreRequests)."""
+        if self.processor is None:
+            raise RuntimeError("this EngineClient was connected without a tokenizer: it "
+                               "makes utility calls only")
         text, ids = self.processor.tokenize(prompt)
         return text, ids, self.processor.make_requests(request_id, ids, params, **kwargs)
 
@@ -494,6 +499,8 @@ class EngineClient:
 
     async def abort(self, request_ids: list[str]) -> None:
         """Abort user requests now: one ABORT message per engine."""
+        if self.output_processor is None:  # a utilities-only client has no requests
+            return
         engine_ids = self.output_processor.abort_requests(request_ids)
         for request_id in request_ids:
             stream = self._streams.get(request_id)
@@ -638,6 +645,8 @@ class EngineClient:
 
     def _dispatch(self, outputs, engine_timestamp: float | None = None,
                   engine_index: int | None = None) -> None:
+        if self.output_processor is None:  # a utilities-only client has no requests
+            return
         normal = []
         for out in outputs:
             if engine_index is not None and self._engine_of.get(out.request_id) != engine_index:

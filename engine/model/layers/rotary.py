@@ -23,7 +23,8 @@ def rope_inv_freq(hf_config: PretrainedConfig, head_dim: int) -> tuple[torch.Ten
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
         base = float(params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
-        inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu")
+                              / head_dim))
         return inv.float(), 1.0
     if rope_type in _SEQ_LEN_DEPENDENT or rope_type not in ROPE_INIT_FUNCTIONS:
         raise UnsupportedModelError(f"rope_type {rope_type!r} is not supported")
@@ -36,8 +37,12 @@ class RotaryEmbedding(torch.nn.Module):
 
     def __init__(self, hf_config: PretrainedConfig, head_dim: int, max_positions: int) -> None:
         super().__init__()
+        # on the CPU whatever device is current: the model is first built on the meta
+        # device, where arange runs through torch's Python references, whose first call
+        # imports torch._dynamo and inductor (1.7 s of every engine start)
         inv_freq, scale = rope_inv_freq(hf_config, head_dim)
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float), inv_freq)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float, device="cpu"),
+                            inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos() * scale, persistent=False)
         self.register_buffer("sin", emb.sin() * scale, persistent=False)

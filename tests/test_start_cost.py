@@ -1,0 +1,41 @@
+"""What a start costs in imports (issue 41, item 3: a second start under 25 s on two cores).
+
+Every Ray process of a server pays its imports again, all at once on the same cores:
+the CLI and the coordinator configure engines but never run a model, so they must not
+load torch or transformers (~3 s each); the engine builds its model on the meta device,
+where a random init or an arange went through torch's Python references and imported
+torch._dynamo and inductor (1.7 s) for nothing. Each check runs in a fresh interpreter.
+"""
+import subprocess
+import sys
+
+import pytest
+
+
+def _heavy(modules: set[str]) -> set[str]:
+    return {m for m in ("torch", "transformers", "torch._dynamo") if m in modules}
+
+
+@pytest.mark.parametrize("module", ["deployments.cli", "deployments.app",
+                                    "deployments.coordinator"])
+def test_the_processes_that_only_configure_engines_load_neither_torch_nor_transformers(module):
+    code = f"import {module}"
+    if module == "deployments.cli":  # and parse a command line, as `flotilla serve` does
+        code += "\nfrom deployments.cli import parse_command_line\nparse_command_line(['serve', '--model', 'mock'])"
+    modules = set(subprocess.run(
+        [sys.executable, "-c", code + "\nimport sys\nprint(*sys.modules)"],
+        capture_output=True, text=True, timeout=300, check=True).stdout.split())
+    assert module in modules and _heavy(modules) == set()
+
+
+def test_building_and_running_an_engine_does_not_import_torch_dynamo(tiny_llama):
+    code = (f"from engine import LLM, SamplingParams\n"
+            f"llm = LLM({str(tiny_llama)!r}, dtype='float32')\n"
+            f"llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3), use_tqdm=False)\n"
+            f"import sys\nprint(*sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    modules = set(out.stdout.split())
+    assert "torch" in modules and "engine.model.llama" in modules
+    assert "torch._dynamo" not in modules
