@@ -13,6 +13,10 @@ class UnsupportedModelError(FlotillaError):
     """The checkpoint exists but its architecture or options are not implemented."""
 
 
+class UnsupportedQuantizationError(UnsupportedModelError):
+    """A checkpoint quantized in a format (or a variant of one) Flotilla does not read."""
+
+
 class InvalidRequestError(FlotillaError, ValueError):
     """A request the engine cannot take: bad sampling params, prompt too long, ..."""
 

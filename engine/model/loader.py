@@ -97,6 +97,7 @@ def _gguf_to_checkpoint(gguf: Path) -> Path:
     target = cache_root() / "models" / f"{gguf.stem}-{content_digest(gguf)}"
     if (target / "model.safetensors").exists():
         return target
+    _check_gguf_types(gguf)
     logger.info("converting %s to safetensors in %s (one time)", gguf, target)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
@@ -110,6 +111,14 @@ def _gguf_to_checkpoint(gguf: Path) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _check_gguf_types(gguf: Path) -> None:
+    """Refuse a file with tensor types engine.quant does not read, before converting."""
+    from gguf import GGUFReader
+
+    from engine.quant import check_gguf_types
+    check_gguf_types((t.tensor_type.name for t in GGUFReader(str(gguf)).tensors), str(gguf))
 
 
 def _convert_gguf(gguf: Path, out: Path) -> None:
@@ -144,8 +153,14 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
 
 
 def load_hf_config(path: Path) -> PretrainedConfig:
+    """The checkpoint's config; a quantization no entry of engine.quant reads is refused
+    here, naming it, before any weight is read."""
     from transformers import AutoConfig
-    return AutoConfig.from_pretrained(str(path))
+
+    from engine.quant import check_checkpoint
+    config = AutoConfig.from_pretrained(str(path))
+    check_checkpoint(config, str(path))
+    return config
 
 
 def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:

@@ -1,0 +1,86 @@
+"""Quantized checkpoints: the formats Flotilla reads, by vLLM's `--quantization` names,
+and a refusal that names the format for every other one.
+
+A checkpoint says how it is quantized: a Hugging Face directory in its config's
+`quantization_config` (`quant_method`: awq, gptq, compressed-tensors, fp8,
+bitsandbytes, ...), a GGUF file in the type of each tensor. Before this registry, a
+quantized directory failed deep in the weight loader ("unexpected checkpoint tensor
+'...qweight'"), or had its fp8 weights widened as they were copied. Each format is one
+entry here, with the module that reads it; a format without an entry is refused up
+front, naming it and listing what is read.
+
+Today's one entry is GGUF's block formats (engine/quant/gguf_blocks.py). A GGUF file is
+still decoded to floats once, when it is converted to the cached checkpoint
+(engine/model/loader.py), and served in the activation dtype; kernels that read the
+blocks as they are come next (issue 42).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+from engine.errors import UnsupportedQuantizationError
+from engine.quant.gguf_blocks import BLOCK_FORMATS, FLOAT_TYPES
+
+
+@dataclass(frozen=True)
+class QuantFormat:
+    name: str  # vLLM's --quantization value
+    variants: tuple[str, ...]  # what of the format is read (GGUF: its tensor types)
+    how: str  # how the engine serves it, for messages and docs
+
+
+QUANT_FORMATS: dict[str, QuantFormat] = {}
+
+
+def register(fmt: QuantFormat) -> QuantFormat:
+    if fmt.name in QUANT_FORMATS:
+        raise ValueError(f"quantization format {fmt.name!r} is registered twice")
+    QUANT_FORMATS[fmt.name] = fmt
+    return fmt
+
+
+register(QuantFormat("gguf", tuple(BLOCK_FORMATS),
+                     "GGUF files; blocks decoded to the activation dtype at conversion"))
+
+
+def supported_summary() -> str:
+    """What is read, for error messages: "gguf (Q8_0, Q4_0, ...)"."""
+    return "; ".join(f"{f.name} ({', '.join(f.variants)})" for f in QUANT_FORMATS.values())
+
+
+def checkpoint_quantization(hf_config: Any) -> str | None:
+    """The quant_method a Hugging Face config declares, lower-cased; None if unquantized."""
+    qc = getattr(hf_config, "quantization_config", None)
+    if qc is None:
+        return None
+    method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
+    method = getattr(method, "value", method)  # transformers keeps some as enums
+    return str(method or "unknown").lower()
+
+
+def check_checkpoint(hf_config: Any, model: str) -> None:
+    """Refuse a Hugging Face checkpoint whose quantization no entry reads."""
+    method = checkpoint_quantization(hf_config)
+    if method is None:
+        return
+    if method == "gguf":  # transformers marks a config read from a GGUF file so
+        return
+    raise UnsupportedQuantizationError(
+        f"model {model!r} is quantized with {method!r} (its config's quantization_config), "
+        f"which Flotilla does not serve; quantized formats it reads: {supported_summary()}")
+
+
+def check_gguf_types(types: Iterable[str], model: str) -> None:
+    """Refuse a GGUF file holding tensor types no block decoder reads (IQ*, TQ*, the
+    K-quants other than Q4_K and Q6_K, ...), before any conversion starts."""
+    unread = sorted(set(types) - set(BLOCK_FORMATS) - FLOAT_TYPES)
+    if unread:
+        raise UnsupportedQuantizationError(
+            f"GGUF file {model!r} holds tensors of type {', '.join(unread)}, which Flotilla "
+            f"does not read; GGUF types it reads: {', '.join(BLOCK_FORMATS)} and "
+            f"{', '.join(sorted(FLOAT_TYPES))}")
+
+
+__all__ = ["QUANT_FORMATS", "QuantFormat", "UnsupportedQuantizationError", "check_checkpoint",
+           "check_gguf_types", "checkpoint_quantization", "register", "supported_summary"]
