@@ -118,7 +118,7 @@ class OpenAIIngress:
     def _load_tokenizer(self) -> asyncio.Task:
         """The one load of the tokenizer, started again only if it failed."""
         task = self._tokenizer_load
-        if task is None or (task.done() and task.exception() is not None):
+        if task is None or (task.done() and (task.cancelled() or task.exception() is not None)):
             self._tokenizer_load = task = asyncio.get_running_loop().create_task(
                 asyncio.to_thread(tokenizer_for, self.args))
         return task
