@@ -21,7 +21,8 @@ def _heavy(modules: set[str]) -> set[str]:
 def test_the_processes_that_only_configure_engines_load_neither_torch_nor_transformers(module):
     code = f"import {module}"
     if module == "deployments.cli":  # and parse a command line, as `flotilla serve` does
-        code += "\nfrom deployments.cli import parse_command_line\nparse_command_line(['serve', '--model', 'mock'])"
+        code += ("\nfrom deployments.cli import parse_command_line"
+                 "\nparse_command_line(['serve', '--model', 'mock'])")
     modules = set(subprocess.run(
         [sys.executable, "-c", code + "\nimport sys\nprint(*sys.modules)"],
         capture_output=True, text=True, timeout=300, check=True).stdout.split())

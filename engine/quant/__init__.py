@@ -27,7 +27,6 @@ from engine.quant.gguf_blocks import BLOCK_FORMATS, FLOAT_TYPES
 class QuantFormat:
     name: str  # vLLM's --quantization value
     variants: tuple[str, ...]  # what of the format is read (GGUF: its tensor types)
-    how: str  # how the engine serves it, for messages and docs
 
 
 QUANT_FORMATS: dict[str, QuantFormat] = {}
@@ -40,8 +39,7 @@ def register(fmt: QuantFormat) -> QuantFormat:
     return fmt
 
 
-register(QuantFormat("gguf", tuple(BLOCK_FORMATS),
-                     "GGUF files; blocks decoded to the activation dtype at conversion"))
+register(QuantFormat("gguf", tuple(BLOCK_FORMATS)))
 
 
 def supported_summary() -> str:
@@ -62,9 +60,7 @@ def checkpoint_quantization(hf_config: Any) -> str | None:
 def check_checkpoint(hf_config: Any, model: str) -> None:
     """Refuse a Hugging Face checkpoint whose quantization no entry reads."""
     method = checkpoint_quantization(hf_config)
-    if method is None:
-        return
-    if method == "gguf":  # transformers marks a config read from a GGUF file so
+    if method is None or method == "gguf":  # transformers marks a GGUF file's config so
         return
     raise UnsupportedQuantizationError(
         f"model {model!r} is quantized with {method!r} (its config's quantization_config), "
