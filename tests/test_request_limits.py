@@ -154,13 +154,20 @@ def test_a_full_waiting_queue_gets_429_with_retry_after(engines):  # noqa: F811
     """An engine queues at most max_waiting_requests beside its running batch; past that
     a request is refused at once (429, Retry-After) instead of queueing without bound,
     and is served again once the queue drains."""
-    engines.add(itl_s=0.01, max_num_seqs=2, max_waiting_requests=3)
+    core = engines.add(itl_s=0.05, max_num_seqs=2, max_waiting_requests=3)
 
     async def test(http, oai):
         body = {"model": MODEL, "prompt": "Hi", "max_tokens": 30, "ignore_eos": True}
         first = [asyncio.ensure_future(http.post("/v1/completions", json=body))
                  for _ in range(5)]  # 2 running, 3 waiting
-        await asyncio.sleep(0.2)
+        # wait until the engine holds them all (a fixed 0.2 s sleep was too short once in
+        # CI: the sixth request was admitted and served); each runs 1.5 s, so the queue
+        # stays full for a while after
+        for _ in range(200):
+            if (len(core._running), len(core._waiting)) == (2, 3):
+                break
+            await asyncio.sleep(0.01)
+        assert (len(core._running), len(core._waiting)) == (2, 3)
         refused = await http.post("/v1/completions", json=body)
         served = [r.status_code for r in await asyncio.gather(*first)]
         again = await http.post("/v1/completions", json={**body, "max_tokens": 2})
