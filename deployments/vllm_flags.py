@@ -9,9 +9,10 @@ engine.options, for every integer flag.)
 """
 from __future__ import annotations
 
-SHORT_ALIASES = {"-tp": "--tensor-parallel-size", "-dp": "--data-parallel-size"}
+SHORT_ALIASES = {"-tp": "--tensor-parallel-size", "-dp": "--data-parallel-size",
+                 "-q": "--quantization"}
 # vLLM's short aliases of flags Flotilla lacks, for the refusal to name the flag
-UNSUPPORTED_SHORT = {"-pp": "--pipeline-parallel-size", "-q": "--quantization",
+UNSUPPORTED_SHORT = {"-pp": "--pipeline-parallel-size",
                      "-sc": "--speculative-config", "-ep": "--enable-expert-parallel",
                      "-O": "--compilation-config", "-n": "--nnodes", "-r": "--node-rank"}
 # vLLM flags whose only effect is what flotilla serve always does: accepted, dropped
@@ -22,8 +23,6 @@ ALWAYS_ON = {
 }
 # Why a vLLM flag is missing, where a user would want to know more than that it is
 HINTS = {
-    "--quantization": "quantized checkpoints (GGUF) are dequantized at load; AWQ, GPTQ "
-                      "and FP8 are not served yet",
     "--kv-cache-dtype": "the KV cache is kept in the model's dtype",
     "--pipeline-parallel-size": "use --tensor-parallel-size and --data-parallel-size",
     "--speculative-config": "one token per step: speculative decoding is not built yet",

@@ -114,6 +114,10 @@ class EngineConfig:
         choices=("auto", "native", "flex", "triton", "torch"))
     enforce_eager: bool = option(False, "CUDA: run decode steps eagerly instead of "
                                         "replaying CUDA graphs captured per batch size")
+    quantization: str | None = option(
+        None, "how the checkpoint's weights are quantized (vLLM's --quantization): none "
+        "reads it from the checkpoint; a value must name the checkpoint's own format "
+        "(gguf for a .gguf file, whose blocks are served as stored)")
     load_format: str = option("auto", "auto: the checkpoint's weights; dummy: random weights "
                                       "of its shapes (benchmarks, no weight files needed)",
                               choices=("auto", "dummy"))

@@ -75,6 +75,32 @@ def default_model_dir() -> Path:
     return resolve_model("default")
 
 
+@pytest.fixture(scope="session")
+def default_model_reference(default_model_dir) -> Path:
+    """The default model as transformers reads its GGUF (decoded to float32, saved as a
+    Hugging Face checkpoint): what HF references run. The engine serves the file's blocks
+    (default_model_dir holds no float weights). Cached by the file's content."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    from engine.model.loader import cache_root, content_digest, default_model_gguf
+    gguf = default_model_gguf()
+    target = cache_root() / "reference" / f"{gguf.stem}-{content_digest(gguf)}"
+    if not (target / "model.safetensors").exists():
+        tmp = target.with_name(f".{target.name}.{os.getpid()}")
+        from tests.gguf_helpers import save_decoded
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                     dtype=torch.float32)
+        save_decoded(model, tmp)
+        load_tokenizer(default_model_dir).save_pretrained(tmp)
+        try:
+            tmp.rename(target)
+        except OSError:  # another session made it first
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
 def build_tiny_model(out: Path, arch: str, tokenizer_dir: Path, **overrides) -> Path:
     """Save a random-weight HF checkpoint of `arch` (llama, qwen2, qwen3) under out."""
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config

@@ -182,8 +182,8 @@ def test_tp2_equals_tp1_with_an_adapter(tiny_llama, adapters):
         llm.shutdown()
 
 
-def test_default_model_with_an_adapter_equals_hf_peft(default_model_dir, tmp_path):
-    model = make_adapter(default_model_dir, tmp_path / "smol", 8, ALL, seed=5)
+def test_default_model_with_an_adapter_equals_hf_peft(default_model_reference, tmp_path):
+    model = make_adapter(default_model_reference, tmp_path / "smol", 8, ALL, seed=5)
     ref = peft_greedy(model, PROMPTS)
     del model
     llm = LLM("default", dtype="float32", enable_lora=True, max_lora_rank=8,

@@ -2,6 +2,7 @@
 import random
 
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
 from engine.config import cpu_has_native_bf16
@@ -42,13 +43,22 @@ def test_greedy_matches_hf_under_preemption(tiny_llama):
     assert got == hf_greedy(tiny_llama, prompts, 40)
 
 
-def test_smollm2_greedy_matches_hf(default_model_dir):
+def test_smollm2_greedy_matches_hf(default_model_reference):
+    """The default model served from its GGUF blocks in float32 against HF on the same
+    weights decoded: the decode kernels round activations to int8 runs, as llama.cpp's
+    do, so each greedy pick is HF's or within a near tie of it (teacher-forced), 9 in 10
+    exactly, logprobs within 0.15."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.gguf_helpers import check_against
     llm = LLM("default", dtype="float32")
     tok = llm.get_tokenizer()
     texts = ["The capital of France is", "def fibonacci(n):",
              "Once upon a time, in a small village,"]
     prompts = [tok.encode(t) for t in texts]
-    assert _greedy(llm, prompts) == hf_greedy(default_model_dir, prompts, NEW_TOKENS)
+    hf = AutoModelForCausalLM.from_pretrained(str(default_model_reference),
+                                              dtype=torch.float32).eval()
+    check_against(llm, hf, prompts, tokens=NEW_TOKENS, exact_share=0.9)
 
 
 def test_torch_attention_path_matches_hf(tiny_llama, monkeypatch):
@@ -86,7 +96,7 @@ def test_engine_on_a_narrower_kernel_build_matches_hf(tiny_llama, monkeypatch, m
 
 @pytest.mark.skipif(not cpu_has_native_bf16(),
                     reason="this CPU has no avx512_bf16 or AMX: the engine serves float32 here")
-def test_smollm2_served_in_bf16_by_default_agrees_with_hf_fp32(default_model_dir):
+def test_smollm2_served_in_bf16_by_default_agrees_with_hf_fp32(default_model_reference):
     """What ships on a bf16 CPU: dtype "auto" picks bfloat16. Against HF in float32,
     teacher-forced on the engine's own greedy tokens, every greedy pick is HF's best or
     within a near tie of it, and the top-5 logprobs agree within bf16's rounding through
@@ -100,7 +110,7 @@ def test_smollm2_served_in_bf16_by_default_agrees_with_hf_fp32(default_model_dir
                                        "Once upon a time, in a small village,"]]
     out = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16, logprobs=5),
                        use_tqdm=False)
-    hf = AutoModelForCausalLM.from_pretrained(str(default_model_dir), dtype=torch.float32)
+    hf = AutoModelForCausalLM.from_pretrained(str(default_model_reference), dtype=torch.float32)
     for prompt, o in zip(prompts, out):
         tokens = list(o.outputs[0].token_ids)
         with torch.no_grad():

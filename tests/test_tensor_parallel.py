@@ -61,13 +61,20 @@ def test_tp2_matches_tp1_with_batching_and_chunked_prefill(model, request):
 
 
 def test_smollm2_tp3_matches_tp1(default_model_dir):
-    """9 heads / 3 KV heads / vocab 49152 split three ways."""
+    """9 heads / 3 KV heads / vocab 49152 split three ways, the weights GGUF blocks (each
+    rank reads its rows, and its block columns of o and down). Teacher-forced on one
+    rank's greedy continuations, every position's logprob agrees: the ranks' partial sums
+    only add in another order. (Free-running greedy text of random token ids is digit
+    runs full of near ties, where that order alone can flip a pick.)"""
     prompts = _prompts([12, 40, 7], seed=3)
     kwargs = dict(dtype="float32", max_model_len=512)
-    expected = _greedy(LLM("default", **kwargs), prompts)
+    single = LLM("default", **kwargs)
+    full = [p + list(t) for p, t in zip(prompts, _greedy(single, prompts))]
+    expected = _prompt_logprobs(single, full)
     llm = LLM("default", tensor_parallel_size=3, **kwargs)
     try:
-        assert _greedy(llm, prompts) == expected
+        for got, want in zip(_prompt_logprobs(llm, full), expected):
+            assert got == pytest.approx(want, abs=2e-3)
         per_rank = llm.llm_engine.engine_core.get_memory_usage()["per_rank_weights_bytes"]
         assert len(per_rank) == 3 and max(per_rank) < 0.4 * sum(per_rank)
     finally:

@@ -12,6 +12,7 @@ from engine.options import given
 # server, distributed serving, LoRA, tool calling, generation config, engine args),
 # with `vllm serve` replaced by `flotilla serve`, and what each must set.
 DOC_LINES = [
+    ("serve ./model.Q4_K_M.gguf -q gguf", {"model": "./model.Q4_K_M.gguf", "quantization": "gguf"}),
     ("serve NousResearch/Meta-Llama-3-8B-Instruct --dtype auto --api-key token-abc123",
      {"model": "NousResearch/Meta-Llama-3-8B-Instruct", "dtype": "auto",
       "api_key": "token-abc123"}),
@@ -72,8 +73,8 @@ def test_the_host_and_port_flags_are_vllms():
 
 
 @pytest.mark.parametrize("line,named", [
-    ("serve m --quantization awq", "--quantization"),
-    ("serve m -q gptq", "--quantization"),
+    ("serve m --speculative-config {}", "--speculative-config"),
+    ("serve m -sc {}", "--speculative-config"),
     ("serve m --pipeline-parallel-size 2", "--pipeline-parallel-size"),
     ("serve m -pp 2 --port 8000", "--pipeline-parallel-size"),
     ("serve m --kv-cache-dtype fp8", "--kv-cache-dtype"),
@@ -92,10 +93,10 @@ def test_a_vllm_flag_flotilla_lacks_exits_2_naming_it(line, named, capsys):
 
 def test_other_unknown_arguments_are_still_unrecognized(capsys):
     with pytest.raises(SystemExit) as exit_:
-        parse_command_line(["serve", "m", "--frobnicate", "--quantization", "awq"])
+        parse_command_line(["serve", "m", "--frobnicate", "--kv-cache-dtype", "fp8"])
     assert exit_.value.code == 2
     err = capsys.readouterr().err
-    assert "--quantization is a vllm serve flag" in err
+    assert "--kv-cache-dtype is a vllm serve flag" in err
     assert "unrecognized arguments: --frobnicate" in err
 
 

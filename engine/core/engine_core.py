@@ -34,7 +34,8 @@ from engine.lora.request import LoRARequest, adapter_id
 from engine.lora.roots import lora_roots, path_within
 from engine.model.kernels import cpu_kernels
 from engine.model.llama import ModelShape
-from engine.model.loader import load_hf_config, resolve_model
+from engine.model.loader import is_gguf_checkpoint, load_hf_config, resolve_model
+from engine.quant import resolve_quantization
 from engine.pooling import Pooler, pooling_method
 from engine.request_checks import check_params, check_prompt
 from engine.request_limits import RequestLimits
@@ -64,6 +65,9 @@ class EngineCore:
         self.limits = RequestLimits.of(config)
         self.checkpoint = resolve_model(config.model, weights=config.load_format != "dummy")
         hf_config = load_hf_config(self.checkpoint)
+        self.quantization = resolve_quantization(
+            config.quantization, "gguf" if is_gguf_checkpoint(self.checkpoint) else None,
+            config.model)
         self.shape = ModelShape.from_hf_config(hf_config)
         self.device = config.torch_device()
         self.dtype = config.torch_dtype(self.device)

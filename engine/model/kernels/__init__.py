@@ -24,7 +24,8 @@ from types import ModuleType
 logger = logging.getLogger(__name__)
 _DIR = Path(__file__).parent
 _SOURCES = [_DIR / n for n in ("bindings.cpp", "paged_attention.cpp", "fused_ops.cpp",
-                                   "linear.cpp")]
+                                   "linear.cpp", "quant_linear.cpp", "quant_regrouped.cpp",
+                                   "decoder_stack.cpp")]
 _HEADERS = [_DIR / n for n in ("amx.h", "convert.h", "simd.h", "vec.h")]
 
 

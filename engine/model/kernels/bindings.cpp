@@ -22,6 +22,20 @@ bool set_linear_bf16_kernel(const std::string& name);
 torch::Tensor pack_linear(torch::Tensor weight, bool paired);
 torch::Tensor linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
                      int64_t out_features, bool float_out, bool paired, bool glu);
+torch::Tensor gguf_dequantize(torch::Tensor raw, const std::string& format, int64_t columns,
+                              torch::ScalarType dtype);
+torch::Tensor gguf_linear(torch::Tensor input, torch::Tensor raw, const std::string& format,
+                          c10::optional<torch::Tensor> bias, bool float_out, int64_t dense_rows);
+std::string gguf_dot_kernel();
+bool gguf_regroups();
+torch::Tensor gguf_regroup(torch::Tensor raw, const std::string& format, int64_t k);
+torch::Tensor gguf_regrouped_rows(torch::Tensor packed, const std::string& format, int64_t n,
+                                  int64_t k, torch::Tensor ids, torch::ScalarType dtype);
+torch::Tensor gguf_regrouped_linear(torch::Tensor input, torch::Tensor packed,
+                                    const std::string& format, int64_t n,
+                                    c10::optional<torch::Tensor> bias, bool float_out,
+                                    int64_t dense_rows);
+void bind_decoder_stack(pybind11::module& m);
 void rotary_inplace(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
                     int64_t num_rotated_heads, int64_t head_dim);
 
@@ -58,6 +72,30 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "was packed paired; glu: write silu(first half) * second half (SwiGLU)",
         py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("out_features"),
         py::arg("float_out") = false, py::arg("paired") = false, py::arg("glu") = false);
+  m.def("gguf_dequantize", &gguf_dequantize, "rows of GGUF blocks ([rows, bytes] uint8) "
+        "decoded to float32 or bfloat16 [rows, columns]",
+        py::arg("raw"), py::arg("format"), py::arg("columns"), py::arg("dtype"));
+  m.def("gguf_linear", &gguf_linear, "x @ W.T (+ bias) with W as GGUF blocks: int8 dot "
+        "products on the blocks up to dense_rows rows of x, a decoded weight and oneDNN past "
+        "them; float_out: float32 output holding x-dtype-rounded values (logits)",
+        py::arg("x"), py::arg("raw"), py::arg("format"), py::arg("bias"),
+        py::arg("float_out") = false, py::arg("dense_rows") = 16);
+  m.def("gguf_dot_kernel", &gguf_dot_kernel,
+        "the integer dot product the GGUF kernels use here: vnni, avx2 or scalar");
+  m.def("gguf_regroups", &gguf_regroups,
+        "whether this build has the regrouped GGUF kernels (AVX-512 VNNI): Q4_0, Q4_1 and "
+        "Q8_0 weights regrouped 16 rows to a register");
+  m.def("gguf_regroup", &gguf_regroup, "a [rows, bytes] Q4_0 / Q4_1 / Q8_0 weight of k "
+        "columns regrouped for gguf_regrouped_linear", py::arg("raw"), py::arg("format"),
+        py::arg("k"));
+  m.def("gguf_regrouped_rows", &gguf_regrouped_rows, "rows ids of a regrouped weight decoded "
+        "to float32 or bfloat16 (an embedding lookup)", py::arg("packed"), py::arg("format"),
+        py::arg("n"), py::arg("k"), py::arg("ids"), py::arg("dtype"));
+  m.def("gguf_regrouped_linear", &gguf_regrouped_linear, "x @ W.T (+ bias) on a regrouped "
+        "weight of n rows: int8 dot products up to dense_rows rows of x, a decoded weight and "
+        "oneDNN past them", py::arg("x"), py::arg("packed"), py::arg("format"), py::arg("n"),
+        py::arg("bias"), py::arg("float_out") = false, py::arg("dense_rows") = 16);
+  bind_decoder_stack(m);
   m.attr("isa") = flotilla::vec::kIsa;  // the vector path built: avx512, avx2, neon, sse2
   m.attr("lanes") = flotilla::vec::L;
 }

@@ -1,0 +1,135 @@
+"""A layer's weight held as GGUF blocks, multiplied by the native kernels as it is.
+
+A fused layer (q/k/v, gate/up) takes its rows from several checkpoint tensors, and a
+GGUF file may store them in different formats (Q4_K_M files keep some v projections in
+Q6_K): the weight is a list of row segments, each one format, and a product is one
+kernel call per segment. Neighbouring segments of one format are joined into one.
+
+Where the build has them (AVX-512 VNNI), Q4_0, Q4_1 and Q8_0 segments are regrouped
+once at load: the same bytes, 16 rows interleaved per run of 32 weights, which the
+kernels of engine/model/kernels/quant_regrouped.cpp multiply ~4x faster than the file's
+row-by-row layout (quant_linear.cpp, every format and CPU).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from engine.errors import UnsupportedModelError
+from engine.quant.gguf_weights import GGUFBlocks
+
+# Rows of x up to which the kernels multiply the blocks with int8 dot products; past
+# it they decode the weight and use oneDNN's matmul. bench/quant.py measures it.
+DENSE_ROWS = int(os.environ.get("FLOTILLA_GGUF_DENSE_ROWS", "16"))
+REGROUPED_FORMATS = frozenset({"Q4_0", "Q4_1", "Q8_0"})
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Rows of a weight in one format: the file's blocks, or them regrouped."""
+
+    format: str
+    rows: int
+    columns: int
+    data: torch.Tensor  # uint8: [rows, bytes] as in the file, or flat when regrouped
+    regrouped: bool
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+
+@dataclass
+class GGUFWeight:
+    """A [rows, columns] weight as row segments of GGUF blocks, in output-row order."""
+
+    segments: list[Segment]
+    kernels: object  # the native kernel module (engine.model.kernels.cpu_kernels())
+
+    @classmethod
+    def fuse(cls, pieces: list[tuple[int, GGUFBlocks]], rows: int, kernels) -> "GGUFWeight":
+        """The weight of `rows` rows from (row offset, blocks) pieces that tile it; rows
+        past the last piece (vocabulary padding under tensor parallelism) are zero
+        blocks, which every format decodes to zeros."""
+        joined: list[GGUFBlocks] = []
+        at = 0
+        for offset, piece in sorted(pieces, key=lambda p: p[0]):
+            if offset != at:
+                raise UnsupportedModelError(f"GGUF pieces leave rows {at}:{offset} unset")
+            at = offset + piece.shape[0]
+            if joined and joined[-1].format == piece.format:
+                last = joined.pop()
+                piece = GGUFBlocks(piece.format, torch.cat((last.raw, piece.raw)), piece.columns)
+            joined.append(piece)
+        if at < rows:
+            last = joined.pop()
+            pad = torch.zeros(rows - at, last.raw.shape[1], dtype=torch.uint8)
+            joined.append(GGUFBlocks(last.format, torch.cat((last.raw, pad)), last.columns))
+        elif at > rows:
+            raise UnsupportedModelError(f"GGUF pieces hold {at} rows for a weight of {rows}")
+        regroup = bool(kernels.gguf_regroups())
+        segments = []
+        for b in joined:
+            raw = b.raw.contiguous()
+            if regroup and b.format in REGROUPED_FORMATS:
+                segments.append(Segment(b.format, raw.shape[0], b.columns,
+                                        kernels.gguf_regroup(raw, b.format, b.columns), True))
+            else:
+                segments.append(Segment(b.format, raw.shape[0], b.columns, raw, False))
+        return cls(segments, kernels)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.segments)
+
+    def describe(self) -> str:
+        return "+".join(s.format for s in self.segments)
+
+    def _product(self, s: Segment, x: torch.Tensor, bias: torch.Tensor | None,
+                 float_out: bool) -> torch.Tensor:
+        if s.regrouped:
+            return self.kernels.gguf_regrouped_linear(x, s.data, s.format, s.rows, bias,
+                                                      float_out, DENSE_ROWS)
+        return self.kernels.gguf_linear(x, s.data, s.format, bias, float_out, DENSE_ROWS)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None,
+               float_out: bool = False) -> torch.Tensor:
+        """x @ W.T (+ bias); float_out: float32 holding x-dtype-rounded values."""
+        if len(self.segments) == 1:
+            return self._product(self.segments[0], x, bias, float_out)
+        outs, at = [], 0
+        for s in self.segments:
+            b = None if bias is None else bias[at:at + s.rows]
+            outs.append(self._product(s, x, b, float_out))
+            at += s.rows
+        return torch.cat(outs, dim=-1)
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `ids` of W decoded to dtype (an embedding lookup)."""
+        if len(self.segments) != 1:
+            raise UnsupportedModelError("an embedding's GGUF weight is one tensor")
+        s = self.segments[0]
+        out_dtype = dtype if dtype in (torch.float32, torch.bfloat16) else torch.float32
+        flat = ids.reshape(-1)
+        if s.regrouped:
+            out = self.kernels.gguf_regrouped_rows(s.data, s.format, s.rows, s.columns, flat,
+                                                   out_dtype)
+        else:
+            out = self.kernels.gguf_dequantize(s.data.index_select(0, flat).contiguous(),
+                                               s.format, s.columns, out_dtype)
+        return out.to(dtype).reshape(*ids.shape, s.columns)
+
+    def dequantize(self) -> torch.Tensor:
+        """The whole weight in float32 (tests, references)."""
+        return torch.cat([self.rows_of(s) for s in self.segments])
+
+    def rows_of(self, s: Segment) -> torch.Tensor:
+        if s.regrouped:
+            return self.kernels.gguf_regrouped_rows(s.data, s.format, s.rows, s.columns,
+                                                    torch.arange(s.rows), torch.float32)
+        return self.kernels.gguf_dequantize(s.data, s.format, s.columns, torch.float32)
+
+
+__all__ = ["DENSE_ROWS", "GGUFWeight", "REGROUPED_FORMATS", "Segment"]

@@ -1,0 +1,246 @@
+"""GGUF checkpoints served as their blocks (issue 42): the native kernels against the
+decoded weights, the file's tensors against transformers' reading of it, and the engine
+on tiny GGUF files (written by tests/gguf_helpers.py) against transformers running the
+same decoded weights in float32: greedy tokens equal, logprobs within the int8 rounding
+of the activations, through chunked prefill, a prefix hit, the decoder stack and the
+module path, TP=2 and LoRA."""
+from __future__ import annotations
+
+import functools
+import logging
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, quants
+
+from engine import LLM
+from engine.errors import UnsupportedQuantizationError
+from engine.quant.gguf_blocks import BLOCK_FORMATS, dequantize
+from engine.quant.gguf_weights import GGUFBlocks, iter_gguf_weights
+from engine.sampling_params import SamplingParams
+from tests.conftest import build_tiny_model, cpu_flags
+from tests.gguf_helpers import check_against, random_blocks, write_gguf
+
+FORMATS = sorted(BLOCK_FORMATS)
+
+
+def _blocks(fmt: str, rows: int, cols: int, seed: int = 0) -> torch.Tensor:
+    rng = np.random.default_rng(seed)
+    if fmt in ("Q8_0", "Q4_0", "Q4_1"):
+        raw = quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32),
+                              GGMLQuantizationType[fmt])
+    else:
+        raw = random_blocks(fmt, rows, cols, rng)
+    return torch.from_numpy(np.ascontiguousarray(raw))
+
+
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want).abs().max() / want.abs().max())
+
+
+# ---- kernels ----------------------------------------------------------------------------
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_kernels_decode_blocks_exactly(kernels, fmt):
+    raw = _blocks(fmt, 20, 512)
+    want = dequantize(raw, fmt, 512)
+    assert torch.equal(kernels.gguf_dequantize(raw, fmt, 512, torch.float32), want)
+    assert torch.equal(kernels.gguf_dequantize(raw, fmt, 512, torch.bfloat16),
+                       want.bfloat16())
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_kernel_products_match_the_decoded_weights(kernels, fmt):
+    """The int8 dot products are exact; the one error is the activations' rounding to
+    int8 runs (measured ~0.3 % of the largest output). Past dense_rows rows the weight
+    is decoded and multiplied by oneDNN: float32's own rounding only."""
+    n, k = 40, 512
+    raw = _blocks(fmt, n, k, seed=1)
+    w = dequantize(raw, fmt, k)
+    torch.manual_seed(0)
+    bias = torch.randn(n)
+    for rows in (1, 3, 6, 17):
+        x = torch.randn(rows, k)
+        want = x @ w.T + bias
+        got = kernels.gguf_linear(x, raw, fmt, bias, False, 16)
+        assert got.shape == (rows, n) and got.dtype == torch.float32
+        assert _relative_error(got, want) < 0.02, rows
+        dense = kernels.gguf_linear(x, raw, fmt, bias, False, 0)
+        torch.testing.assert_close(dense, want, rtol=1e-4, atol=1e-4)
+        logits = kernels.gguf_linear(x.bfloat16(), raw, fmt, None, True, 16)
+        assert logits.dtype == torch.float32
+        assert _relative_error(logits, x.bfloat16().float() @ w.T) < 0.03
+
+
+@pytest.mark.skipif("avx512_vnni" not in cpu_flags(),
+                    reason="the regrouped kernels need AVX-512 VNNI, which this CPU lacks")
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q8_0"])
+def test_regrouped_weights_hold_the_same_values(fmt):
+    """The 16-row regrouping (AVX-512 VNNI builds) keeps every weight: rows decode to
+    the file's values, products match the decoded weights as the file layout's do."""
+    from engine.model.kernels import cpu_kernels
+    kernels = cpu_kernels("native")
+    assert kernels.gguf_regroups()
+    n, k = 50, 256  # 50: a last group of 2 rows
+    raw = _blocks(fmt, n, k, seed=2)
+    w = dequantize(raw, fmt, k)
+    packed = kernels.gguf_regroup(raw, fmt, k)
+    assert packed.numel() == 64 * (k // 32) * BLOCK_FORMATS[fmt].nbytes  # 4 groups of 16 rows
+    ids = torch.tensor([0, 17, 49, 3])
+    assert torch.equal(kernels.gguf_regrouped_rows(packed, fmt, n, k, ids, torch.float32), w[ids])
+    x = torch.randn(5, k)
+    for rows in (1, 2, 5):
+        got = kernels.gguf_regrouped_linear(x[:rows], packed, fmt, n, None, False, 16)
+        assert _relative_error(got, x[:rows] @ w.T) < 0.02
+    with pytest.raises(RuntimeError, match="regrouped"):
+        kernels.gguf_regrouped_linear(x, packed, fmt, n + 16, None, False, 16)
+
+
+def test_block_columns_split_only_at_block_boundaries():
+    raw = _blocks("Q4_1", 4, 128)
+    blocks = GGUFBlocks("Q4_1", raw, 128)
+    half = blocks[:, 64:128]
+    assert half.shape == (4, 64)
+    assert torch.equal(half.dequantize(), blocks.dequantize()[:, 64:])
+    assert blocks[1:3].shape == (2, 128)
+    from engine.errors import UnsupportedModelError
+    with pytest.raises(UnsupportedModelError, match="blocks of 32"):
+        blocks[:, 16:48]
+
+
+# ---- tiny GGUF files --------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory, tiny_tokenizer_dir):
+    """The tiny llama as a GGUF file: Q4_1 weights, a Q8_0 v projection (so the fused
+    q/k/v holds two formats) and a Q8_0 embedding, as the default model's file mixes."""
+    root = tmp_path_factory.mktemp("gguf")
+    hf = build_tiny_model(root / "hf", "llama", tiny_tokenizer_dir)
+    return write_gguf(hf, root / "tiny.gguf", {"*": "Q4_1", "attn_v.weight": "Q8_0",
+                                                "token_embd.weight": "Q8_0"})
+
+
+@pytest.fixture(scope="module")
+def tiny_kquant_gguf(tmp_path_factory, tiny_tokenizer_dir):
+    """A llama with 256-wide rows in the K-quants: Q4_K, with Q6_K v and down projections
+    (a Q4_K_M file's mix), untied Q6_K output."""
+    root = tmp_path_factory.mktemp("kquant")
+    hf = build_tiny_model(root / "hf", "llama", tiny_tokenizer_dir, hidden_size=256,
+                          intermediate_size=512)
+    return write_gguf(hf, root / "tiny.gguf", {"*": "Q4_K", "attn_v.weight": "Q6_K",
+                                                "ffn_down.weight": "Q6_K",
+                                                "output.weight": "Q6_K",
+                                                "token_embd.weight": "Q8_0"})
+
+
+@functools.cache
+def _reference(gguf_path):
+    """transformers' own reading of the file (its decoders, its q/k unpermute), float32."""
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
+                                                dtype=torch.float32).eval()
+
+
+def test_a_gguf_file_reads_as_transformers_reads_it(tiny_gguf):
+    """Names, shapes, the q/k rows' order and every value: the file's tensors decoded
+    equal transformers' state dict of the same file."""
+    want = _reference(tiny_gguf).state_dict()
+    seen = set()
+    for name, value in iter_gguf_weights(tiny_gguf):
+        got = value.dequantize() if isinstance(value, GGUFBlocks) else value
+        assert torch.equal(got.float(), want[name]), name
+        seen.add(name)
+    assert seen == set(want) - {"lm_head.weight"} | ({"lm_head.weight"} & seen)
+
+
+@pytest.mark.parametrize("stack", ["1", "0"])
+def test_engine_on_gguf_blocks_matches_transformers(tiny_gguf, monkeypatch, stack):
+    """Chunked prefill (24-token steps), decodes, a prefix hit, on the decoder stack and
+    on the module path; the weights stay blocks and memory_usage counts their bytes."""
+    monkeypatch.setenv("FLOTILLA_DECODER_STACK", stack)
+    ref = _reference(tiny_gguf)
+    llm = LLM(str(tiny_gguf), dtype="float32", max_num_batched_tokens=24, block_size=8)
+    runner = llm.llm_engine.engine_core.runner
+    model = runner.model
+    assert (model.stack is not None) == (stack == "1")
+    assert model.layers[0].self_attn.qkv_proj.packing() == "gguf:Q4_1+Q8_0"
+    assert model.embed_tokens.weight is None and model.embed_tokens.gguf.describe() == "Q8_0"
+    assert model.lm_head.packing() == "gguf:Q4_1"
+    # the file's bytes: its blocks as stored (the tied embedding once), its float32 norms
+    in_file = sum(v.nbytes if isinstance(v, GGUFBlocks) else v.numel() * 4
+                  for _, v in iter_gguf_weights(tiny_gguf))
+    assert runner.memory_usage()["weights_bytes"] == in_file
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(100, 40000, n).tolist() for n in (40, 5, 33)]
+    check_against(llm, ref, prompts)
+    shared = [prompts[0][:32] + [7, 8, 9]]
+    out = check_against(llm, ref, shared)
+    assert out[0].num_cached_tokens > 0
+
+
+def test_k_quants_and_mixed_formats_match_transformers(tiny_kquant_gguf):
+    ref = _reference(tiny_kquant_gguf)
+    llm = LLM(str(tiny_kquant_gguf), dtype="float32", block_size=8)
+    model = llm.llm_engine.engine_core.runner.model
+    assert model.layers[0].self_attn.qkv_proj.packing() == "gguf:Q4_K+Q6_K"
+    assert model.layers[0].mlp.down_proj.packing() == "gguf:Q6_K"
+    rng = np.random.default_rng(4)
+    check_against(llm, ref, [rng.integers(100, 40000, n).tolist() for n in (20, 7)])
+
+
+def test_gguf_under_tensor_parallelism_equals_one_rank(tiny_gguf):
+    """Each rank reads its rows (q/k/v, gate/up, vocabulary) and its block columns
+    (o, down) of the file; TP=2 gives the single engine's tokens."""
+    prompts = [list(range(200, 230)), list(range(500, 509))]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    single = [o.outputs[0].token_ids for o in
+              LLM(str(tiny_gguf), dtype="float32").generate(prompts, params, use_tqdm=False)]
+    llm = LLM(str(tiny_gguf), dtype="float32", tensor_parallel_size=2)
+    try:
+        assert [o.outputs[0].token_ids for o in
+                llm.generate(prompts, params, use_tqdm=False)] == single
+    finally:
+        llm.shutdown()
+
+
+def test_lora_on_a_gguf_base_matches_peft_on_the_decoded_weights(tiny_gguf, tmp_path):
+    """Adapters stay in the activation dtype and add to the blocks' products."""
+    from engine.lora.request import LoRARequest
+    from tests.test_lora import ALL, adapter_id, make_adapter
+    from tests.gguf_helpers import save_decoded
+    save_decoded(_reference(tiny_gguf), tmp_path / "base")  # the decoded weights, for peft
+    model = make_adapter(tmp_path / "base", tmp_path / "ad", 8, ALL, seed=3).eval()
+    llm = LLM(str(tiny_gguf), dtype="float32", enable_lora=True, max_lora_rank=8)
+    assert llm.llm_engine.engine_core.runner.model.stack is None
+    lora = LoRARequest("ad", adapter_id("ad"), str(tmp_path / "ad"))
+    prompts = [list(range(300, 320)), list(range(900, 905))]
+    # a random adapter flattens the tiny model's choices: more near ties (11 of 16 exact)
+    check_against(llm, model, prompts, exact_share=0.5, lora_request=lora)
+    # the adapter is applied: without it the tokens are the base's
+    plain = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8,
+                                                 ignore_eos=True), use_tqdm=False)
+    with_adapter = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8,
+                                                        ignore_eos=True), use_tqdm=False,
+                                lora_request=lora)
+    assert [o.outputs[0].token_ids for o in plain] != [o.outputs[0].token_ids
+                                                       for o in with_adapter]
+
+
+def test_without_the_kernels_blocks_are_decoded_and_the_log_says_so(tiny_gguf, monkeypatch,
+                                                                    caplog):
+    import engine.executor.model_runner
+    monkeypatch.setattr(engine.executor.model_runner, "cpu_kernels", lambda: None)
+    monkeypatch.setattr(engine.executor.model_runner, "native_enabled", lambda: False)
+    with caplog.at_level(logging.WARNING, logger="engine.executor.model_runner"):
+        llm = LLM(str(tiny_gguf), dtype="float32", block_size=8)
+    assert "decoded to torch.float32" in caplog.text
+    model = llm.llm_engine.engine_core.runner.model
+    assert model.layers[0].self_attn.qkv_proj.packing() is None
+    check_against(llm, _reference(tiny_gguf), [list(range(100, 120))], tolerance=1e-3)
+
+
+def test_quantization_option_must_name_the_checkpoint_s_format(tiny_gguf, tiny_llama):
+    LLM(str(tiny_gguf), dtype="float32", quantization="gguf", block_size=8)
+    with pytest.raises(UnsupportedQuantizationError, match="'awq' is not served"):
+        LLM(str(tiny_gguf), dtype="float32", quantization="awq")
+    with pytest.raises(UnsupportedQuantizationError, match="not quantized"):
+        LLM(str(tiny_llama), dtype="float32", quantization="gguf")
