@@ -21,8 +21,10 @@ from engine.errors import UnsupportedModelError
 from engine.quant.gguf_weights import GGUFBlocks
 
 # Rows of x up to which the kernels multiply the blocks with int8 dot products; past
-# it they decode the weight and use oneDNN's matmul. bench/quant.py measures it.
-DENSE_ROWS = int(os.environ.get("FLOTILLA_GGUF_DENSE_ROWS", "16"))
+# it they decode the weight a panel at a time and use oneDNN's matmul. Measured on a Xeon
+# with AMX (2 threads): the crossover is 64-128 rows for a layer's linears and past 64
+# for the 49152-row LM head (docs/benchmarks.md, "GGUF blocks").
+DENSE_ROWS = int(os.environ.get("FLOTILLA_GGUF_DENSE_ROWS", "64"))
 REGROUPED_FORMATS = frozenset({"Q4_0", "Q4_1", "Q8_0"})
 
 
