@@ -150,8 +150,8 @@ def check_against(llm, ref, prompts, tokens=8, tolerance=0.15, tie=0.1, exact_sh
             lp = torch.log_softmax(ref(torch.tensor([prompt + got])).logits[0], -1)
         rows = lp[len(prompt) - 1:len(prompt) - 1 + len(got)]
         for row, token, entry in zip(rows, got, o.outputs[0].logprobs):
-            assert row[token].item() >= row.max().item() - tie
-            assert abs(entry[token].logprob - row[token].item()) < tolerance
+            assert row[token].item() >= row.max().item() - tie, (row[token].item(), row.max().item(), entry[token].logprob)
+            assert abs(entry[token].logprob - row[token].item()) < tolerance, (entry[token].logprob, row[token].item())
             exact += int(row.argmax().item() == token)
             total += 1
     assert exact >= exact_share * total, (exact, total)

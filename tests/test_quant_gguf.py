@@ -184,7 +184,10 @@ def test_k_quants_and_mixed_formats_match_transformers(tiny_kquant_gguf):
     assert model.layers[0].self_attn.qkv_proj.packing() == "gguf:Q4_K+Q6_K"
     assert model.layers[0].mlp.down_proj.packing() == "gguf:Q6_K"
     rng = np.random.default_rng(4)
-    check_against(llm, ref, [rng.integers(100, 40000, n).tolist() for n in (20, 7)])
+    # rows of 256 with weights up to ~0.4 give larger logits than the 64-wide model:
+    # the activations' int8 rounding moved a logprob by 0.18 here
+    check_against(llm, ref, [rng.integers(100, 40000, n).tolist() for n in (20, 7)],
+                  tolerance=0.3, tie=0.2)
 
 
 def test_gguf_under_tensor_parallelism_equals_one_rank(tiny_gguf):

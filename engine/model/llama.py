@@ -27,7 +27,7 @@ from engine.model.layers.attention import AttentionMetadata, paged_attention
 from engine.model.layers.linear import Linear
 from engine.model.layers.norm import RMSNorm
 from engine.model.layers.rotary import Rope, RotaryEmbedding, apply_rotary
-from engine.quant.gguf_linear import DENSE_ROWS, GGUFWeight
+from engine.quant.gguf_linear import DECODE_DENSE_ROWS, DENSE_ROWS, GGUFWeight
 from engine.quant.gguf_weights import GGUFBlocks
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
@@ -283,9 +283,10 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed(input_ids)
         if self.stack is not None and meta.native_attention is not None:
             keys, values = self._cache_lists(kv_caches)
+            dense_rows = DECODE_DENSE_ROWS if meta.num_decodes == x.shape[0] else DENSE_ROWS
             return self.stack.forward(x, positions, self.rotary.cos, self.rotary.sin, keys,
                                       values, meta.slot_mapping, meta.block_tables,
-                                      meta.seq_lens, meta.query_start, DENSE_ROWS)
+                                      meta.seq_lens, meta.query_start, dense_rows)
         rope = self.rotary.lookup(positions, x.dtype)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):

@@ -21,10 +21,14 @@ from engine.errors import UnsupportedModelError
 from engine.quant.gguf_weights import GGUFBlocks
 
 # Rows of x up to which the kernels multiply the blocks with int8 dot products; past
-# it they decode the weight a panel at a time and use oneDNN's matmul. Measured on a Xeon
-# with AMX (2 threads): the crossover is 64-128 rows for a layer's linears and past 64
-# for the 49152-row LM head (docs/benchmarks.md, "GGUF blocks").
-DENSE_ROWS = int(os.environ.get("FLOTILLA_GGUF_DENSE_ROWS", "64"))
+# it they decode the weight a panel at a time and use oneDNN's matmul, exact but for
+# float rounding. A step with prompt tokens takes the decoded path past DENSE_ROWS rows,
+# so a prompt's keys and values carry no int8 rounding of activations; a step of decodes
+# only takes the int8 products up to DECODE_DENSE_ROWS rows, the measured crossover on a
+# Xeon with AMX (2 threads: 64-128 rows for a layer's linears, past 64 for the 49152-row
+# LM head; docs/benchmarks.md, "GGUF blocks").
+DENSE_ROWS = int(os.environ.get("FLOTILLA_GGUF_DENSE_ROWS", "16"))
+DECODE_DENSE_ROWS = int(os.environ.get("FLOTILLA_GGUF_DECODE_DENSE_ROWS", "64"))
 REGROUPED_FORMATS = frozenset({"Q4_0", "Q4_1", "Q8_0"})
 
 
@@ -90,21 +94,21 @@ class GGUFWeight:
         return "+".join(s.format for s in self.segments)
 
     def _product(self, s: Segment, x: torch.Tensor, bias: torch.Tensor | None,
-                 float_out: bool) -> torch.Tensor:
+                 float_out: bool, dense_rows: int) -> torch.Tensor:
         if s.regrouped:
             return self.kernels.gguf_regrouped_linear(x, s.data, s.format, s.rows, bias,
-                                                      float_out, DENSE_ROWS)
-        return self.kernels.gguf_linear(x, s.data, s.format, bias, float_out, DENSE_ROWS)
+                                                      float_out, dense_rows)
+        return self.kernels.gguf_linear(x, s.data, s.format, bias, float_out, dense_rows)
 
-    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None,
-               float_out: bool = False) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None, float_out: bool = False,
+               dense_rows: int = DENSE_ROWS) -> torch.Tensor:
         """x @ W.T (+ bias); float_out: float32 holding x-dtype-rounded values."""
         if len(self.segments) == 1:
-            return self._product(self.segments[0], x, bias, float_out)
+            return self._product(self.segments[0], x, bias, float_out, dense_rows)
         outs, at = [], 0
         for s in self.segments:
             b = None if bias is None else bias[at:at + s.rows]
-            outs.append(self._product(s, x, b, float_out))
+            outs.append(self._product(s, x, b, float_out, dense_rows))
             at += s.rows
         return torch.cat(outs, dim=-1)
 
@@ -134,4 +138,4 @@ class GGUFWeight:
         return self.kernels.gguf_dequantize(s.data, s.format, s.columns, torch.float32)
 
 
-__all__ = ["DENSE_ROWS", "GGUFWeight", "REGROUPED_FORMATS", "Segment"]
+__all__ = ["DECODE_DENSE_ROWS", "DENSE_ROWS", "GGUFWeight", "REGROUPED_FORMATS", "Segment"]
