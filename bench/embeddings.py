@@ -44,8 +44,8 @@ def run_flotilla(args, inputs) -> tuple[float, torch.Tensor]:
 def run_hf(args, inputs) -> tuple[float, torch.Tensor]:
     from transformers import AutoModel
 
-    from engine.model.loader import resolve_model
-    model = AutoModel.from_pretrained(str(resolve_model(args.model)),
+    from checkpoints import float_checkpoint  # HF loads float weights
+    model = AutoModel.from_pretrained(float_checkpoint(args.model),
                                       dtype=torch.float32).eval()
 
     def embed(batch):

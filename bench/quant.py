@@ -30,24 +30,9 @@ NEW_TOKENS = 128
 
 
 def decoded_checkpoint() -> Path:
-    """The default model as transformers decodes its GGUF, saved once as a float
-    checkpoint (what Flotilla served before it read the blocks)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from engine.model.loader import cache_root, content_digest, default_model_gguf, resolve_model
-    from tests.gguf_helpers import save_decoded
-    gguf = default_model_gguf()
-    target = cache_root() / "reference" / f"{gguf.stem}-{content_digest(gguf)}"
-    if not (target / "model.safetensors").exists():
-        tmp = target.with_name(f".{target.name}.{os.getpid()}")
-        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
-                                                     dtype=torch.float32)
-        save_decoded(model, tmp)
-        from engine.model.loader import load_tokenizer
-        load_tokenizer(resolve_model("default")).save_pretrained(tmp)
-        tmp.rename(target)
-    return target
+    """The default model's weights decoded (bench/checkpoints.py)."""
+    from bench.checkpoints import decoded_default
+    return decoded_default()
 
 
 def run_flotilla(model: str, w1: bool) -> dict:
@@ -129,7 +114,8 @@ def main() -> None:
     args = parser.parse_args()
     from engine.model.kernels import cpu_kernels
     kernels = cpu_kernels()
-    print(f"CPU: {_cpu_name()}, {args.threads} threads; kernels {kernels.isa}, GGUF dot "
+    from bench.throughput import _cpu_model
+    print(f"CPU: {_cpu_model()}, {args.threads} threads; kernels {kernels.isa}, GGUF dot "
           f"{kernels.gguf_dot_kernel()}, regrouped {kernels.gguf_regroups()}")
     decoded_checkpoint()
     results: dict[str, list[dict]] = {}
@@ -159,14 +145,6 @@ def main() -> None:
         w1 = {k: statistics.median(r["w1_tok_s"] for r in results[k]) for k in ("gguf", "decoded")}
         print(f"W1 output tok/s: gguf {w1['gguf']:.1f}, decoded {w1['decoded']:.1f} "
               f"({w1['gguf'] / w1['decoded']:.2f}x)")
-
-
-def _cpu_name() -> str:
-    try:
-        return next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
-                    if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return "unknown"
 
 
 if __name__ == "__main__":

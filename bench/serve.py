@@ -167,7 +167,7 @@ def _servers(args, port: int) -> list[Server]:
                                   str(args.tokenizer), "--port", str(port),
                                   "--served-model-name", "default", "--dtype", args.dtype,
                                   "--max-model-len", "2048"], "default", vllm_env, cpus=cpus),
-            Server("flotilla serve", flotilla + ["--model", "default",
+            Server("flotilla serve", flotilla + ["--model", str(args.tokenizer),
                                                  "--served-model-name", "default",
                                                  "--dtype", args.dtype],
                    "default", isa_env(args.isa, "flotilla"),
@@ -254,9 +254,10 @@ def main() -> int:
         args.dtype = auto_dtype()
     if args.cpus is None:
         args.cpus = ",".join(map(str, sorted(os.sched_getaffinity(0))))
-    from engine.model.loader import resolve_model
+    from checkpoints import float_checkpoint
     from engine.wire.ports import free_port
-    args.tokenizer = resolve_model("default")  # the converted checkpoint: vLLM loads it too
+    # the default model's weights decoded: vLLM loads them, and Flotilla serves the same
+    args.tokenizer = float_checkpoint("default")
     concurrencies = args.concurrency or ([32, 1] if args.workload == "model" else [32])
     work = Path(tempfile.mkdtemp(prefix="bench-serve-"))
     port = free_port("127.0.0.1")

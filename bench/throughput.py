@@ -314,6 +314,11 @@ def main() -> None:
                         help="hold both engines to a narrower x86 path than this CPU's "
                              "(float32; see ISA_ENV)")
     args = parser.parse_args()
+    # the default model's weights decoded (bench/checkpoints.py): HF and vLLM load float
+    # checkpoints, and W1 compares the engines on the same weights (bench/quant.py runs
+    # Flotilla on the GGUF blocks)
+    from checkpoints import float_checkpoint
+    args.model = float_checkpoint(args.model)
     if args.isa != "native":
         if args.dtype not in ("auto", "float32"):
             parser.error(f"--isa {args.isa} runs float32 (bf16 is emulated on that path)")

@@ -76,29 +76,12 @@ def default_model_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
-def default_model_reference(default_model_dir) -> Path:
-    """The default model as transformers reads its GGUF (decoded to float32, saved as a
-    Hugging Face checkpoint): what HF references run. The engine serves the file's blocks
-    (default_model_dir holds no float weights). Cached by the file's content."""
-    import shutil
-
-    from transformers import AutoModelForCausalLM
-
-    from engine.model.loader import cache_root, content_digest, default_model_gguf
-    gguf = default_model_gguf()
-    target = cache_root() / "reference" / f"{gguf.stem}-{content_digest(gguf)}"
-    if not (target / "model.safetensors").exists():
-        tmp = target.with_name(f".{target.name}.{os.getpid()}")
-        from tests.gguf_helpers import save_decoded
-        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
-                                                     dtype=torch.float32)
-        save_decoded(model, tmp)
-        load_tokenizer(default_model_dir).save_pretrained(tmp)
-        try:
-            tmp.rename(target)
-        except OSError:  # another session made it first
-            shutil.rmtree(tmp, ignore_errors=True)
-    return target
+def default_model_reference() -> Path:
+    """The default model as transformers reads its GGUF, as a float checkpoint: what HF
+    references run. The engine serves the file's blocks (default_model_dir holds no float
+    weights)."""
+    from tests.gguf_helpers import decoded_default_model
+    return decoded_default_model()
 
 
 def build_tiny_model(out: Path, arch: str, tokenizer_dir: Path, **overrides) -> Path:

@@ -156,3 +156,28 @@ def check_against(llm, ref, prompts, tokens=8, tolerance=0.15, tie=0.1, exact_sh
             total += 1
     assert exact >= exact_share * total, (exact, total)
     return out
+
+
+def decoded_default_model() -> Path:
+    """The default model as transformers reads its GGUF (decoded to float32), saved once as
+    a Hugging Face checkpoint under the cache, keyed by the file's content: what HF
+    references (tests) and the float anchors of benchmarks (vLLM, HF) load."""
+    import os
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    from engine.model.loader import cache_root, content_digest, load_tokenizer, resolve_model
+    gguf = default_model_gguf()
+    target = cache_root() / "reference" / f"{gguf.stem}-{content_digest(gguf)}"
+    if not (target / "model.safetensors").exists():
+        tmp = target.with_name(f".{target.name}.{os.getpid()}")
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                     dtype=torch.float32)
+        save_decoded(model, tmp)
+        load_tokenizer(resolve_model("default")).save_pretrained(tmp)
+        try:
+            tmp.rename(target)
+        except OSError:  # made by another process meanwhile
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
