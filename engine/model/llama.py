@@ -251,6 +251,7 @@ class LlamaForCausalLM(nn.Module):
     # native call for the steps it can run (native attention, no LoRA)
     stack = None
     _stack_caches: tuple = (None, None, None)
+    _prompt_step = False  # whether the last forward held prompt tokens
 
     def attach_lora(self, slots) -> None:
         """Have every attention and MLP block add the step's adapter products
@@ -281,6 +282,7 @@ class LlamaForCausalLM(nn.Module):
         """kv_caches: each layer's (keys, values) views of the paged cache
         (engine.model.layers.attention.cache_views), this rank's kv heads."""
         x = self.embed(input_ids)
+        self._prompt_step = meta.num_decodes != x.shape[0]
         if self.stack is not None and meta.native_attention is not None:
             keys, values = self._cache_lists(kv_caches)
             dense_rows = DECODE_DENSE_ROWS if meta.num_decodes == x.shape[0] else DENSE_ROWS
@@ -305,7 +307,11 @@ class LlamaForCausalLM(nn.Module):
         """Float32 logits over the whole vocabulary; under TP they are gathered on rank 0
         (the sampler's rank) and the other ranks get None."""
         if self.tp is None:
-            return self.lm_head.forward_float(hidden)
+            # GGUF: a prompt step's logits (each request's first token) from the decoded
+            # weight, a decode step's from the int8 products (the default model answered
+            # "What is the capital of France?" with "L'Étoile" when both were int8)
+            return self.lm_head.forward_float(
+                hidden, dense_rows=0 if self._prompt_step else DECODE_DENSE_ROWS)
         logits = self.tp.gather_last_dim(self.lm_head(hidden))
         if logits is None:
             return None

@@ -104,12 +104,14 @@ class Linear(nn.Linear):
         return self._native_linear(x, self.packed_weight, self.bias, self.out_features,
                                    paired=True, glu=True)
 
-    def forward_float(self, x: torch.Tensor) -> torch.Tensor:
+    def forward_float(self, x: torch.Tensor, dense_rows: int | None = None) -> torch.Tensor:
         """forward(x).float() in one pass where the native kernel runs it (the LM head: it
         writes float32 logits holding the dtype-rounded values, with no bf16 copy between)."""
-        if self.gguf is not None:  # the sampled rows' logits: int8 products up to 64 rows
+        if self.gguf is not None:  # dense_rows: GGUF's int8 products up to that many rows
             from engine.quant.gguf_linear import DECODE_DENSE_ROWS
-            return self.gguf.matmul(x, self.bias, float_out=True, dense_rows=DECODE_DENSE_ROWS)
+            return self.gguf.matmul(x, self.bias, float_out=True,
+                                    dense_rows=DECODE_DENSE_ROWS if dense_rows is None
+                                    else dense_rows)
         if self._native_linear is not None:
             return self._native_linear(x, self.packed_weight, self.bias, self.out_features,
                                        float_out=True, paired=self._paired)
