@@ -127,15 +127,5 @@ class GGUFWeight:
                                                s.format, s.columns, out_dtype)
         return out.to(dtype).reshape(*ids.shape, s.columns)
 
-    def dequantize(self) -> torch.Tensor:
-        """The whole weight in float32 (tests, references)."""
-        return torch.cat([self.rows_of(s) for s in self.segments])
-
-    def rows_of(self, s: Segment) -> torch.Tensor:
-        if s.regrouped:
-            return self.kernels.gguf_regrouped_rows(s.data, s.format, s.rows, s.columns,
-                                                    torch.arange(s.rows), torch.float32)
-        return self.kernels.gguf_dequantize(s.data, s.format, s.columns, torch.float32)
-
 
 __all__ = ["DECODE_DENSE_ROWS", "DENSE_ROWS", "GGUFWeight", "REGROUPED_FORMATS", "Segment"]
