@@ -35,7 +35,7 @@ from engine.lora.roots import lora_roots, path_within
 from engine.model.kernels import cpu_kernels
 from engine.model.llama import ModelShape
 from engine.model.loader import is_gguf_checkpoint, load_hf_config, resolve_model
-from engine.quant import resolve_quantization
+from engine.quant import checkpoint_quantization, resolve_quantization
 from engine.pooling import Pooler, pooling_method
 from engine.request_checks import check_params, check_prompt
 from engine.request_limits import RequestLimits
@@ -66,8 +66,8 @@ class EngineCore:
         self.checkpoint = resolve_model(config.model, weights=config.load_format != "dummy")
         hf_config = load_hf_config(self.checkpoint)
         self.quantization = resolve_quantization(
-            config.quantization, "gguf" if is_gguf_checkpoint(self.checkpoint) else None,
-            config.model)
+            config.quantization, "gguf" if is_gguf_checkpoint(self.checkpoint)
+            else checkpoint_quantization(hf_config), config.model)
         self.shape = ModelShape.from_hf_config(hf_config)
         self.device = config.torch_device()
         self.dtype = config.torch_dtype(self.device)

@@ -44,6 +44,7 @@ from engine.model.layers.linear import Linear, can_pack, pack_linears
 from engine.model.layers.rotary import RotaryEmbedding
 from engine.model.llama import LlamaForCausalLM, ModelShape
 from engine.model.loader import is_gguf_checkpoint, iter_weights
+from engine.quant import checkpoint_quantization
 from engine.model.stack import build_stack
 
 logger = logging.getLogger(__name__)
@@ -217,7 +218,7 @@ class ModelRunner:
         if self.config.load_format == "dummy":
             _random_weights(model)
         else:
-            model.load_weights(iter_weights(self.checkpoint), gguf_kernels=self._gguf_kernels())
+            model.load_weights(iter_weights(self.checkpoint), quant_kernels=self._quant_kernels())
         model = model.to(self.dtype).eval()
         model.requires_grad_(False)
         if (native_enabled() and self.triton is None
@@ -230,16 +231,19 @@ class ModelRunner:
         logger.info("loaded %s in %.2fs", self.shape.architecture, time.perf_counter() - start)
         return model
 
-    def _gguf_kernels(self):
-        """The kernels that multiply a GGUF checkpoint's blocks as stored, or None: the
-        blocks are then decoded to the activation dtype (said in the log, not silently)."""
-        if not is_gguf_checkpoint(self.checkpoint):
+    def _quant_kernels(self):
+        """The kernels that multiply a quantized checkpoint's weights (GGUF blocks, int8
+        W8A8) as stored, or None: they are then decoded to the activation dtype (said in
+        the log, not silently; int8's activations are then not quantized either)."""
+        fmt = "gguf" if is_gguf_checkpoint(self.checkpoint) \
+            else checkpoint_quantization(self.hf_config)
+        if fmt is None:
             return None
         if (self.device.type == "cpu" and self.kernels is not None and native_enabled()
                 and self.triton is None):
             return self.kernels
-        logger.warning("no kernel here reads GGUF blocks (device %s, attention backend %s, "
-                       "native kernels %s): the weights are decoded to %s at load",
+        logger.warning("no kernel here reads %s weights (device %s, attention backend %s, "
+                       "native kernels %s): the weights are decoded to %s at load", fmt,
                        self.device, self.backend, "on" if self.kernels is not None else "off",
                        self.dtype)
         return None
@@ -429,10 +433,11 @@ class ModelRunner:
             weights = sum(p.numel() * p.element_size() for p in self.model.parameters()
                           if _on(p, self.device))
             weights += sum(m.packed_bytes() for m in self.model.modules()
-                           if isinstance(m, Linear) and m.gguf is None)
-            # weights held as GGUF blocks (linears, the embedding), a shared one once
+                           if isinstance(m, Linear) and m.quant is None)
+            # weights held quantized (GGUF blocks of linears and the embedding, int8
+            # linears), a shared one once
             held = {id(g): g for m in self.model.modules()
-                    if (g := getattr(m, "gguf", None)) is not None}
+                    if (g := getattr(m, "quant", None) or getattr(m, "gguf", None)) is not None}
             weights += sum(g.nbytes for g in held.values())
         kv = 0 if self.kv_caches is None else self.kv_caches.numel() * self.kv_caches.element_size()
         return {"weights_bytes": weights, "kv_cache_bytes": kv}

@@ -29,6 +29,7 @@ from engine.model.layers.norm import RMSNorm
 from engine.model.layers.rotary import Rope, RotaryEmbedding, apply_rotary
 from engine.quant.gguf_linear import DECODE_DENSE_ROWS, DENSE_ROWS, GGUFWeight
 from engine.quant.gguf_weights import GGUFBlocks
+from engine.quant.int8_w8a8 import SIDECARS, Int8Pieces
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                            "Qwen3ForCausalLM")
@@ -317,19 +318,21 @@ class LlamaForCausalLM(nn.Module):
             return None
         return logits[:, :self.shape.vocab_size].float()
 
-    def load_weights(self, weights: Iterable[tuple[str, Any]], gguf_kernels=None) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, Any]], quant_kernels=None) -> None:
         """Copy this rank's slice of each checkpoint tensor (HF names) into the fused
         parameters. weights yields (name, t) where t is a tensor, a lazy safetensors
         slice or GGUF blocks (engine.quant.gguf_weights); only the sliced rows/columns
-        are read. gguf_kernels: the native kernel module that multiplies GGUF blocks as
-        they are; the linears and the embedding then keep them (their dense weights are
-        released), and without it blocks are decoded to floats.
+        are read. quant_kernels: the native kernel module that multiplies quantized
+        weights (GGUF blocks, int8 W8A8) as they are; the linears and the embedding then
+        keep them (their dense weights are released), and without it they are decoded to
+        floats.
 
         Raises UnsupportedModelError naming any parameter the checkpoint left unset.
         """
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         gguf_pieces: dict[str, list[tuple[int, GGUFBlocks]]] = {}
+        int8 = Int8Pieces()
         rules = _shard_rules(self.shape, self.plan)
         for name, tensor in weights:
             if "rotary_emb" in name:
@@ -348,12 +351,25 @@ class LlamaForCausalLM(nn.Module):
                     src = None  # a row-parallel bias is whole, on rank 0 only
                     if target not in params:
                         continue
+            if kind in SIDECARS:  # an int8 weight's scale: sliced as its rows are
+                weight_target = target[:-len(kind)] + "weight"
+                if weight_target not in params:
+                    raise UnsupportedModelError(f"unexpected checkpoint tensor {name!r}")
+                rows = (src[1], src[2]) if src is not None and src[0] == 0 else None
+                int8.add_sidecar(weight_target, offset, kind, tensor, rows)
+                continue
             param = params.get(target)
             if param is None:
                 raise UnsupportedModelError(f"unexpected checkpoint tensor {name!r}")
             piece = _read_slice(tensor, src)
+            if isinstance(piece, torch.Tensor) and piece.dtype == torch.int8:
+                if kind != "weight":
+                    raise UnsupportedModelError(f"checkpoint tensor {name!r} is int8")
+                int8.add_weight(target, offset, piece)
+                loaded.add(f"{target}:{offset}")
+                continue
             if isinstance(piece, GGUFBlocks):
-                if gguf_kernels is not None and kind == "weight":
+                if quant_kernels is not None and kind == "weight":
                     rows = param.shape[0] if offset is None else piece.shape[0]
                     if piece.shape[1] != param.shape[1] or piece.shape[0] > rows:
                         raise UnsupportedModelError(
@@ -378,8 +394,15 @@ class LlamaForCausalLM(nn.Module):
         missing = sorted(expected - loaded)
         if missing:
             raise UnsupportedModelError(f"checkpoint is missing tensors for {missing[:5]}")
+        for target, held in int8.weights({t: params[t].shape for t in int8.targets()},
+                                         quant_kernels).items():
+            if isinstance(held, torch.Tensor):  # no kernel: decoded (the runner says so)
+                with torch.no_grad():
+                    params[target].copy_(held)
+            else:
+                self.get_submodule(target.rsplit(".", 1)[0]).set_quantized(held)
         for target, pieces in gguf_pieces.items():
-            weight = GGUFWeight.fuse(pieces, params[target].shape[0], gguf_kernels)
+            weight = GGUFWeight.fuse(pieces, params[target].shape[0], quant_kernels)
             _hold_gguf(self.get_submodule(target.rsplit(".", 1)[0]), weight)
         if self.shape.tie_word_embeddings and "embed_tokens.weight" in gguf_pieces:
             _hold_gguf(self.lm_head, self.embed_tokens.gguf)
@@ -388,7 +411,7 @@ class LlamaForCausalLM(nn.Module):
 def _hold_gguf(module: nn.Module, weight: GGUFWeight) -> None:
     """Have a Linear or the embedding serve its weight as GGUF blocks."""
     if isinstance(module, Linear):
-        module.set_gguf(weight)
+        module.set_quantized(weight)
         return
     module.gguf = weight  # the embedding: _lookup decodes its rows
     del module.weight

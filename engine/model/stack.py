@@ -5,6 +5,7 @@ on the default model was as much as its GGUF weights' products. The stack holds 
 same weights and calls the same kernels in the same order, so its values are the
 modules' own; it serves the paths it can hold and the modules serve the rest (LoRA,
 tensor parallelism, q/k norm, Triton or torch attention, unpacked linears).
+Its linears: packed for the native kernels, GGUF blocks, or int8 W8A8.
 FLOTILLA_DECODER_STACK=0 turns it off (tests compare the two; benchmarks time both).
 """
 from __future__ import annotations
@@ -14,6 +15,7 @@ import os
 from torch import nn
 
 from engine.model.layers.linear import Linear
+from engine.quant.int8_w8a8 import Int8Weight
 
 
 def stack_enabled() -> bool:
@@ -21,14 +23,17 @@ def stack_enabled() -> bool:
 
 
 def _linear_spec(layer: Linear) -> tuple | None:
-    """([(kind, weight, format, rows), ...], bias, paired) of a linear, or None when the
-    stack cannot call it (dense, or packed for oneDNN)."""
-    if layer.gguf is not None:
-        segments = [("gguf_regrouped" if s.regrouped else "gguf", s.data, s.format, s.rows)
-                    for s in layer.gguf.segments]
+    """([(kind, weight, format, rows, extras, input_scale), ...], bias, paired) of a
+    linear, or None when the stack cannot call it (dense, or packed for oneDNN)."""
+    q = layer.quant
+    if isinstance(q, Int8Weight):
+        return [("int8", q.packed, "", q.rows, [q.comp, q.scales], q.input_scale)], layer.bias, False
+    if q is not None:
+        segments = [("gguf_regrouped" if s.regrouped else "gguf", s.data, s.format, s.rows,
+                     [], 0.0) for s in q.segments]
         return segments, layer.bias, False
     if layer.packing() == "native":
-        return ([("native", layer.packed_weight, "", layer.out_features)], layer.bias,
+        return ([("native", layer.packed_weight, "", layer.out_features, [], 0.0)], layer.bias,
                 layer._paired)
     return None
 

@@ -9,12 +9,15 @@ quantized directory failed deep in the weight loader ("unexpected checkpoint ten
 entry here, with the module that reads it; a format without an entry is refused up
 front, naming it and listing what is read.
 
-Today's one entry is GGUF's block formats: engine/quant/gguf_blocks.py (layouts and
-reference decoders), gguf_weights.py (a file's tensors under Hugging Face names, left as
-blocks) and gguf_linear.py (a layer's weight as blocks, multiplied by the native kernels
-of engine/model/kernels/quant_linear.cpp as stored). Where those kernels do not run
-(CUDA, FLOTILLA_NATIVE_KERNELS=0) the blocks are decoded to the activation dtype at
-load, and the engine says so in its log.
+The entries:
+- gguf: GGUF's block formats. engine/quant/gguf_blocks.py (layouts and reference
+  decoders), gguf_weights.py (a file's tensors under Hugging Face names, left as blocks)
+  and gguf_linear.py (a layer's weight as blocks, multiplied by the native kernels of
+  engine/model/kernels/quant_linear.cpp as stored).
+- compressed-tensors: its int8 W8A8 schemes (engine/quant/int8_w8a8.py, multiplied by
+  engine/model/kernels/int8_linear.cpp).
+Where those kernels do not run (CUDA, FLOTILLA_NATIVE_KERNELS=0) the weights are decoded
+to the activation dtype at load, and the engine says so in its log.
 """
 from __future__ import annotations
 
@@ -42,6 +45,8 @@ def register(fmt: QuantFormat) -> QuantFormat:
 
 
 register(QuantFormat("gguf", tuple(BLOCK_FORMATS)))
+register(QuantFormat("compressed-tensors", ("int8 W8A8: weights per channel or tensor, "
+                                            "activations per token or static",)))
 
 
 def supported_summary() -> str:
@@ -64,9 +69,26 @@ def check_checkpoint(hf_config: Any, model: str) -> None:
     method = checkpoint_quantization(hf_config)
     if method is None or method == "gguf":  # transformers marks a GGUF file's config so
         return
+    if method == "compressed-tensors":
+        from engine.quant.int8_w8a8 import read_scheme
+        read_scheme(_as_dict(hf_config.quantization_config), model)
+        return
     raise UnsupportedQuantizationError(
         f"model {model!r} is quantized with {method!r} (its config's quantization_config), "
         f"which Flotilla does not serve; quantized formats it reads: {supported_summary()}")
+
+
+def _as_dict(qc: Any) -> dict:
+    return qc if isinstance(qc, dict) else qc.to_dict()
+
+
+def int8_scheme(hf_config: Any, model: str):
+    """The int8 W8A8 scheme (engine.quant.int8_w8a8.Int8Scheme) of a compressed-tensors
+    checkpoint, else None."""
+    if checkpoint_quantization(hf_config) != "compressed-tensors":
+        return None
+    from engine.quant.int8_w8a8 import read_scheme
+    return read_scheme(_as_dict(hf_config.quantization_config), model)
 
 
 def resolve_quantization(requested: str | None, checkpoint_format: str | None,
@@ -98,5 +120,5 @@ def check_gguf_types(types: Iterable[str], model: str) -> None:
 
 
 __all__ = ["QUANT_FORMATS", "QuantFormat", "UnsupportedQuantizationError", "check_checkpoint",
-           "check_gguf_types", "checkpoint_quantization", "register", "resolve_quantization",
+           "check_gguf_types", "checkpoint_quantization", "int8_scheme", "register", "resolve_quantization",
            "supported_summary"]

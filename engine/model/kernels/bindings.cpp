@@ -35,6 +35,13 @@ torch::Tensor gguf_regrouped_linear(torch::Tensor input, torch::Tensor packed,
                                     const std::string& format, int64_t n,
                                     c10::optional<torch::Tensor> bias, bool float_out,
                                     int64_t dense_rows);
+std::vector<torch::Tensor> int8_pack(torch::Tensor weight);
+torch::Tensor int8_linear(torch::Tensor input, torch::Tensor packed, torch::Tensor comp,
+                          torch::Tensor scales, c10::optional<torch::Tensor> bias, int64_t n,
+                          double input_scale, bool float_out);
+std::vector<std::string> int8_kernels();
+std::string int8_kernel();
+bool set_int8_kernel(const std::string& name);
 void bind_decoder_stack(pybind11::module& m);
 void rotary_inplace(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
                     int64_t num_rotated_heads, int64_t head_dim);
@@ -95,6 +102,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "weight of n rows: int8 dot products up to dense_rows rows of x, a decoded weight and "
         "oneDNN past them", py::arg("x"), py::arg("packed"), py::arg("format"), py::arg("n"),
         py::arg("bias"), py::arg("float_out") = false, py::arg("dense_rows") = 16);
+  m.def("int8_pack", &int8_pack, "an int8 [out, in] weight in the layout int8_linear reads, "
+        "and 128 x each column's weight sum (int32): [packed, comp]", py::arg("weight"));
+  m.def("int8_linear", &int8_linear, "x @ W.T * scales (+ bias) on an int8 weight from "
+        "int8_pack, x quantized to int8 per row (input_scale <= 0: dynamic amax / 127, else "
+        "that static scale); float_out: float32 output holding x-dtype-rounded values",
+        py::arg("x"), py::arg("packed"), py::arg("comp"), py::arg("scales"), py::arg("bias"),
+        py::arg("n"), py::arg("input_scale") = 0.0, py::arg("float_out") = false);
+  m.def("int8_kernels", &int8_kernels, "the int8 linear kernels this build, CPU and kernel "
+        "can run, the default first: amx+vnni (AMX, VNNI for up to 4 rows), amx, vnni, plain");
+  m.def("int8_kernel", &int8_kernel, "the int8 linear kernel in use");
+  m.def("set_int8_kernel", &set_int8_kernel, "force amx+vnni, amx, vnni or plain for int8 linears "
+        "(False where it cannot run); all read one packed layout and give the same sums");
   bind_decoder_stack(m);
   m.attr("isa") = flotilla::vec::kIsa;  // the vector path built: avx512, avx2, neon, sse2
   m.attr("lanes") = flotilla::vec::L;

@@ -29,16 +29,22 @@ torch::Tensor gguf_regrouped_linear(torch::Tensor input, torch::Tensor packed,
                                     const std::string& format, int64_t n,
                                     c10::optional<torch::Tensor> bias, bool float_out,
                                     int64_t dense_rows);
+torch::Tensor int8_linear(torch::Tensor input, torch::Tensor packed, torch::Tensor comp,
+                          torch::Tensor scales, c10::optional<torch::Tensor> bias, int64_t n,
+                          double input_scale, bool float_out);
 
 namespace {
 
 // One linear as the layer holds it: packed for linear.cpp ("native", paired: gate|up
-// side by side), or GGUF blocks in the file's layout ("gguf") or regrouped
-// ("gguf_regrouped"), in row segments of one format each (a fused q/k/v may mix them).
+// side by side), GGUF blocks in the file's layout ("gguf") or regrouped
+// ("gguf_regrouped"), in row segments of one format each (a fused q/k/v may mix them), or
+// int8 W8A8 ("int8": extras are int8_linear's comp and scales, input_scale its own).
 struct Segment {
   std::string kind, format;
   torch::Tensor weight;
   int64_t rows;
+  std::vector<torch::Tensor> extras;
+  double input_scale;
 };
 
 struct LinearSpec {
@@ -51,6 +57,8 @@ struct LinearSpec {
                                int64_t dense_rows) {
     if (s.kind == "native") return linear(x, s.weight, bias, s.rows, false, paired, false);
     if (s.kind == "gguf") return gguf_linear(x, s.weight, s.format, bias, false, dense_rows);
+    if (s.kind == "int8")
+      return int8_linear(x, s.weight, s.extras[0], s.extras[1], bias, s.rows, s.input_scale, false);
     return gguf_regrouped_linear(x, s.weight, s.format, s.rows, bias, false, dense_rows);
   }
 
@@ -74,17 +82,19 @@ struct LinearSpec {
   }
 };
 
-using SegmentArgs = std::vector<std::tuple<std::string, torch::Tensor, std::string, int64_t>>;
+using SegmentArgs = std::vector<std::tuple<std::string, torch::Tensor, std::string, int64_t,
+                                           std::vector<torch::Tensor>, double>>;
 using LinearArgs = std::tuple<SegmentArgs, c10::optional<torch::Tensor>, bool>;
 
 LinearSpec spec_of(const LinearArgs& args) {
   const auto& [segments, bias, paired] = args;
   TORCH_CHECK(!segments.empty(), "DecoderStack: a linear without segments");
   LinearSpec spec{{}, bias, paired};
-  for (const auto& [kind, weight, format, rows] : segments) {
-    TORCH_CHECK(kind == "native" || kind == "gguf" || kind == "gguf_regrouped",
+  for (const auto& [kind, weight, format, rows, extras, input_scale] : segments) {
+    TORCH_CHECK(kind == "native" || kind == "gguf" || kind == "gguf_regrouped" ||
+                    (kind == "int8" && extras.size() == 2),
                 "DecoderStack: no linear of kind ", kind);
-    spec.segments.push_back(Segment{kind, format, weight, rows});
+    spec.segments.push_back(Segment{kind, format, weight, rows, extras, input_scale});
   }
   return spec;
 }
@@ -103,8 +113,8 @@ class DecoderStack {
       : heads_(num_heads), kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps),
         scale_(scale), final_norm_(final_norm) {}
 
-  // Linears qkv, o, gate_up, down, each ([(kind, weight, format, rows), ...], bias or
-  // None, paired).
+  // Linears qkv, o, gate_up, down, each ([(kind, weight, format, rows, extras,
+  // input_scale), ...], bias or None, paired).
   void add_layer(torch::Tensor input_norm, torch::Tensor post_norm,
                  const std::vector<LinearArgs>& linears) {
     TORCH_CHECK(linears.size() == 4, "DecoderStack.add_layer: qkv, o, gate_up and down");

@@ -9,8 +9,9 @@ Two packings, the first that fits:
   sizes packing once made SmolLM2's 64-row matmuls 15-35 % faster, bitwise identical.
 On CUDA the layers are plain nn.Linear.
 
-A layer may instead hold its weight as a GGUF file's blocks (engine.quant.gguf_linear:
-set_gguf), multiplied by the native kernels as stored.
+A layer may instead hold its weight quantized (set_quantized): as a GGUF file's blocks
+(engine.quant.gguf_linear) or int8 W8A8 (engine.quant.int8_w8a8), multiplied by the
+native kernels as stored.
 """
 from __future__ import annotations
 
@@ -49,11 +50,12 @@ class Linear(nn.Linear):
     # the native packing then pairs them, and forward_glu writes silu(gate) * up.
     glu_halves = False
     _paired = False
-    gguf = None  # engine.quant.gguf_linear.GGUFWeight once set_gguf replaced the weight
+    quant = None  # a GGUFWeight or Int8Weight (engine.quant) once set_quantized replaced it
 
-    def set_gguf(self, weight) -> None:
-        """Serve the weight as GGUF blocks (a GGUFWeight); the dense one is released."""
-        self.gguf = weight
+    def set_quantized(self, weight) -> None:
+        """Serve the weight quantized (a GGUFWeight or an Int8Weight, each with matmul,
+        nbytes and describe); the dense one is released."""
+        self.quant = weight
         del self.weight
         self.register_parameter("weight", None)
 
@@ -74,14 +76,14 @@ class Linear(nn.Linear):
             self.register_parameter("weight", None)
 
     def packed_bytes(self) -> int:
-        if self.gguf is not None:
-            return self.gguf.nbytes
+        if self.quant is not None:
+            return self.quant.nbytes
         w = self.packed_weight
         return 0 if w is None else w.numel() * w.element_size()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gguf is not None:
-            return self.gguf.matmul(x, self.bias)
+        if self.quant is not None:
+            return self.quant.matmul(x, self.bias)
         if self._native_linear is not None:
             return self._native_linear(x, self.packed_weight, self.bias, self.out_features,
                                        paired=self._paired)
@@ -107,9 +109,9 @@ class Linear(nn.Linear):
     def forward_float(self, x: torch.Tensor, dense_rows: int | None = None) -> torch.Tensor:
         """forward(x).float() in one pass where the native kernel runs it (the LM head: it
         writes float32 logits holding the dtype-rounded values, with no bf16 copy between)."""
-        if self.gguf is not None:  # dense_rows: GGUF's int8 products up to that many rows
+        if self.quant is not None:  # dense_rows: GGUF's int8 products up to that many rows
             from engine.quant.gguf_linear import DECODE_DENSE_ROWS
-            return self.gguf.matmul(x, self.bias, float_out=True,
+            return self.quant.matmul(x, self.bias, float_out=True,
                                     dense_rows=DECODE_DENSE_ROWS if dense_rows is None
                                     else dense_rows)
         if self._native_linear is not None:
@@ -122,10 +124,11 @@ class Linear(nn.Linear):
                 f"bias={self.bias is not None}, packed={self.packing()}")
 
     def packing(self) -> str | None:
-        """Which layout forward runs on: "native", "onednn", "gguf:<formats>" or None
-        (dense)."""
-        if self.gguf is not None:
-            return "gguf:" + self.gguf.describe()
+        """Which layout forward runs on: "native", "onednn", "gguf:<formats>", "int8" or
+        None (dense)."""
+        if self.quant is not None:
+            d = self.quant.describe()
+            return d if d == "int8" else "gguf:" + d
         if self.packed_weight is None:
             return None
         return "native" if self._native_linear is not None else "onednn"
@@ -138,7 +141,7 @@ def pack_linears(model: nn.Module, keep_dense: set[int] | None = None, kernels=N
     keep_dense = keep_dense or set()
     count = 0
     for module in model.modules():
-        if isinstance(module, Linear) and module.packed_weight is None and module.gguf is None:
+        if isinstance(module, Linear) and module.packed_weight is None and module.quant is None:
             module.pack(keep_dense=id(module.weight) in keep_dense, kernels=kernels)
             count += 1
     return count
