@@ -50,7 +50,8 @@ namespace {
 
 constexpr int64_t kC = 16;   // columns of a vector
 constexpr int64_t kKB = 64;  // K is padded to whole 64s (an AMX tile's k)
-constexpr int kNR = 3;       // vectors a work item multiplies
+constexpr int kNR = 3;       // vectors a work item multiplies (VNNI, plain: 3 x 8 zmm sums)
+constexpr int kAmxNR = 4;    // AMX: two units of 2 vectors
 constexpr int kMR = 8;       // rows a VNNI / plain tile holds
 
 int64_t pad_k(int64_t k) { return (k + kKB - 1) / kKB * kKB; }
@@ -145,7 +146,7 @@ void plain_item(const int8_t* x, int64_t lda, int64_t rows, const int8_t* w, int
 // x: unsigned (q + 128); R rows x W vectors of int32 sums in registers.
 template <int R, int W>
 void vnni_tile(const uint8_t* x, int64_t lda, const int8_t* w, int64_t kp, const Out& out,
-               int64_t r0) {
+               int64_t r0, int64_t c0) {
   __m512i acc[R][W];
   for (int i = 0; i < R; ++i)
     for (int j = 0; j < W; ++j) acc[i][j] = _mm512_setzero_si512();
@@ -163,85 +164,84 @@ void vnni_tile(const uint8_t* x, int64_t lda, const int8_t* w, int64_t kp, const
   for (int i = 0; i < R; ++i)
     for (int j = 0; j < W; ++j) {
       _mm512_store_si512(sums, acc[i][j]);
-      out.emit(r0 + i, j * kC, sums);
+      out.emit(r0 + i, c0 + j * kC, sums);
     }
 }
 
 template <int W, int R = kMR>
 void vnni_rows(const uint8_t* x, int64_t lda, int64_t rows, const int8_t* w, int64_t kp,
-               const Out& out, int64_t r0) {
+               const Out& out, int64_t r0, int64_t c0) {
   if constexpr (R > 0) {
     if (rows >= R) {
-      vnni_tile<R, W>(x, lda, w, kp, out, r0);
-      if (rows > R) vnni_rows<W, R>(x + R * lda, lda, rows - R, w, kp, out, r0 + R);
+      vnni_tile<R, W>(x, lda, w, kp, out, r0, c0);
+      if (rows > R) vnni_rows<W, R>(x + R * lda, lda, rows - R, w, kp, out, r0 + R, c0);
       return;
     }
-    vnni_rows<W, R - 1>(x, lda, rows, w, kp, out, r0);
+    vnni_rows<W, R - 1>(x, lda, rows, w, kp, out, r0, c0);
   }
 }
 
 void vnni_item(const uint8_t* x, int64_t lda, int64_t rows, const int8_t* w, int64_t kp,
                int vectors, const Out& out) {
-  if (vectors == 3) return vnni_rows<3>(x, lda, rows, w, kp, out, 0);
-  if (vectors == 2) return vnni_rows<2>(x, lda, rows, w, kp, out, 0);
-  vnni_rows<1>(x, lda, rows, w, kp, out, 0);
+  if (vectors == 3) return vnni_rows<3>(x, lda, rows, w, kp, out, 0, 0);
+  if (vectors == 2) return vnni_rows<2>(x, lda, rows, w, kp, out, 0, 0);
+  vnni_rows<1>(x, lda, rows, w, kp, out, 0, 0);
 }
 #endif
 
 #if FLOTILLA_I8_AMX
 // ---- AMX int8 ---------------------------------------------------------------------------
-// Up to 2 row blocks x W vectors: int32 sums in tiles 0-5 (block i, vector j: 3i + j),
-// the A tile (16 rows x 64 k) in 6, the B tile (a vector's 16 quads) in 7; x's rows are
-// padded to whole blocks. The tile configuration is amx.h's (every tile 16 x 64 bytes).
+// A unit: up to 2 row blocks (16 rows each, x padded to whole blocks) x up to 2 vectors,
+// the canonical 2 x 2 tile blocking: int32 sums in tiles 0-3 (block i, vector j: 2i + j),
+// the A tiles (16 rows x 64 k) of both blocks in 4 and 5, the B tiles (a vector's 16
+// quads) in 6 and 7. Each tile loaded once a k-step feeds two products; reloading one A
+// tile per product (the first version) made each product wait for the one before it,
+// ~3x slower (64 rows x 960 x 576, 2 threads: 73 us). The configuration is amx.h's.
 template <int R, int W>
 void amx_unit(const int8_t* x, int64_t lda, int64_t rows, const int8_t* w, int64_t kp,
-              const Out& out, int64_t r0) {
-  _tile_zero(0); if constexpr (W > 1) _tile_zero(1); if constexpr (W > 2) _tile_zero(2);
-  if constexpr (R > 1) {
-    _tile_zero(3); if constexpr (W > 1) _tile_zero(4); if constexpr (W > 2) _tile_zero(5);
-  }
+              const Out& out, int64_t r0, int64_t c0) {
+  _tile_zero(0); if constexpr (W > 1) _tile_zero(1);
+  if constexpr (R > 1) { _tile_zero(2); if constexpr (W > 1) _tile_zero(3); }
   const int8_t* x1 = x + 16 * lda;
+  const int8_t* w1 = w + kp * kC;
   for (int64_t s = 0; s < kp; s += kKB) {
-#define FLOTILLA_I8_AMX_VECTOR(J, C0, C1)          \
-  _tile_loadd(7, w + J * kp * kC + s * kC, 64);    \
-  _tile_loadd(6, x + s, lda);                      \
-  _tile_dpbssd(C0, 6, 7);                          \
-  if constexpr (R > 1) {                           \
-    _tile_loadd(6, x1 + s, lda);                   \
-    _tile_dpbssd(C1, 6, 7);                        \
+    _tile_loadd(6, w + s * kC, 64);
+    if constexpr (W > 1) _tile_loadd(7, w1 + s * kC, 64);
+    _tile_loadd(4, x + s, lda);
+    _tile_dpbssd(0, 4, 6);
+    if constexpr (W > 1) _tile_dpbssd(1, 4, 7);
+    if constexpr (R > 1) {
+      _tile_loadd(5, x1 + s, lda);
+      _tile_dpbssd(2, 5, 6);
+      if constexpr (W > 1) _tile_dpbssd(3, 5, 7);
+    }
   }
-    FLOTILLA_I8_AMX_VECTOR(0, 0, 3)
-    if constexpr (W > 1) { FLOTILLA_I8_AMX_VECTOR(1, 1, 4) }
-    if constexpr (W > 2) { FLOTILLA_I8_AMX_VECTOR(2, 2, 5) }
-#undef FLOTILLA_I8_AMX_VECTOR
-  }
-  alignas(64) int32_t acc[6][16 * 16];
+  alignas(64) int32_t acc[4][16 * 16];
   _tile_stored(0, acc[0], 64);
   if constexpr (W > 1) _tile_stored(1, acc[1], 64);
-  if constexpr (W > 2) _tile_stored(2, acc[2], 64);
   if constexpr (R > 1) {
-    _tile_stored(3, acc[3], 64);
-    if constexpr (W > 1) _tile_stored(4, acc[4], 64);
-    if constexpr (W > 2) _tile_stored(5, acc[5], 64);
+    _tile_stored(2, acc[2], 64);
+    if constexpr (W > 1) _tile_stored(3, acc[3], 64);
   }
   for (int64_t r = 0; r < rows; ++r)
-    for (int j = 0; j < W; ++j) out.emit(r0 + r, j * kC, acc[3 * (r / 16) + j] + (r % 16) * 16);
+    for (int j = 0; j < W; ++j)
+      out.emit(r0 + r, c0 + j * kC, acc[2 * (r / 16) + j] + (r % 16) * 16);
 }
 
 template <int W>
 void amx_rows(const int8_t* x, int64_t lda, int64_t rows, const int8_t* w, int64_t kp,
-              const Out& out) {
+              const Out& out, int64_t c0) {
   int64_t m = 0;
   for (; m + 16 < rows; m += 32)
-    amx_unit<2, W>(x + m * lda, lda, std::min<int64_t>(32, rows - m), w, kp, out, m);
-  if (m < rows) amx_unit<1, W>(x + m * lda, lda, rows - m, w, kp, out, m);
+    amx_unit<2, W>(x + m * lda, lda, std::min<int64_t>(32, rows - m), w, kp, out, m, c0);
+  if (m < rows) amx_unit<1, W>(x + m * lda, lda, rows - m, w, kp, out, m, c0);
 }
 
 void amx_item(const int8_t* x, int64_t lda, int64_t rows, const int8_t* w, int64_t kp,
               int vectors, const Out& out) {
-  if (vectors == 3) return amx_rows<3>(x, lda, rows, w, kp, out);
-  if (vectors == 2) return amx_rows<2>(x, lda, rows, w, kp, out);
-  amx_rows<1>(x, lda, rows, w, kp, out);
+  int j = 0;
+  for (; j + 2 <= vectors; j += 2) amx_rows<2>(x, lda, rows, w + j * kp * kC, kp, out, j * kC);
+  if (j < vectors) amx_rows<1>(x, lda, rows, w + j * kp * kC, kp, out, j * kC);
 }
 #endif
 
@@ -372,7 +372,8 @@ torch::Tensor int8_linear(torch::Tensor input, torch::Tensor packed, torch::Tens
   const int8_t* wp = packed.data_ptr<int8_t>();
   // Work items (row chunk, panel of kNR vectors), chunk-major; rows are split only when
   // there are fewer panels than threads.
-  const int64_t panels = (vectors + kNR - 1) / kNR, threads = at::get_num_threads();
+  const int64_t nr = kd == kAmx ? kAmxNR : kNR;
+  const int64_t panels = (vectors + nr - 1) / nr, threads = at::get_num_threads();
   int64_t chunk_rows = mp;
   if (panels < threads && mp > 16) chunk_rows = std::max<int64_t>(16, (mp / threads + 15) / 16 * 16);
   const int64_t chunks = (m + chunk_rows - 1) / chunk_rows;
@@ -384,8 +385,8 @@ torch::Tensor int8_linear(torch::Tensor input, torch::Tensor packed, torch::Tens
     for (int64_t item = begin; item < end; ++item) {
       const int64_t chunk = item / panels, g = item % panels;
       const int64_t r0 = chunk * chunk_rows, rows = std::min(chunk_rows, m - r0);
-      const int64_t c0 = g * kNR * kC;
-      const int nv = int(std::min<int64_t>(kNR, vectors - g * kNR));
+      const int64_t c0 = g * nr * kC;
+      const int nv = int(std::min<int64_t>(nr, vectors - g * nr));
       Out out{static_cast<char*>(y.data_ptr()) + (r0 * n + c0) * (float_out ? 4 : y.element_size()),
               bf16 && !float_out, bf16 && float_out, n, std::min<int64_t>(nv * kC, n - c0),
               sx.data_ptr<float>() + r0, swp + c0, bp ? bp + c0 : nullptr, cp ? cp + c0 : nullptr};
