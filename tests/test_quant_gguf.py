@@ -243,7 +243,9 @@ def test_without_the_kernels_blocks_are_decoded_and_the_log_says_so(tiny_gguf, m
 
 def test_quantization_option_must_name_the_checkpoint_s_format(tiny_gguf, tiny_llama):
     LLM(str(tiny_gguf), dtype="float32", quantization="gguf", block_size=8)
-    with pytest.raises(UnsupportedQuantizationError, match="'awq' is not served"):
+    with pytest.raises(UnsupportedQuantizationError, match="'bitsandbytes' is not served"):
+        LLM(str(tiny_gguf), dtype="float32", quantization="bitsandbytes")
+    with pytest.raises(UnsupportedQuantizationError, match="quantized as 'gguf'"):
         LLM(str(tiny_gguf), dtype="float32", quantization="awq")
     with pytest.raises(UnsupportedQuantizationError, match="not quantized"):
         LLM(str(tiny_llama), dtype="float32", quantization="gguf")

@@ -44,7 +44,8 @@ from engine.model.layers.linear import Linear, can_pack, pack_linears
 from engine.model.layers.rotary import RotaryEmbedding
 from engine.model.llama import LlamaForCausalLM, ModelShape
 from engine.model.loader import is_gguf_checkpoint, iter_weights
-from engine.quant import checkpoint_quantization
+from engine.quant import checkpoint_quantization, int4_scheme
+from engine.quant.int4_groups import iter_int4_weights
 from engine.model.stack import build_stack
 
 logger = logging.getLogger(__name__)
@@ -218,7 +219,11 @@ class ModelRunner:
         if self.config.load_format == "dummy":
             _random_weights(model)
         else:
-            model.load_weights(iter_weights(self.checkpoint), quant_kernels=self._quant_kernels())
+            weights = iter_weights(self.checkpoint)
+            scheme = int4_scheme(self.hf_config, str(self.checkpoint))
+            if scheme is not None:  # AWQ / GPTQ: their groups read as Q4_1 blocks
+                weights = iter_int4_weights(weights, scheme)
+            model.load_weights(weights, quant_kernels=self._quant_kernels())
         model = model.to(self.dtype).eval()
         model.requires_grad_(False)
         if (native_enabled() and self.triton is None
@@ -232,8 +237,8 @@ class ModelRunner:
         return model
 
     def _quant_kernels(self):
-        """The kernels that multiply a quantized checkpoint's weights (GGUF blocks, int8
-        W8A8) as stored, or None: they are then decoded to the activation dtype (said in
+        """The kernels that multiply a quantized checkpoint's weights (GGUF blocks, AWQ and
+        GPTQ read as such, int8 W8A8) as stored, or None: they are then decoded to the activation dtype (said in
         the log, not silently; int8's activations are then not quantized either)."""
         fmt = "gguf" if is_gguf_checkpoint(self.checkpoint) \
             else checkpoint_quantization(self.hf_config)

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
-from engine.errors import UnsupportedModelError
+from engine.errors import UnsupportedModelError, UnsupportedQuantizationError
 from engine.executor.parallel import ShardPlan, TPGroup
 from engine.model.layers.attention import AttentionMetadata, paged_attention
 from engine.model.layers.linear import Linear
@@ -29,6 +29,7 @@ from engine.model.layers.norm import RMSNorm
 from engine.model.layers.rotary import Rope, RotaryEmbedding, apply_rotary
 from engine.quant.gguf_linear import DECODE_DENSE_ROWS, DENSE_ROWS, GGUFWeight
 from engine.quant.gguf_weights import GGUFBlocks
+from engine.quant.int4_groups import INPUT_ORDER
 from engine.quant.int8_w8a8 import SIDECARS, Int8Pieces
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
@@ -333,6 +334,7 @@ class LlamaForCausalLM(nn.Module):
         loaded: set[str] = set()
         gguf_pieces: dict[str, list[tuple[int, GGUFBlocks]]] = {}
         int8 = Int8Pieces()
+        orders: dict[str, list[torch.Tensor]] = {}  # GPTQ act-order: input column orders
         rules = _shard_rules(self.shape, self.plan)
         for name, tensor in weights:
             if "rotary_emb" in name:
@@ -351,6 +353,12 @@ class LlamaForCausalLM(nn.Module):
                     src = None  # a row-parallel bias is whole, on rank 0 only
                     if target not in params:
                         continue
+            if kind == INPUT_ORDER:  # fused pieces share their input, so their order
+                if self.tp is not None:
+                    raise UnsupportedQuantizationError(
+                        "GPTQ act-order (desc_act) is not served under tensor parallelism")
+                orders.setdefault(target[:-len(kind)] + "weight", []).append(tensor)
+                continue
             if kind in SIDECARS:  # an int8 weight's scale: sliced as its rows are
                 weight_target = target[:-len(kind)] + "weight"
                 if weight_target not in params:
@@ -404,6 +412,16 @@ class LlamaForCausalLM(nn.Module):
         for target, pieces in gguf_pieces.items():
             weight = GGUFWeight.fuse(pieces, params[target].shape[0], quant_kernels)
             _hold_gguf(self.get_submodule(target.rsplit(".", 1)[0]), weight)
+        for target, held in orders.items():
+            if any(not torch.equal(o, held[0]) for o in held[1:]):
+                raise UnsupportedQuantizationError(
+                    f"GPTQ act-order: the fused pieces of {target} order their input "
+                    "columns differently")
+            if quant_kernels is None:  # decoded: back to the input's own order
+                with torch.no_grad():
+                    params[target].copy_(params[target][:, torch.argsort(held[0])])
+            else:
+                self.get_submodule(target.rsplit(".", 1)[0]).input_order = held[0]
         if self.shape.tie_word_embeddings and "embed_tokens.weight" in gguf_pieces:
             _hold_gguf(self.lm_head, self.embed_tokens.gguf)
 

@@ -26,6 +26,8 @@ def _linear_spec(layer: Linear) -> tuple | None:
     """([(kind, weight, format, rows, extras, input_scale), ...], bias, paired) of a
     linear, or None when the stack cannot call it (dense, or packed for oneDNN)."""
     q = layer.quant
+    if layer.input_order is not None:  # GPTQ act-order gathers x's columns: the modules do
+        return None
     if isinstance(q, Int8Weight):
         return [("int8", q.packed, "", q.rows, [q.comp, q.scales], q.input_scale)], layer.bias, False
     if q is not None:

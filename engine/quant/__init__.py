@@ -16,6 +16,8 @@ The entries:
   engine/model/kernels/quant_linear.cpp as stored).
 - compressed-tensors: its int8 W8A8 schemes (engine/quant/int8_w8a8.py, multiplied by
   engine/model/kernels/int8_linear.cpp).
+- awq, gptq: int4 weights in groups (engine/quant/int4_groups.py), read into Q4_1 blocks
+  and served as a GGUF file's are.
 Where those kernels do not run (CUDA, FLOTILLA_NATIVE_KERNELS=0) the weights are decoded
 to the activation dtype at load, and the engine says so in its log.
 """
@@ -45,6 +47,8 @@ def register(fmt: QuantFormat) -> QuantFormat:
 
 
 register(QuantFormat("gguf", tuple(BLOCK_FORMATS)))
+register(QuantFormat("awq", ("4-bit, groups of a multiple of 32, GEMM layout",)))
+register(QuantFormat("gptq", ("4-bit, groups of a multiple of 32, with or without act-order",)))
 register(QuantFormat("compressed-tensors", ("int8 W8A8: weights per channel or tensor, "
                                             "activations per token or static",)))
 
@@ -73,6 +77,9 @@ def check_checkpoint(hf_config: Any, model: str) -> None:
         from engine.quant.int8_w8a8 import read_scheme
         read_scheme(_as_dict(hf_config.quantization_config), model)
         return
+    if method in ("awq", "gptq"):
+        int4_scheme(hf_config, model)
+        return
     raise UnsupportedQuantizationError(
         f"model {model!r} is quantized with {method!r} (its config's quantization_config), "
         f"which Flotilla does not serve; quantized formats it reads: {supported_summary()}")
@@ -89,6 +96,16 @@ def int8_scheme(hf_config: Any, model: str):
         return None
     from engine.quant.int8_w8a8 import read_scheme
     return read_scheme(_as_dict(hf_config.quantization_config), model)
+
+
+def int4_scheme(hf_config: Any, model: str):
+    """The int4 scheme (engine.quant.int4_groups.Int4Scheme) of an AWQ or GPTQ
+    checkpoint, else None."""
+    method = checkpoint_quantization(hf_config)
+    if method not in ("awq", "gptq"):
+        return None
+    from engine.quant.int4_groups import read_scheme
+    return read_scheme(method, _as_dict(hf_config.quantization_config), model)
 
 
 def resolve_quantization(requested: str | None, checkpoint_format: str | None,
@@ -120,5 +137,5 @@ def check_gguf_types(types: Iterable[str], model: str) -> None:
 
 
 __all__ = ["QUANT_FORMATS", "QuantFormat", "UnsupportedQuantizationError", "check_checkpoint",
-           "check_gguf_types", "checkpoint_quantization", "int8_scheme", "register", "resolve_quantization",
+           "check_gguf_types", "checkpoint_quantization", "int4_scheme", "int8_scheme", "register", "resolve_quantization",
            "supported_summary"]

@@ -51,6 +51,8 @@ class Linear(nn.Linear):
     glu_halves = False
     _paired = False
     quant = None  # a GGUFWeight or Int8Weight (engine.quant) once set_quantized replaced it
+    # GPTQ act-order: the quantized weight's columns are x's in this order (a gather first)
+    input_order: torch.Tensor | None = None
 
     def set_quantized(self, weight) -> None:
         """Serve the weight quantized (a GGUFWeight or an Int8Weight, each with matmul,
@@ -83,6 +85,8 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant is not None:
+            if self.input_order is not None:
+                x = x.index_select(-1, self.input_order)
             return self.quant.matmul(x, self.bias)
         if self._native_linear is not None:
             return self._native_linear(x, self.packed_weight, self.bias, self.out_features,
@@ -111,6 +115,8 @@ class Linear(nn.Linear):
         writes float32 logits holding the dtype-rounded values, with no bf16 copy between)."""
         if self.quant is not None:  # dense_rows: GGUF's int8 products up to that many rows
             from engine.quant.gguf_linear import DECODE_DENSE_ROWS
+            if self.input_order is not None:
+                x = x.index_select(-1, self.input_order)
             return self.quant.matmul(x, self.bias, float_out=True,
                                     dense_rows=DECODE_DENSE_ROWS if dense_rows is None
                                     else dense_rows)

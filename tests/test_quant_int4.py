@@ -1,0 +1,157 @@
+"""AWQ and GPTQ int4 checkpoints (issue 42), read into Q4_1 blocks: the blocks decode to
+the checkpoint's own weights, and the engine on tiny checkpoints (tests/int4_helpers.py)
+matches transformers on the decoded weights in float32 (greedy tokens but for near ties,
+logprobs within the GGUF kernels' int8 rounding of activations), with GPTQ's act-order,
+on the decoder stack and the module path, under TP=2 and with LoRA."""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from engine import LLM
+from engine.errors import UnsupportedQuantizationError
+from engine.quant.gguf_weights import GGUFBlocks
+from engine.quant.int4_groups import iter_int4_weights, read_scheme
+from engine.sampling_params import SamplingParams
+from tests.conftest import build_tiny_model
+from tests.gguf_helpers import check_against
+from tests.int4_helpers import write_int4
+
+KINDS = [("awq", False), ("gptq", False), ("gptq", True)]
+
+
+@pytest.fixture(scope="module")
+def tiny_hf(tmp_path_factory, tiny_tokenizer_dir):
+    return build_tiny_model(tmp_path_factory.mktemp("int4") / "hf", "llama", tiny_tokenizer_dir)
+
+
+@functools.cache
+def _checkpoint(hf, method, act_order):
+    return write_int4(hf, hf.parent / f"{method}{'-act' if act_order else ''}", method,
+                      act_order=act_order)
+
+
+@functools.cache
+def _reference(path):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(str(path.with_name(path.name + "-decoded")),
+                                                dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("method, act_order", KINDS)
+def test_blocks_decode_to_the_checkpoint_s_weights(tiny_hf, method, act_order):
+    """Every weight read as Q4_1 blocks (columns in act-order's order where it applies)
+    decodes to (q - z) * s, but for the half rounding of -z * s (<= 0.4 % of a step)."""
+    import json
+    path = _checkpoint(tiny_hf, method, act_order)
+    qc = json.loads((path / "config.json").read_text())["quantization_config"]
+    want = load_file(str(path.with_name(path.name + "-decoded") / "model.safetensors"))
+    weights = dict(iter_int4_weights(load_file(str(path / "model.safetensors")).items(),
+                                     read_scheme(method, qc, "tiny")))
+    checked = 0
+    for name, value in weights.items():
+        if not isinstance(value, GGUFBlocks):
+            continue
+        got = value.dequantize()
+        order = weights.get(name.replace(".weight", ".input_order"))
+        if act_order:
+            assert order is not None, name
+            got = got[:, torch.argsort(order)]
+        step = (want[name].amax(1) - want[name].amin(1)).max() / 15  # the largest scale
+        assert (got - want[name]).abs().max() <= 15 * 2 ** -12 * step * 1.01, name
+        checked += 1
+    assert checked == 2 * 7
+
+
+@pytest.mark.parametrize("method, act_order", KINDS)
+@pytest.mark.parametrize("stack", ["1", "0"])
+def test_engine_on_int4_matches_the_decoded_weights(tiny_hf, monkeypatch, method, act_order,
+                                                    stack):
+    monkeypatch.setenv("FLOTILLA_DECODER_STACK", stack)
+    path = _checkpoint(tiny_hf, method, act_order)
+    llm = LLM(str(path), dtype="float32", max_num_batched_tokens=24, block_size=8)
+    engine = llm.llm_engine.engine_core
+    assert engine.quantization == method
+    model = engine.runner.model
+    qkv = model.layers[0].self_attn.qkv_proj
+    assert qkv.packing() == "gguf:Q4_1" and qkv.weight is None
+    assert (qkv.input_order is not None) == act_order
+    # the stack holds the layers unless act-order gathers x's columns first
+    assert (model.stack is not None) == (stack == "1" and not act_order)
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(100, 40000, n).tolist() for n in (40, 5, 33)]
+    ref = _reference(path)
+    check_against(llm, ref, prompts)
+    out = check_against(llm, ref, [prompts[0][:32] + [7, 8, 9]])
+    assert out[0].num_cached_tokens > 0
+
+
+@pytest.mark.parametrize("method", ["awq", "gptq"])
+def test_int4_under_tensor_parallelism_equals_one_rank(tiny_hf, method):
+    path = _checkpoint(tiny_hf, method, False)
+    prompts = [list(range(200, 230)), list(range(500, 509))]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    single = [o.outputs[0].token_ids for o in
+              LLM(str(path), dtype="float32").generate(prompts, params, use_tqdm=False)]
+    llm = LLM(str(path), dtype="float32", tensor_parallel_size=2)
+    try:
+        assert [o.outputs[0].token_ids for o in
+                llm.generate(prompts, params, use_tqdm=False)] == single
+    finally:
+        llm.shutdown()
+
+
+def test_act_order_under_tensor_parallelism_is_refused(tiny_hf):
+    with pytest.raises(UnsupportedQuantizationError, match="act-order"):
+        LLM(str(_checkpoint(tiny_hf, "gptq", True)), dtype="float32", tensor_parallel_size=2)
+
+
+def test_lora_on_an_act_order_gptq_base_matches_peft(tiny_hf, tmp_path):
+    from engine.lora.request import LoRARequest
+    from tests.test_lora import ALL, adapter_id, make_adapter
+    path = _checkpoint(tiny_hf, "gptq", True)
+    model = make_adapter(path.with_name(path.name + "-decoded"), tmp_path / "ad", 8, ALL,
+                         seed=3).eval()
+    llm = LLM(str(path), dtype="float32", enable_lora=True, max_lora_rank=8)
+    lora = LoRARequest("ad", adapter_id("ad"), str(tmp_path / "ad"))
+    check_against(llm, model, [list(range(300, 320)), list(range(900, 905))],
+                  exact_share=0.5, lora_request=lora)
+
+
+def test_without_the_kernels_int4_is_decoded_in_the_input_s_order(tiny_hf, monkeypatch):
+    import engine.executor.model_runner
+    monkeypatch.setattr(engine.executor.model_runner, "cpu_kernels", lambda: None)
+    monkeypatch.setattr(engine.executor.model_runner, "native_enabled", lambda: False)
+    path = _checkpoint(tiny_hf, "gptq", True)
+    llm = LLM(str(path), dtype="float32", block_size=8)
+    assert llm.llm_engine.engine_core.runner.model.layers[0].self_attn.qkv_proj.packing() is None
+    # no int8 activations: what differs is Q4_1's half m = -z * s (0.007 measured)
+    check_against(llm, _reference(path), [list(range(100, 120))], tolerance=0.02)
+
+
+@pytest.mark.parametrize("method, change, named", [
+    ("awq", {"bits": 8}, "8-bit"), ("awq", {"version": "gemv"}, "version 'gemv'"),
+    ("gptq", {"group_size": 48}, "group size 48"),
+    ("gptq", {"checkpoint_format": "marlin"}, "checkpoint_format 'marlin'"),
+])
+def test_other_int4_schemes_are_refused_by_name(method, change, named):
+    base = {"bits": 4, "group_size": 128}
+    with pytest.raises(UnsupportedQuantizationError, match=named):
+        read_scheme(method, {**base, **change}, "m")
+
+
+def test_a_config_that_says_int4_over_float_weights_is_refused(tiny_hf, tmp_path):
+    import json
+    import shutil
+
+    from engine.errors import UnsupportedModelError
+    shutil.copytree(tiny_hf, tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 32}
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError, match="holds no qweight"):
+        LLM(str(tmp_path / "m"), dtype="float32")
