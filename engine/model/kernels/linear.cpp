@@ -193,71 +193,87 @@ struct Bf16 {
 
 // ---- bf16 on AMX tiles --------------------------------------------------------------
 #if FLOTILLA_AMX
-// A unit of up to 2 row blocks (16 rows each) x a panel of up to 3 vectors: the float32
-// products in tiles 0-5 (row block i, vector j in tile 3i + j), the A tile (16 rows x 32
-// k) in tile 6, the B tile (32 k x 16 columns, a panel's 16 k-steps of one vector, read
-// in place at the panel's row stride) in tile 7. Each B tile is loaded once a k-tile and
-// multiplied with each row block's A tile (those come from L1). A unit's products go
-// through a float32 scratch to Bf16::emit, which adds the bias and rounds. No software
-// prefetch: the vector kinds' next-panel prefetch made AMX slower on the Xeon measured
-// (a layer's 4 linears at 64 rows, weights from memory: 574 us with it, 446 without;
-// the hardware prefetchers follow the tile loads' stream).
+// A unit of up to 2 row blocks (16 rows each) x up to 2 vectors of a panel (of PW): the
+// canonical 2 x 2 tile blocking, float32 products in tiles 0-3 (row block i, vector j in
+// tile 2i + j), the A tiles (16 rows x 32 k) of both row blocks in 4 and 5, the B tiles
+// (32 k x 16 columns: a vector's 16 k-steps, read in place at the panel's row stride) in
+// 6 and 7: every tile loaded once a k-tile feeds two products. A panel of 3 vectors is a
+// unit of 2 and one of 1. The first version reloaded one A tile for every product (6 A
+// and 3 B loads for 6 products), and its loads waited on the product before them: the
+// 64-row LM head (49,152 x 576) spent half its samples on those loads. A unit's products
+// go through a float32 scratch to Bf16::emit, which adds the bias and rounds. No
+// software prefetch: the vector kinds' next-panel prefetch made AMX slower on the Xeon
+// measured (a layer's 4 linears at 64 rows, weights from memory: 574 us with it, 446
+// without; the hardware prefetchers follow the tile loads' stream).
 struct Amx : Bf16 {
   static constexpr int64_t KS = 16;  // a B tile's k-steps
   static constexpr int MR = 32;      // rows of a unit (x's rows are padded to 16)
 
-  template <int R, int W, bool GLU, typename O>
+  template <int R, int W, int PW, bool GLU, typename O>
   static void unit(const T* a, int64_t lda, const T* b, int64_t steps, const Out<O>& out,
                    int64_t rows) {
-    const long as = lda * sizeof(T), bs = W * C * P * sizeof(T);
-    _tile_zero(0); if constexpr (W > 1) _tile_zero(1); if constexpr (W > 2) _tile_zero(2);
-    if constexpr (R > 1) {
-      _tile_zero(3); if constexpr (W > 1) _tile_zero(4); if constexpr (W > 2) _tile_zero(5);
-    }
+    static_assert(W <= 2 && W <= PW, "a unit holds up to 2 vectors of its panel");
+    const long as = lda * sizeof(T), bs = PW * C * P * sizeof(T);
+    _tile_zero(0); if constexpr (W > 1) _tile_zero(1);
+    if constexpr (R > 1) { _tile_zero(2); if constexpr (W > 1) _tile_zero(3); }
     const T* a1 = a + 16 * lda;
     for (int64_t s = 0; s < steps; s += KS) {
-      const T* bt = b + s * W * C * P;
-#define FLOTILLA_AMX_VECTOR(J, C0, C1)                                   \
-  _tile_loadd(7, bt + J * C * P, bs);                                    \
-  _tile_loadd(6, a + s * P, as);                                         \
-  _tile_dpbf16ps(C0, 6, 7);                                              \
-  if constexpr (R > 1) {                                                 \
-    _tile_loadd(6, a1 + s * P, as);                                      \
-    _tile_dpbf16ps(C1, 6, 7);                                            \
-  }
-      FLOTILLA_AMX_VECTOR(0, 0, 3)
-      if constexpr (W > 1) { FLOTILLA_AMX_VECTOR(1, 1, 4) }
-      if constexpr (W > 2) { FLOTILLA_AMX_VECTOR(2, 2, 5) }
-#undef FLOTILLA_AMX_VECTOR
+      const T* bt = b + s * PW * C * P;
+      _tile_loadd(6, bt, bs);
+      if constexpr (W > 1) _tile_loadd(7, bt + C * P, bs);
+      _tile_loadd(4, a + s * P, as);
+      _tile_dpbf16ps(0, 4, 6);
+      if constexpr (W > 1) _tile_dpbf16ps(1, 4, 7);
+      if constexpr (R > 1) {
+        _tile_loadd(5, a1 + s * P, as);
+        _tile_dpbf16ps(2, 5, 6);
+        if constexpr (W > 1) _tile_dpbf16ps(3, 5, 7);
+      }
     }
-    alignas(64) float acc[6][16 * 16];
+    alignas(64) float acc[4][16 * 16];
     _tile_stored(0, acc[0], 64);
     if constexpr (W > 1) _tile_stored(1, acc[1], 64);
-    if constexpr (W > 2) _tile_stored(2, acc[2], 64);
     if constexpr (R > 1) {
-      _tile_stored(3, acc[3], 64);
-      if constexpr (W > 1) _tile_stored(4, acc[4], 64);
-      if constexpr (W > 2) _tile_stored(5, acc[5], 64);
+      _tile_stored(2, acc[2], 64);
+      if constexpr (W > 1) _tile_stored(3, acc[3], 64);
     }
     for (int64_t r = 0; r < rows; ++r) {
       __m512 v[W];
       const int64_t blk = r / 16, in = r % 16;
       for (int j = 0; j < W; ++j) {
-        v[j] = _mm512_load_ps(acc[3 * blk + j] + in * 16);
+        v[j] = _mm512_load_ps(acc[2 * blk + j] + in * 16);
         if (out.bias) v[j] = _mm512_add_ps(v[j], _mm512_loadu_ps(out.bias + j * out.bstride));
       }
       emit<W, GLU>(out.c + r * out.ldc, v, out);
     }
   }
 
+  // Rows of a with vectors [j0, j0 + W) of a panel of PW: out moved to vector j0.
+  template <int R, int W, int PW, bool GLU, typename O>
+  static void part(const T* a, int64_t lda, const T* b, int64_t steps, Out<O> out,
+                   int64_t rows, int j0) {
+    out.c += j0 * out.vstride;
+    out.ncols -= j0 * out.vskip;
+    if (out.bias) out.bias += j0 * out.bstride;
+    unit<R, W, PW, GLU, O>(a, lda, b + j0 * C * P, steps, out, rows);
+  }
+
   // Rows [0, rows) of a (padded to whole row blocks) with one panel of W vectors.
   template <int W, bool GLU, typename O>
   static void panel(const T* a, int64_t lda, const T* b, int64_t steps, Out<O> out,
                     int64_t rows) {
-    int64_t m = 0;
-    for (; m + 16 < rows; m += MR, out.c += MR * out.ldc)
-      unit<2, W, GLU, O>(a + m * lda, lda, b, steps, out, std::min<int64_t>(MR, rows - m));
-    if (m < rows) unit<1, W, GLU, O>(a + m * lda, lda, b, steps, out, rows - m);
+    static_assert(!GLU || W == 2, "glu panels hold a gate and an up vector");
+    for (int64_t m = 0; m < rows; m += MR, out.c += MR * out.ldc) {
+      const int64_t n = std::min<int64_t>(MR, rows - m);
+      const T* am = a + m * lda;
+      if (n > 16) {
+        if constexpr (W >= 2) part<2, 2, W, GLU, O>(am, lda, b, steps, out, n, 0);
+        if constexpr (W != 2) part<2, 1, W, GLU, O>(am, lda, b, steps, out, n, W - 1);
+      } else {
+        if constexpr (W >= 2) part<1, 2, W, GLU, O>(am, lda, b, steps, out, n, 0);
+        if constexpr (W != 2) part<1, 1, W, GLU, O>(am, lda, b, steps, out, n, W - 1);
+      }
+    }
   }
 };
 #endif
