@@ -181,3 +181,19 @@ def decoded_default_model() -> Path:
         except OSError:  # made by another process meanwhile
             shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def check_tp2_equals_one_rank(model) -> None:
+    """Greedy tokens of `model` under tensor parallelism (2 ranks) equal one engine's:
+    each rank reads only its rows or columns of a quantized checkpoint."""
+    from engine import LLM
+    prompts = [list(range(200, 230)), list(range(500, 509))]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    single = [o.outputs[0].token_ids for o in
+              LLM(str(model), dtype="float32").generate(prompts, params, use_tqdm=False)]
+    llm = LLM(str(model), dtype="float32", tensor_parallel_size=2)
+    try:
+        assert [o.outputs[0].token_ids for o in
+                llm.generate(prompts, params, use_tqdm=False)] == single
+    finally:
+        llm.shutdown()

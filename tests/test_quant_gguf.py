@@ -20,7 +20,8 @@ from engine.quant.gguf_blocks import BLOCK_FORMATS, dequantize
 from engine.quant.gguf_weights import GGUFBlocks, iter_gguf_weights
 from engine.sampling_params import SamplingParams
 from tests.conftest import build_tiny_model, cpu_flags
-from tests.gguf_helpers import check_against, random_blocks, write_gguf
+from tests.gguf_helpers import (check_against, check_tp2_equals_one_rank, random_blocks,
+                                 write_gguf)
 
 FORMATS = sorted(BLOCK_FORMATS)
 
@@ -193,16 +194,7 @@ def test_k_quants_and_mixed_formats_match_transformers(tiny_kquant_gguf):
 def test_gguf_under_tensor_parallelism_equals_one_rank(tiny_gguf):
     """Each rank reads its rows (q/k/v, gate/up, vocabulary) and its block columns
     (o, down) of the file; TP=2 gives the single engine's tokens."""
-    prompts = [list(range(200, 230)), list(range(500, 509))]
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    single = [o.outputs[0].token_ids for o in
-              LLM(str(tiny_gguf), dtype="float32").generate(prompts, params, use_tqdm=False)]
-    llm = LLM(str(tiny_gguf), dtype="float32", tensor_parallel_size=2)
-    try:
-        assert [o.outputs[0].token_ids for o in
-                llm.generate(prompts, params, use_tqdm=False)] == single
-    finally:
-        llm.shutdown()
+    check_tp2_equals_one_rank(tiny_gguf)
 
 
 def test_lora_on_a_gguf_base_matches_peft_on_the_decoded_weights(tiny_gguf, tmp_path):

@@ -16,9 +16,8 @@ from engine import LLM
 from engine.errors import UnsupportedQuantizationError
 from engine.quant.gguf_weights import GGUFBlocks
 from engine.quant.int4_groups import iter_int4_weights, read_scheme
-from engine.sampling_params import SamplingParams
 from tests.conftest import build_tiny_model
-from tests.gguf_helpers import check_against
+from tests.gguf_helpers import check_against, check_tp2_equals_one_rank
 from tests.int4_helpers import write_int4
 
 KINDS = [("awq", False), ("gptq", False), ("gptq", True)]
@@ -93,16 +92,7 @@ def test_engine_on_int4_matches_the_decoded_weights(tiny_hf, monkeypatch, method
 @pytest.mark.parametrize("method", ["awq", "gptq"])
 def test_int4_under_tensor_parallelism_equals_one_rank(tiny_hf, method):
     path = _checkpoint(tiny_hf, method, False)
-    prompts = [list(range(200, 230)), list(range(500, 509))]
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    single = [o.outputs[0].token_ids for o in
-              LLM(str(path), dtype="float32").generate(prompts, params, use_tqdm=False)]
-    llm = LLM(str(path), dtype="float32", tensor_parallel_size=2)
-    try:
-        assert [o.outputs[0].token_ids for o in
-                llm.generate(prompts, params, use_tqdm=False)] == single
-    finally:
-        llm.shutdown()
+    check_tp2_equals_one_rank(path)
 
 
 def test_act_order_under_tensor_parallelism_is_refused(tiny_hf):

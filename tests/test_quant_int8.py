@@ -16,9 +16,8 @@ import torch
 
 from engine import LLM
 from engine.errors import UnsupportedQuantizationError
-from engine.sampling_params import SamplingParams
 from tests.conftest import build_tiny_model
-from tests.gguf_helpers import check_against
+from tests.gguf_helpers import check_against, check_tp2_equals_one_rank
 from tests.int8_helpers import write_decoded, write_w8a8
 
 
@@ -176,16 +175,7 @@ def test_per_tensor_weights_and_static_activation_scales(tiny_hf):
 def test_w8a8_under_tensor_parallelism_equals_one_rank(tiny_w8a8):
     """Each rank reads its rows (q/k/v, gate/up) with their scales, or its columns (o,
     down) with all of theirs; TP=2 gives the single engine's tokens."""
-    prompts = [list(range(200, 230)), list(range(500, 509))]
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    single = [o.outputs[0].token_ids for o in
-              LLM(str(tiny_w8a8), dtype="float32").generate(prompts, params, use_tqdm=False)]
-    llm = LLM(str(tiny_w8a8), dtype="float32", tensor_parallel_size=2)
-    try:
-        assert [o.outputs[0].token_ids for o in
-                llm.generate(prompts, params, use_tqdm=False)] == single
-    finally:
-        llm.shutdown()
+    check_tp2_equals_one_rank(tiny_w8a8)
 
 
 def test_lora_on_a_w8a8_base_matches_peft_on_the_decoded_weights(tiny_w8a8, tmp_path):
