@@ -145,3 +145,23 @@ def test_a_config_that_says_int4_over_float_weights_is_refused(tiny_hf, tmp_path
     (tmp_path / "m" / "config.json").write_text(json.dumps(config))
     with pytest.raises(UnsupportedModelError, match="holds no qweight"):
         LLM(str(tmp_path / "m"), dtype="float32")
+
+
+@pytest.mark.parametrize("method, act_order", [("awq", False), ("gptq", True)])
+def test_on_the_triton_backend_int4_runs_the_triton_kernel(tiny_hf, method, act_order):
+    """The Triton backend (interpreted here, compiled on a GPU) holds the Q4_1 blocks for
+    engine/model/triton_kernels/int4_linear.py; no activation rounding, so the match is
+    the decoded weights' but for Q4_1's half m."""
+    from engine.model.triton_kernels import availability
+    if availability(torch.device("cpu")) is not None:
+        pytest.skip(f"Triton kernels: {availability(torch.device('cpu'))}")
+    path = _checkpoint(tiny_hf, method, act_order)
+    llm = LLM(str(path), dtype="float32", attention_backend="triton", device="cpu",
+              block_size=8)
+    runner = llm.llm_engine.engine_core.runner
+    qkv = runner.model.layers[0].self_attn.qkv_proj
+    assert qkv.packing() == "int4-triton" and qkv.weight is None
+    assert runner.memory_usage()["weights_bytes"] < sum(
+        p.numel() * 4 for p in _reference(path).parameters())
+    check_against(llm, _reference(path), [list(range(100, 120)), list(range(700, 706))],
+                  tolerance=0.02)

@@ -247,6 +247,12 @@ class ModelRunner:
         if (self.device.type == "cpu" and self.kernels is not None and native_enabled()
                 and self.triton is None):
             return self.kernels
+        if self.triton is not None and fmt in ("gguf", "awq", "gptq"):
+            from engine.model.triton_kernels.int4_linear import TritonInt4
+            logger.info("%s weights on the Triton backend: Q4_1 blocks (AWQ and GPTQ are read "
+                        "as such) are multiplied by the int4 kernel, other formats decoded to "
+                        "%s at load", fmt, self.dtype)
+            return TritonInt4(self.device)
         logger.warning("no kernel here reads %s weights (device %s, attention backend %s, "
                        "native kernels %s): the weights are decoded to %s at load", fmt,
                        self.device, self.backend, "on" if self.kernels is not None else "off",

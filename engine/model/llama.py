@@ -334,6 +334,8 @@ class LlamaForCausalLM(nn.Module):
         loaded: set[str] = set()
         gguf_pieces: dict[str, list[tuple[int, GGUFBlocks]]] = {}
         int8 = Int8Pieces()
+        # the Triton backend's holder (engine.model.triton_kernels.int4_linear.TritonInt4)
+        triton_blocks = getattr(quant_kernels, "holds_blocks", False)
         orders: dict[str, list[torch.Tensor]] = {}  # GPTQ act-order: input column orders
         rules = _shard_rules(self.shape, self.plan)
         for name, tensor in weights:
@@ -403,15 +405,23 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise UnsupportedModelError(f"checkpoint is missing tensors for {missing[:5]}")
         for target, held in int8.weights({t: params[t].shape for t in int8.targets()},
-                                         quant_kernels).items():
+                                         None if triton_blocks else quant_kernels).items():
             if isinstance(held, torch.Tensor):  # no kernel: decoded (the runner says so)
                 with torch.no_grad():
                     params[target].copy_(held)
             else:
                 self.get_submodule(target.rsplit(".", 1)[0]).set_quantized(held)
         for target, pieces in gguf_pieces.items():
-            weight = GGUFWeight.fuse(pieces, params[target].shape[0], quant_kernels)
-            _hold_gguf(self.get_submodule(target.rsplit(".", 1)[0]), weight)
+            module = self.get_submodule(target.rsplit(".", 1)[0])
+            if triton_blocks:  # the Triton backend's int4 kernel, or decoded
+                weight = quant_kernels.hold(pieces, params[target].shape[0]) \
+                    if isinstance(module, Linear) else None
+                if weight is None:
+                    _copy_decoded(params[target], pieces)
+                else:
+                    module.set_quantized(weight)
+                continue
+            _hold_gguf(module, GGUFWeight.fuse(pieces, params[target].shape[0], quant_kernels))
         for target, held in orders.items():
             if any(not torch.equal(o, held[0]) for o in held[1:]):
                 raise UnsupportedQuantizationError(
@@ -422,8 +432,17 @@ class LlamaForCausalLM(nn.Module):
                     params[target].copy_(params[target][:, torch.argsort(held[0])])
             else:
                 self.get_submodule(target.rsplit(".", 1)[0]).input_order = held[0]
-        if self.shape.tie_word_embeddings and "embed_tokens.weight" in gguf_pieces:
+        if (self.shape.tie_word_embeddings and "embed_tokens.weight" in gguf_pieces
+                and not triton_blocks):
             _hold_gguf(self.lm_head, self.embed_tokens.gguf)
+
+
+def _copy_decoded(param: torch.Tensor, pieces: list[tuple[int, GGUFBlocks]]) -> None:
+    """Blocks decoded into a parameter (rows past the pieces zero)."""
+    with torch.no_grad():
+        param.zero_()
+        for offset, piece in pieces:
+            param.narrow(0, offset, piece.shape[0]).copy_(piece.dequantize())
 
 
 def _hold_gguf(module: nn.Module, weight: GGUFWeight) -> None:

@@ -130,11 +130,11 @@ class Linear(nn.Linear):
                 f"bias={self.bias is not None}, packed={self.packing()}")
 
     def packing(self) -> str | None:
-        """Which layout forward runs on: "native", "onednn", "gguf:<formats>", "int8" or
-        None (dense)."""
+        """Which layout forward runs on: "native", "onednn", "gguf:<formats>", "int8",
+        "int4-triton" or None (dense)."""
         if self.quant is not None:
             d = self.quant.describe()
-            return d if d == "int8" else "gguf:" + d
+            return d if d in ("int8", "int4-triton") else "gguf:" + d
         if self.packed_weight is None:
             return None
         return "native" if self._native_linear is not None else "onednn"
