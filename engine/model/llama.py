@@ -21,16 +21,15 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
-from engine.errors import UnsupportedModelError, UnsupportedQuantizationError
+from engine.errors import UnsupportedModelError
 from engine.executor.parallel import ShardPlan, TPGroup
 from engine.model.layers.attention import AttentionMetadata, paged_attention
 from engine.model.layers.linear import Linear
 from engine.model.layers.norm import RMSNorm
 from engine.model.layers.rotary import Rope, RotaryEmbedding, apply_rotary
-from engine.quant.gguf_linear import DECODE_DENSE_ROWS, DENSE_ROWS, GGUFWeight
+from engine.quant.gguf_linear import DECODE_DENSE_ROWS, DENSE_ROWS
 from engine.quant.gguf_weights import GGUFBlocks
-from engine.quant.int4_groups import INPUT_ORDER
-from engine.quant.int8_w8a8 import SIDECARS, Int8Pieces
+from engine.quant.holding import QuantizedPieces
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                            "Qwen3ForCausalLM")
@@ -332,11 +331,7 @@ class LlamaForCausalLM(nn.Module):
         """
         params = dict(self.named_parameters())
         loaded: set[str] = set()
-        gguf_pieces: dict[str, list[tuple[int, GGUFBlocks]]] = {}
-        int8 = Int8Pieces()
-        # the Triton backend's holder (engine.model.triton_kernels.int4_linear.TritonInt4)
-        triton_blocks = getattr(quant_kernels, "holds_blocks", False)
-        orders: dict[str, list[torch.Tensor]] = {}  # GPTQ act-order: input column orders
+        quantized = QuantizedPieces(quant_kernels, self.tp is not None)
         rules = _shard_rules(self.shape, self.plan)
         for name, tensor in weights:
             if "rotary_emb" in name:
@@ -355,39 +350,16 @@ class LlamaForCausalLM(nn.Module):
                     src = None  # a row-parallel bias is whole, on rank 0 only
                     if target not in params:
                         continue
-            if kind == INPUT_ORDER:  # fused pieces share their input, so their order
-                if self.tp is not None:
-                    raise UnsupportedQuantizationError(
-                        "GPTQ act-order (desc_act) is not served under tensor parallelism")
-                orders.setdefault(target[:-len(kind)] + "weight", []).append(tensor)
-                continue
-            if kind in SIDECARS:  # an int8 weight's scale: sliced as its rows are
-                weight_target = target[:-len(kind)] + "weight"
-                if weight_target not in params:
-                    raise UnsupportedModelError(f"unexpected checkpoint tensor {name!r}")
-                rows = (src[1], src[2]) if src is not None and src[0] == 0 else None
-                int8.add_sidecar(weight_target, offset, kind, tensor, rows)
+            if quantized.take_sidecar(kind, target, offset, src, tensor, params):
                 continue
             param = params.get(target)
             if param is None:
                 raise UnsupportedModelError(f"unexpected checkpoint tensor {name!r}")
             piece = _read_slice(tensor, src)
-            if isinstance(piece, torch.Tensor) and piece.dtype == torch.int8:
-                if kind != "weight":
-                    raise UnsupportedModelError(f"checkpoint tensor {name!r} is int8")
-                int8.add_weight(target, offset, piece)
+            if quantized.take_weight(name, kind, target, offset, piece, param):
                 loaded.add(f"{target}:{offset}")
                 continue
             if isinstance(piece, GGUFBlocks):
-                if quant_kernels is not None and kind == "weight":
-                    rows = param.shape[0] if offset is None else piece.shape[0]
-                    if piece.shape[1] != param.shape[1] or piece.shape[0] > rows:
-                        raise UnsupportedModelError(
-                            f"checkpoint tensor {name!r} has shape {tuple(piece.shape)}, "
-                            f"expected {(rows, param.shape[1])}")
-                    gguf_pieces.setdefault(target, []).append((offset or 0, piece))
-                    loaded.add(f"{target}:{offset}")
-                    continue
                 piece = piece.dequantize()
             with torch.no_grad():
                 if module in _VOCAB_PARALLEL and piece.shape[0] < param.shape[0]:
@@ -404,55 +376,7 @@ class LlamaForCausalLM(nn.Module):
         missing = sorted(expected - loaded)
         if missing:
             raise UnsupportedModelError(f"checkpoint is missing tensors for {missing[:5]}")
-        for target, held in int8.weights({t: params[t].shape for t in int8.targets()},
-                                         None if triton_blocks else quant_kernels).items():
-            if isinstance(held, torch.Tensor):  # no kernel: decoded (the runner says so)
-                with torch.no_grad():
-                    params[target].copy_(held)
-            else:
-                self.get_submodule(target.rsplit(".", 1)[0]).set_quantized(held)
-        for target, pieces in gguf_pieces.items():
-            module = self.get_submodule(target.rsplit(".", 1)[0])
-            if triton_blocks:  # the Triton backend's int4 kernel, or decoded
-                weight = quant_kernels.hold(pieces, params[target].shape[0]) \
-                    if isinstance(module, Linear) else None
-                if weight is None:
-                    _copy_decoded(params[target], pieces)
-                else:
-                    module.set_quantized(weight)
-                continue
-            _hold_gguf(module, GGUFWeight.fuse(pieces, params[target].shape[0], quant_kernels))
-        for target, held in orders.items():
-            if any(not torch.equal(o, held[0]) for o in held[1:]):
-                raise UnsupportedQuantizationError(
-                    f"GPTQ act-order: the fused pieces of {target} order their input "
-                    "columns differently")
-            if quant_kernels is None:  # decoded: back to the input's own order
-                with torch.no_grad():
-                    params[target].copy_(params[target][:, torch.argsort(held[0])])
-            else:
-                self.get_submodule(target.rsplit(".", 1)[0]).input_order = held[0]
-        if (self.shape.tie_word_embeddings and "embed_tokens.weight" in gguf_pieces
-                and not triton_blocks):
-            _hold_gguf(self.lm_head, self.embed_tokens.gguf)
-
-
-def _copy_decoded(param: torch.Tensor, pieces: list[tuple[int, GGUFBlocks]]) -> None:
-    """Blocks decoded into a parameter (rows past the pieces zero)."""
-    with torch.no_grad():
-        param.zero_()
-        for offset, piece in pieces:
-            param.narrow(0, offset, piece.shape[0]).copy_(piece.dequantize())
-
-
-def _hold_gguf(module: nn.Module, weight: GGUFWeight) -> None:
-    """Have a Linear or the embedding serve its weight as GGUF blocks."""
-    if isinstance(module, Linear):
-        module.set_quantized(weight)
-        return
-    module.gguf = weight  # the embedding: _lookup decodes its rows
-    del module.weight
-    module.register_parameter("weight", None)
+        quantized.finish(self, params, self.shape.tie_word_embeddings)
 
 
 Slice = tuple[int, int, int]  # (dim, start, length) of the checkpoint tensor

@@ -1,0 +1,129 @@
+"""Where a model's quantized weights go as the loader reads them: the pieces a
+checkpoint's tensors give (GGUF blocks, int8 weights and their scales, GPTQ's act-order)
+gathered by the fused parameter they fill, then held by its layer (a Linear's
+set_quantized, the embedding's GGUF rows) or decoded into the parameter.
+
+Why apart from the model: the model's loader knows names, fused parameters and tensor
+parallel slices; this knows the formats and who multiplies them: the native CPU kernel
+module, the Triton backend's holder (engine.model.triton_kernels.int4_linear.TritonInt4:
+Q4_1 only), or none (everything decoded to floats, which the runner logs).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.errors import UnsupportedModelError, UnsupportedQuantizationError
+from engine.model.layers.linear import Linear
+from engine.quant.gguf_linear import GGUFWeight
+from engine.quant.gguf_weights import GGUFBlocks
+from engine.quant.int4_groups import INPUT_ORDER
+from engine.quant.int8_w8a8 import SIDECARS, Int8Pieces
+
+
+class QuantizedPieces:
+    """One load's quantized pieces. kernels: the native kernel module, a holder with
+    `holds_blocks` (Triton), or None."""
+
+    def __init__(self, kernels: Any, tensor_parallel: bool) -> None:
+        self.kernels = kernels
+        self.triton = bool(getattr(kernels, "holds_blocks", False))
+        self.tensor_parallel = tensor_parallel
+        self.blocks: dict[str, list[tuple[int, GGUFBlocks]]] = {}
+        self.int8 = Int8Pieces()
+        self.orders: dict[str, list[torch.Tensor]] = {}  # GPTQ act-order: input orders
+
+    def take_sidecar(self, kind: str, target: str, offset: int | None, src, tensor: Any,
+                     params: dict) -> bool:
+        """A tensor that is not a parameter's own: an int8 weight's scale (sliced as its
+        rows are) or an act-order input order. False: not one of those."""
+        if kind == INPUT_ORDER:  # fused pieces share their input, so their order
+            if self.tensor_parallel:
+                raise UnsupportedQuantizationError(
+                    "GPTQ act-order (desc_act) is not served under tensor parallelism")
+            self.orders.setdefault(target[:-len(kind)] + "weight", []).append(tensor)
+            return True
+        if kind not in SIDECARS:
+            return False
+        weight_target = target[:-len(kind)] + "weight"
+        if weight_target not in params:
+            raise UnsupportedModelError(f"unexpected checkpoint tensor {target!r}")
+        rows = (src[1], src[2]) if src is not None and src[0] == 0 else None
+        self.int8.add_sidecar(weight_target, offset, kind, tensor, rows)
+        return True
+
+    def take_weight(self, name: str, kind: str, target: str, offset: int | None, piece: Any,
+                    param: torch.Tensor) -> bool:
+        """A parameter's quantized piece kept for finish(); False: the caller copies it
+        (a float tensor, or blocks it should decode: there is no kernel)."""
+        if isinstance(piece, torch.Tensor) and piece.dtype == torch.int8:
+            if kind != "weight":
+                raise UnsupportedModelError(f"checkpoint tensor {name!r} is int8")
+            self.int8.add_weight(target, offset, piece)
+            return True
+        if isinstance(piece, GGUFBlocks) and self.kernels is not None and kind == "weight":
+            rows = param.shape[0] if offset is None else piece.shape[0]
+            if piece.shape[1] != param.shape[1] or piece.shape[0] > rows:
+                raise UnsupportedModelError(
+                    f"checkpoint tensor {name!r} has shape {tuple(piece.shape)}, "
+                    f"expected {(rows, param.shape[1])}")
+            self.blocks.setdefault(target, []).append((offset or 0, piece))
+            return True
+        return False
+
+    def finish(self, model: nn.Module, params: dict, tied_embeddings: bool) -> None:
+        """Hold (or decode) every kept piece in `model`, whose parameters are `params`."""
+        int8_kernels = None if self.triton else self.kernels
+        for target, held in self.int8.weights({t: params[t].shape for t in self.int8.targets()},
+                                              int8_kernels).items():
+            if isinstance(held, torch.Tensor):  # no kernel: decoded (the runner says so)
+                with torch.no_grad():
+                    params[target].copy_(held)
+            else:
+                model.get_submodule(target.rsplit(".", 1)[0]).set_quantized(held)
+        for target, pieces in self.blocks.items():
+            module = model.get_submodule(target.rsplit(".", 1)[0])
+            rows = params[target].shape[0]
+            if self.triton:  # the Triton backend's int4 kernel, or decoded
+                weight = self.kernels.hold(pieces, rows) if isinstance(module, Linear) else None
+                if weight is None:
+                    _copy_decoded(params[target], pieces)
+                else:
+                    module.set_quantized(weight)
+                continue
+            _hold_gguf(module, GGUFWeight.fuse(pieces, rows, self.kernels))
+        for target, held in self.orders.items():
+            if any(not torch.equal(o, held[0]) for o in held[1:]):
+                raise UnsupportedQuantizationError(
+                    f"GPTQ act-order: the fused pieces of {target} order their input "
+                    "columns differently")
+            if self.kernels is None:  # decoded: back to the input's own order
+                with torch.no_grad():
+                    params[target].copy_(params[target][:, torch.argsort(held[0])])
+            else:
+                model.get_submodule(target.rsplit(".", 1)[0]).input_order = held[0]
+        if tied_embeddings and "embed_tokens.weight" in self.blocks and not self.triton:
+            _hold_gguf(model.lm_head, model.embed_tokens.gguf)
+
+
+def _copy_decoded(param: torch.Tensor, pieces: list[tuple[int, GGUFBlocks]]) -> None:
+    """Blocks decoded into a parameter (rows past the pieces zero)."""
+    with torch.no_grad():
+        param.zero_()
+        for offset, piece in pieces:
+            param.narrow(0, offset, piece.shape[0]).copy_(piece.dequantize())
+
+
+def _hold_gguf(module: nn.Module, weight: GGUFWeight) -> None:
+    """Have a Linear or the embedding serve its weight as GGUF blocks."""
+    if isinstance(module, Linear):
+        module.set_quantized(weight)
+        return
+    module.gguf = weight  # the embedding: _lookup decodes its rows
+    del module.weight
+    module.register_parameter("weight", None)
+
+
+__all__ = ["QuantizedPieces"]
