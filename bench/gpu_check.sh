@@ -3,9 +3,10 @@
 # each part under its own timeout, the whole within 8 minutes:
 #   1. tests  (TEST_S=150)    the Triton kernels compiled on the GPU (bf16 too) and the
 #                             CUDA engine tests on both backends (tests/test_triton_kernels.py,
-#                             tests/test_cuda.py)
+#                             tests/test_triton_int4.py, tests/test_cuda.py)
 #   2. kernels (KERNELS_S=90) bench/gpu_kernels.py: paged attention triton vs flex vs SDPA
-#                             (and FlashInfer's decode kernel where it imports), the fused ops
+#                             (and FlashInfer's decode kernel where it imports), the fused ops,
+#                             the int4 linear (AWQ / GPTQ / Q4_1) against its bytes' read
 #   3. bench  (BENCH_S=180)   bench/gpu.py: decode step vs the HBM bound, prefill vs the
 #                             matmul peak (BENCH_ARGS, default --backends triton)
 #   4. profile (PROFILE_S=50) bench/gpu_profile.py: one decode step's kernels, 1B batch 64
@@ -44,7 +45,7 @@ fi
 
 echo "== 1. tests"
 timeout "${TEST_S:-150}" python3 -m pytest -q -p no:cacheprovider -o addopts="" \
-  tests/test_triton_kernels.py tests/test_cuda.py ${PYTEST_ARGS:-} 2>&1 \
+  tests/test_triton_kernels.py tests/test_triton_int4.py tests/test_cuda.py ${PYTEST_ARGS:-} 2>&1 \
   | tee "$OUT/tests.log" | tail -40
 echo "== 2. kernels"
 PYTHONPATH=$PYTHONPATH${FI_PATH:+:$FI_PATH} timeout "${KERNELS_S:-90}" \

@@ -12,6 +12,9 @@ step within 2x of the memory bound).
    batch 64 x 512 within 2x).
 2. The fused element-wise kernels at 8B shapes (batch 64) against the torch ops they
    replace.
+3. The int4 linear (engine/model/triton_kernels/int4_linear.py: AWQ / GPTQ / GGUF Q4_1
+   weights unpacked in registers) at 8B layer shapes and batch 64, against the read of
+   its own bytes at the measured copy bandwidth and against torch's bf16 matmul.
 Prints its tables; needs a CUDA device.
 """
 from __future__ import annotations
@@ -181,6 +184,33 @@ def fused_rows() -> list[tuple[str, float, float]]:
     return [(name, a * 1e3, b * 1e3) for name, a, b in rows]
 
 
+INT4_SHAPES = [("q/k/v", 6144, 4096), ("o", 4096, 4096), ("gate/up", 28672, 4096),
+               ("down", 4096, 14336)]  # Llama 8B's linears: (name, out, in)
+
+
+def _bf16_ms(x: torch.Tensor, n: int, k: int) -> float:
+    dense = torch.randn(n, k, device=x.device, dtype=x.dtype)
+    return cuda_time(lambda: F.linear(x, dense)) * 1e3
+
+
+def int4_rows(bandwidth: float, batch: int = 64) -> list[tuple]:
+    """(linear, int4 ms, its bytes' read ms, bf16 ms) at 8B shapes."""
+    from engine.model.triton_kernels.int4_linear import Int4Weight
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    rows = []
+    for name, n, k in INT4_SHAPES:
+        weight = Int4Weight(torch.randint(-2 ** 31, 2 ** 31 - 1, (k // 8, n), dtype=torch.int32,
+                                          device=dev),
+                            (torch.rand(k // 32, n, device=dev) * 0.01).half(),
+                            (torch.rand(k // 32, n, device=dev) * -0.05).half(), n, k)
+        x = torch.randn(batch, k, device=dev, dtype=dt)
+        int4_ms = cuda_time(lambda: weight.matmul(x, None)) * 1e3
+        rows.append((name, int4_ms, weight.nbytes / bandwidth * 1e3,
+                     _bf16_ms(x, n, k)))
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--skip-flashinfer", action="store_true")
@@ -213,6 +243,11 @@ def main() -> None:
     print(f"{'op':<26}{'triton':>9}{'torch':>9}")
     for name, tr, to in fused_rows():
         print(f"{name:<26}{tr:>9.4f}{to:>9.4f}")
+    print("\nint4 linears (Q4_1: 4.5 bits a weight), 8B shapes, batch 64, ms (read: its "
+          "bytes at the copy rate)")
+    print(f"{'linear':<10}{'int4':>9}{'read':>9}{'int4/read':>11}{'bf16':>9}")
+    for name, q, read, dense in int4_rows(bandwidth):
+        print(f"{name:<10}{q:>9.3f}{read:>9.3f}{q / read:>10.2f}x{dense:>9.3f}")
 
 
 if __name__ == "__main__":
