@@ -165,3 +165,11 @@ def test_on_the_triton_backend_int4_runs_the_triton_kernel(tiny_hf, method, act_
         p.numel() * 4 for p in _reference(path).parameters())
     check_against(llm, _reference(path), [list(range(100, 120)), list(range(700, 706))],
                   tolerance=0.02)
+
+
+def test_the_quantization_option_takes_vllm_s_names_for_the_format(tiny_hf):
+    path = _checkpoint(tiny_hf, "awq", False)
+    llm = LLM(str(path), dtype="float32", quantization="awq_marlin", block_size=8)
+    assert llm.llm_engine.engine_core.quantization == "awq"
+    with pytest.raises(UnsupportedQuantizationError, match="quantized as 'awq'"):
+        LLM(str(path), dtype="float32", quantization="gptq_marlin")

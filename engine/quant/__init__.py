@@ -37,6 +37,8 @@ class QuantFormat:
 
 
 QUANT_FORMATS: dict[str, QuantFormat] = {}
+# vLLM's names for a kernel choice over the same checkpoint format: the format is served
+ALIASES = {"awq_marlin": "awq", "gptq_marlin": "gptq"}
 
 
 def register(fmt: QuantFormat) -> QuantFormat:
@@ -113,6 +115,7 @@ def resolve_quantization(requested: str | None, checkpoint_format: str | None,
     """The format the weights are served in: the checkpoint's own (None: unquantized).
     A requested format (the `quantization` option) must be that one: weights are never
     requantized into another format at load."""
+    requested = ALIASES.get(requested, requested)
     if requested is None or requested == checkpoint_format:
         return checkpoint_format
     if requested not in QUANT_FORMATS:
