@@ -89,9 +89,10 @@ def test_engine_on_int4_matches_the_decoded_weights(tiny_hf, monkeypatch, method
     assert out[0].num_cached_tokens > 0
 
 
-@pytest.mark.parametrize("method", ["awq", "gptq"])
-def test_int4_under_tensor_parallelism_equals_one_rank(tiny_hf, method):
-    path = _checkpoint(tiny_hf, method, False)
+def test_int4_under_tensor_parallelism_equals_one_rank(tiny_hf):
+    """Both formats are Q4_1 blocks once read (the test of the blocks' values covers GPTQ
+    against AWQ), so one format covers each rank's rows and block columns."""
+    path = _checkpoint(tiny_hf, "awq", False)
     check_tp2_equals_one_rank(path)
 
 
