@@ -76,8 +76,8 @@ def check_checkpoint(hf_config: Any, model: str) -> None:
     if method is None or method == "gguf":  # transformers marks a GGUF file's config so
         return
     if method == "compressed-tensors":
-        from engine.quant.int8_w8a8 import read_scheme
-        read_scheme(_as_dict(hf_config.quantization_config), model)
+        from engine.quant.int8_w8a8 import check_scheme
+        check_scheme(_as_dict(hf_config.quantization_config), model)
         return
     if method in ("awq", "gptq"):
         int4_scheme(hf_config, model)
@@ -89,15 +89,6 @@ def check_checkpoint(hf_config: Any, model: str) -> None:
 
 def _as_dict(qc: Any) -> dict:
     return qc if isinstance(qc, dict) else qc.to_dict()
-
-
-def int8_scheme(hf_config: Any, model: str):
-    """The int8 W8A8 scheme (engine.quant.int8_w8a8.Int8Scheme) of a compressed-tensors
-    checkpoint, else None."""
-    if checkpoint_quantization(hf_config) != "compressed-tensors":
-        return None
-    from engine.quant.int8_w8a8 import read_scheme
-    return read_scheme(_as_dict(hf_config.quantization_config), model)
 
 
 def int4_scheme(hf_config: Any, model: str):
@@ -140,5 +131,5 @@ def check_gguf_types(types: Iterable[str], model: str) -> None:
 
 
 __all__ = ["QUANT_FORMATS", "QuantFormat", "UnsupportedQuantizationError", "check_checkpoint",
-           "check_gguf_types", "checkpoint_quantization", "int4_scheme", "int8_scheme", "register", "resolve_quantization",
+           "check_gguf_types", "checkpoint_quantization", "int4_scheme", "register", "resolve_quantization",
            "supported_summary"]

@@ -93,6 +93,10 @@ class GGUFWeight:
     def describe(self) -> str:
         return "+".join(s.format for s in self.segments)
 
+    def packing(self) -> str:
+        """What Linear.packing reports for a layer holding it."""
+        return "gguf:" + self.describe()
+
     def _product(self, s: Segment, x: torch.Tensor, bias: torch.Tensor | None,
                  float_out: bool, dense_rows: int) -> torch.Tensor:
         if s.regrouped:

@@ -11,7 +11,7 @@ On disk (per quantized linear `<prefix>`): `<prefix>.weight` int8 [out, in],
 `<prefix>.weight_scale` [out, 1] or [1], optionally `<prefix>.input_scale` (static
 activations) and `<prefix>.weight_zero_point` (zeros: symmetric). The config's
 `quantization_config` names the scheme; the schemes read here are checked by
-`read_scheme`, every other one is refused naming what differs.
+`check_scheme`, every other one is refused naming what differs.
 """
 from __future__ import annotations
 
@@ -26,17 +26,11 @@ SIDECARS = ("weight_scale", "input_scale", "weight_zero_point")  # tensors besid
 _FORMATS = ("int-quantized", "naive-quantized")  # int8 values stored as int8
 
 
-@dataclass(frozen=True)
-class Int8Scheme:
-    """What a compressed-tensors config asks for, of what is read here."""
-
-    static_input: bool  # input_scale in the checkpoint (else dynamic per token)
-    ignore: tuple[str, ...]  # modules left in float (lm_head, usually)
-
-
-def read_scheme(qc: dict, model: str) -> Int8Scheme:
-    """The int8 W8A8 scheme of a compressed-tensors `quantization_config`; raises
-    UnsupportedQuantizationError naming the part Flotilla does not serve."""
+def check_scheme(qc: dict, model: str) -> None:
+    """Raise UnsupportedQuantizationError naming the part of a compressed-tensors
+    `quantization_config` Flotilla does not serve. What the weights need past that (static
+    input scales, the modules left in float) the checkpoint's tensors say: an `input_scale`
+    beside a weight, an int8 weight or a float one."""
     def refuse(what: str) -> UnsupportedQuantizationError:
         return UnsupportedQuantizationError(
             f"model {model!r} is compressed-tensors with {what}; Flotilla serves its int8 "
@@ -71,7 +65,7 @@ def read_scheme(qc: dict, model: str) -> Int8Scheme:
     targets = group.get("targets") or []
     if targets != ["Linear"]:
         raise refuse(f"targets {targets}")
-    return Int8Scheme(static_input=not dynamic, ignore=tuple(qc.get("ignore") or ()))
+
 
 
 @dataclass
@@ -99,6 +93,10 @@ class Int8Weight:
         return self.packed.numel() + self.scales.numel() * 4
 
     def describe(self) -> str:
+        return "int8"
+
+    def packing(self) -> str:
+        """What Linear.packing reports for a layer holding it."""
         return "int8"
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None, float_out: bool = False,
@@ -180,4 +178,4 @@ class Int8Pieces:
         return out
 
 
-__all__ = ["Int8Pieces", "Int8Scheme", "Int8Weight", "SIDECARS", "read_scheme"]
+__all__ = ["Int8Pieces", "Int8Weight", "SIDECARS", "check_scheme"]

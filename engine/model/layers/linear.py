@@ -50,13 +50,14 @@ class Linear(nn.Linear):
     # the native packing then pairs them, and forward_glu writes silu(gate) * up.
     glu_halves = False
     _paired = False
-    quant = None  # a GGUFWeight or Int8Weight (engine.quant) once set_quantized replaced it
+    # a GGUFWeight, Int8Weight or Int4Weight once set_quantized replaced the weight
+    quant = None
     # GPTQ act-order: the quantized weight's columns are x's in this order (a gather first)
     input_order: torch.Tensor | None = None
 
     def set_quantized(self, weight) -> None:
-        """Serve the weight quantized (a GGUFWeight or an Int8Weight, each with matmul,
-        nbytes and describe); the dense one is released."""
+        """Serve the weight quantized (a GGUFWeight, Int8Weight or Int4Weight, each with
+        matmul, nbytes and packing); the dense one is released."""
         self.quant = weight
         del self.weight
         self.register_parameter("weight", None)
@@ -133,8 +134,7 @@ class Linear(nn.Linear):
         """Which layout forward runs on: "native", "onednn", "gguf:<formats>", "int8",
         "int4-triton" or None (dense)."""
         if self.quant is not None:
-            d = self.quant.describe()
-            return d if d in ("int8", "int4-triton") else "gguf:" + d
+            return self.quant.packing()
         if self.packed_weight is None:
             return None
         return "native" if self._native_linear is not None else "onednn"

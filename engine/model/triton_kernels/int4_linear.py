@@ -90,6 +90,10 @@ class Int4Weight:
     def describe(self) -> str:
         return "int4-triton"
 
+    def packing(self) -> str:
+        """What Linear.packing reports for a layer holding it."""
+        return "int4-triton"
+
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None, float_out: bool = False,
                dense_rows: int | None = None) -> torch.Tensor:
         """x @ W.T (+ bias); float_out: float32 holding x-dtype-rounded values."""
