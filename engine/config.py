@@ -118,7 +118,8 @@ class EngineConfig:
         None, "how the checkpoint's weights are quantized (vLLM's --quantization): none "
         "reads it from the checkpoint; a value must name the checkpoint's own format "
         "(gguf for a .gguf file, whose blocks are served as stored; awq or gptq (or "
-        "vLLM's awq_marlin / gptq_marlin) for int4 ones; compressed-tensors for int8 W8A8)")
+        "vLLM's awq_marlin / gptq_marlin) for int4 ones; compressed-tensors for int8 W8A8 "
+        "and FP8; fp8 for vLLM's own fp8 checkpoints)")
     load_format: str = option("auto", "auto: the checkpoint's weights; dummy: random weights "
                                       "of its shapes (benchmarks, no weight files needed)",
                               choices=("auto", "dummy"))

@@ -83,15 +83,15 @@ def write_w8a8(src: Path, out: Path, per_channel: bool = True,
 
 
 def write_decoded(w8a8: Path, out: Path) -> Path:
-    """The float32 checkpoint of a W8A8 one's decoded weights (int8 x scale): what a
-    reference runs."""
+    """The float32 checkpoint of a W8A8 (or fp8: tests/fp8_helpers.py) one's decoded
+    weights (int8 or e4m3 x scale): what a reference runs."""
     out.mkdir(parents=True, exist_ok=True)
     state = _state(w8a8)
     decoded = {}
     for name, value in state.items():
         if name.endswith((".weight_scale", ".input_scale")):
             continue
-        if value.dtype == torch.int8:
+        if value.dtype in (torch.int8, torch.float8_e4m3fn):
             scale = state[name + "_scale"].float()
             decoded[name] = value.float() * scale.reshape(-1, 1)
         else:

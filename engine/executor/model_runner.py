@@ -238,7 +238,7 @@ class ModelRunner:
 
     def _quant_kernels(self):
         """The kernels that multiply a quantized checkpoint's weights (GGUF blocks, AWQ and
-        GPTQ read as such, int8 W8A8) as stored, or None: they are then decoded to the activation dtype (said in
+        GPTQ read as such, int8 W8A8, fp8) as stored, or None: they are then decoded to the activation dtype (said in
         the log, not silently; int8's activations are then not quantized either)."""
         fmt = "gguf" if is_gguf_checkpoint(self.checkpoint) \
             else checkpoint_quantization(self.hf_config)
@@ -247,11 +247,12 @@ class ModelRunner:
         if (self.device.type == "cpu" and self.kernels is not None and native_enabled()
                 and self.triton is None):
             return self.kernels
-        if self.triton is not None and fmt in ("gguf", "awq", "gptq"):
+        if self.triton is not None and fmt in ("gguf", "awq", "gptq", "fp8",
+                                               "compressed-tensors"):
             from engine.model.triton_kernels.int4_linear import TritonInt4
             logger.info("%s weights on the Triton backend: Q4_1 blocks (AWQ and GPTQ are read "
-                        "as such) are multiplied by the int4 kernel, other formats decoded to "
-                        "%s at load", fmt, self.dtype)
+                        "as such) are multiplied by the int4 kernel, fp8 weights by "
+                        "torch._scaled_mm, other formats decoded to %s at load", fmt, self.dtype)
             return TritonInt4(self.device)
         logger.warning("no kernel here reads %s weights (device %s, attention backend %s, "
                        "native kernels %s): the weights are decoded to %s at load", fmt,

@@ -5,7 +5,7 @@ on the default model was as much as its GGUF weights' products. The stack holds 
 same weights and calls the same kernels in the same order, so its values are the
 modules' own; it serves the paths it can hold and the modules serve the rest (LoRA,
 tensor parallelism, q/k norm, Triton or torch attention, unpacked linears).
-Its linears: packed for the native kernels, GGUF blocks, or int8 W8A8.
+Its linears: packed for the native kernels, GGUF blocks, int8 W8A8 or fp8 weights.
 FLOTILLA_DECODER_STACK=0 turns it off (tests compare the two; benchmarks time both).
 """
 from __future__ import annotations
@@ -15,6 +15,7 @@ import os
 from torch import nn
 
 from engine.model.layers.linear import Linear
+from engine.quant.fp8 import Fp8Weight
 from engine.quant.int8_w8a8 import Int8Weight
 
 
@@ -30,6 +31,8 @@ def _linear_spec(layer: Linear) -> tuple | None:
         return None
     if isinstance(q, Int8Weight):
         return [("int8", q.packed, "", q.rows, [q.comp, q.scales], q.input_scale)], layer.bias, False
+    if isinstance(q, Fp8Weight):
+        return [("fp8", q.packed, "", q.rows, [q.scales], 0.0)], layer.bias, False
     if q is not None:
         segments = [("gguf_regrouped" if s.regrouped else "gguf", s.data, s.format, s.rows,
                      [], 0.0) for s in q.segments]

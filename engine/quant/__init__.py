@@ -15,7 +15,10 @@ The entries:
   and gguf_linear.py (a layer's weight as blocks, multiplied by the native kernels of
   engine/model/kernels/quant_linear.cpp as stored).
 - compressed-tensors: its int8 W8A8 schemes (engine/quant/int8_w8a8.py, multiplied by
-  engine/model/kernels/int8_linear.cpp).
+  engine/model/kernels/int8_linear.cpp) and its FP8 ones (engine/quant/fp8.py), checked
+  by engine/quant/compressed_tensors.py.
+- fp8: vLLM's own fp8 checkpoints, e4m3 weights with a scale per channel or tensor
+  (engine/quant/fp8.py: fp8_linear.cpp widens them on CPU, torch._scaled_mm on CUDA).
 - awq, gptq: int4 weights in groups (engine/quant/int4_groups.py), read into Q4_1 blocks
   and served as a GGUF file's are.
 Where those kernels do not run (CUDA, FLOTILLA_NATIVE_KERNELS=0) the weights are decoded
@@ -52,7 +55,11 @@ register(QuantFormat("gguf", tuple(BLOCK_FORMATS)))
 register(QuantFormat("awq", ("4-bit, groups of a multiple of 32, GEMM layout",)))
 register(QuantFormat("gptq", ("4-bit, groups of a multiple of 32, with or without act-order",)))
 register(QuantFormat("compressed-tensors", ("int8 W8A8: weights per channel or tensor, "
-                                            "activations per token or static",)))
+                                            "activations per token or static",
+                                            "FP8: e4m3 weights per channel or tensor, "
+                                            "activations dynamic, static or none")))
+register(QuantFormat("fp8", ("e4m3 weights per channel or tensor, activations dynamic or "
+                             "static",)))
 
 
 def supported_summary() -> str:
@@ -76,8 +83,12 @@ def check_checkpoint(hf_config: Any, model: str) -> None:
     if method is None or method == "gguf":  # transformers marks a GGUF file's config so
         return
     if method == "compressed-tensors":
-        from engine.quant.int8_w8a8 import check_scheme
+        from engine.quant.compressed_tensors import check_scheme
         check_scheme(_as_dict(hf_config.quantization_config), model)
+        return
+    if method == "fp8":
+        from engine.quant.fp8 import check_fp8_config
+        check_fp8_config(_as_dict(hf_config.quantization_config), model)
         return
     if method in ("awq", "gptq"):
         int4_scheme(hf_config, model)

@@ -6,7 +6,8 @@ set_quantized, the embedding's GGUF rows) or decoded into the parameter.
 Why apart from the model: the model's loader knows names, fused parameters and tensor
 parallel slices; this knows the formats and who multiplies them: the native CPU kernel
 module, the Triton backend's holder (engine.model.triton_kernels.int4_linear.TritonInt4:
-Q4_1 only), or none (everything decoded to floats, which the runner logs).
+Q4_1 blocks, and fp8 weights through torch._scaled_mm), or none (everything decoded to
+floats, which the runner logs).
 """
 from __future__ import annotations
 
@@ -20,7 +21,9 @@ from engine.model.layers.linear import Linear
 from engine.quant.gguf_linear import GGUFWeight
 from engine.quant.gguf_weights import GGUFBlocks
 from engine.quant.int4_groups import INPUT_ORDER
-from engine.quant.int8_w8a8 import SIDECARS, Int8Pieces
+from engine.quant.fp8 import Fp8ScaledMM, Fp8Weight
+from engine.quant.int8_w8a8 import Int8Weight
+from engine.quant.scaled_pieces import SIDECARS, STORAGE, ScaledPieces, ScaledWeight
 
 
 class QuantizedPieces:
@@ -32,12 +35,12 @@ class QuantizedPieces:
         self.triton = bool(getattr(kernels, "holds_blocks", False))
         self.tensor_parallel = tensor_parallel
         self.blocks: dict[str, list[tuple[int, GGUFBlocks]]] = {}
-        self.int8 = Int8Pieces()
+        self.scaled = ScaledPieces()  # int8 and fp8 weights with their scales
         self.orders: dict[str, list[torch.Tensor]] = {}  # GPTQ act-order: input orders
 
     def take_sidecar(self, kind: str, target: str, offset: int | None, src, tensor: Any,
                      params: dict) -> bool:
-        """A tensor that is not a parameter's own: an int8 weight's scale (sliced as its
+        """A tensor that is not a parameter's own: an 8-bit weight's scale (sliced as its
         rows are) or an act-order input order. False: not one of those."""
         if kind == INPUT_ORDER:  # fused pieces share their input, so their order
             if self.tensor_parallel:
@@ -51,17 +54,17 @@ class QuantizedPieces:
         if weight_target not in params:
             raise UnsupportedModelError(f"unexpected checkpoint tensor {target!r}")
         rows = (src[1], src[2]) if src is not None and src[0] == 0 else None
-        self.int8.add_sidecar(weight_target, offset, kind, tensor, rows)
+        self.scaled.add_sidecar(weight_target, offset, kind, tensor, rows)
         return True
 
     def take_weight(self, name: str, kind: str, target: str, offset: int | None, piece: Any,
                     param: torch.Tensor) -> bool:
         """A parameter's quantized piece kept for finish(); False: the caller copies it
         (a float tensor, or blocks it should decode: there is no kernel)."""
-        if isinstance(piece, torch.Tensor) and piece.dtype == torch.int8:
+        if isinstance(piece, torch.Tensor) and piece.dtype in STORAGE:
             if kind != "weight":
-                raise UnsupportedModelError(f"checkpoint tensor {name!r} is int8")
-            self.int8.add_weight(target, offset, piece)
+                raise UnsupportedModelError(f"checkpoint tensor {name!r} is {piece.dtype}")
+            self.scaled.add_weight(target, offset, piece)
             return True
         if isinstance(piece, GGUFBlocks) and self.kernels is not None and kind == "weight":
             rows = param.shape[0] if offset is None else piece.shape[0]
@@ -75,12 +78,12 @@ class QuantizedPieces:
 
     def finish(self, model: nn.Module, params: dict, tied_embeddings: bool) -> None:
         """Hold (or decode) every kept piece in `model`, whose parameters are `params`."""
-        int8_kernels = None if self.triton else self.kernels
-        for target, held in self.int8.weights({t: params[t].shape for t in self.int8.targets()},
-                                              int8_kernels).items():
-            if isinstance(held, torch.Tensor):  # no kernel: decoded (the runner says so)
+        shapes = {t: params[t].shape for t in self.scaled.targets()}
+        for target, weight in self.scaled.weights(shapes).items():
+            held = self._hold_scaled(weight)
+            if held is None:  # no kernel: decoded (the runner says so)
                 with torch.no_grad():
-                    params[target].copy_(held)
+                    params[target].copy_(weight.decoded())
             else:
                 model.get_submodule(target.rsplit(".", 1)[0]).set_quantized(held)
         for target, pieces in self.blocks.items():
@@ -106,6 +109,16 @@ class QuantizedPieces:
                 model.get_submodule(target.rsplit(".", 1)[0]).input_order = held[0]
         if tied_embeddings and "embed_tokens.weight" in self.blocks and not self.triton:
             _hold_gguf(model.lm_head, model.embed_tokens.gguf)
+
+    def _hold_scaled(self, weight: ScaledWeight):
+        """An int8 or fp8 weight as a kernel here multiplies it, or None (decode it)."""
+        if self.kernels is None:
+            return None
+        if weight.weight.dtype == torch.int8:  # W8A8: the native CPU kernel only
+            return None if self.triton else Int8Weight.of(weight, self.kernels)
+        if self.triton:
+            return Fp8ScaledMM.of(weight, self.kernels.device)
+        return Fp8Weight.of(weight, self.kernels)
 
 
 def _copy_decoded(param: torch.Tensor, pieces: list[tuple[int, GGUFBlocks]]) -> None:

@@ -25,7 +25,8 @@ logger = logging.getLogger(__name__)
 _DIR = Path(__file__).parent
 _SOURCES = [_DIR / n for n in ("bindings.cpp", "paged_attention.cpp", "fused_ops.cpp",
                                    "linear.cpp", "quant_linear.cpp", "quant_regrouped.cpp",
-                                   "int8_linear.cpp", "decoder_stack.cpp")]
+                                   "int8_linear.cpp", "fp8_linear.cpp",
+                                   "decoder_stack.cpp")]
 _HEADERS = [_DIR / n for n in ("amx.h", "convert.h", "simd.h", "vec.h")]
 
 

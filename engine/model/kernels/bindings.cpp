@@ -42,6 +42,12 @@ torch::Tensor int8_linear(torch::Tensor input, torch::Tensor packed, torch::Tens
 std::vector<std::string> int8_kernels();
 std::string int8_kernel();
 bool set_int8_kernel(const std::string& name);
+torch::Tensor fp8_pack(torch::Tensor weight);
+torch::Tensor fp8_linear(torch::Tensor input, torch::Tensor packed, torch::Tensor scales,
+                         c10::optional<torch::Tensor> bias, int64_t n, bool float_out);
+std::vector<std::string> fp8_kernels();
+std::string fp8_kernel();
+bool set_fp8_kernel(const std::string& name);
 void bind_decoder_stack(pybind11::module& m);
 void rotary_inplace(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
                     int64_t num_rotated_heads, int64_t head_dim);
@@ -114,6 +120,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_kernel", &int8_kernel, "the int8 linear kernel in use");
   m.def("set_int8_kernel", &set_int8_kernel, "force amx+vnni, amx, vnni or plain for int8 linears "
         "(False where it cannot run); all read one packed layout and give the same sums");
+  m.def("fp8_pack", &fp8_pack, "an e4m3 [out, in] weight (float8_e4m3fn or its bytes) in "
+        "the layout fp8_linear reads", py::arg("weight"));
+  m.def("fp8_linear", &fp8_linear, "x @ W.T * scales (+ bias) on an e4m3 weight from fp8_pack, "
+        "widened in registers (x is not rounded to fp8); float_out: float32 output holding "
+        "x-dtype-rounded values", py::arg("x"), py::arg("packed"), py::arg("scales"),
+        py::arg("bias"), py::arg("n"), py::arg("float_out") = false);
+  m.def("fp8_kernels", &fp8_kernels, "the fp8 linear kernels this build runs, the default "
+        "first: avx512, plain");
+  m.def("fp8_kernel", &fp8_kernel, "the fp8 linear kernel in use");
+  m.def("set_fp8_kernel", &set_fp8_kernel, "force avx512 or plain for fp8 linears (False "
+        "where it cannot run)");
   bind_decoder_stack(m);
   m.attr("isa") = flotilla::vec::kIsa;  // the vector path built: avx512, avx2, neon, sse2
   m.attr("lanes") = flotilla::vec::L;

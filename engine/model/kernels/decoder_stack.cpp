@@ -32,13 +32,16 @@ torch::Tensor gguf_regrouped_linear(torch::Tensor input, torch::Tensor packed,
 torch::Tensor int8_linear(torch::Tensor input, torch::Tensor packed, torch::Tensor comp,
                           torch::Tensor scales, c10::optional<torch::Tensor> bias, int64_t n,
                           double input_scale, bool float_out);
+torch::Tensor fp8_linear(torch::Tensor input, torch::Tensor packed, torch::Tensor scales,
+                         c10::optional<torch::Tensor> bias, int64_t n, bool float_out);
 
 namespace {
 
 // One linear as the layer holds it: packed for linear.cpp ("native", paired: gate|up
 // side by side), GGUF blocks in the file's layout ("gguf") or regrouped
 // ("gguf_regrouped"), in row segments of one format each (a fused q/k/v may mix them), or
-// int8 W8A8 ("int8": extras are int8_linear's comp and scales, input_scale its own).
+// int8 W8A8 ("int8": extras are int8_linear's comp and scales, input_scale its own), or
+// fp8 weights ("fp8": extras are fp8_linear's scales).
 struct Segment {
   std::string kind, format;
   torch::Tensor weight;
@@ -59,6 +62,7 @@ struct LinearSpec {
     if (s.kind == "gguf") return gguf_linear(x, s.weight, s.format, bias, false, dense_rows);
     if (s.kind == "int8")
       return int8_linear(x, s.weight, s.extras[0], s.extras[1], bias, s.rows, s.input_scale, false);
+    if (s.kind == "fp8") return fp8_linear(x, s.weight, s.extras[0], bias, s.rows, false);
     return gguf_regrouped_linear(x, s.weight, s.format, s.rows, bias, false, dense_rows);
   }
 
@@ -92,7 +96,8 @@ LinearSpec spec_of(const LinearArgs& args) {
   LinearSpec spec{{}, bias, paired};
   for (const auto& [kind, weight, format, rows, extras, input_scale] : segments) {
     TORCH_CHECK(kind == "native" || kind == "gguf" || kind == "gguf_regrouped" ||
-                    (kind == "int8" && extras.size() == 2),
+                    (kind == "int8" && extras.size() == 2) ||
+                    (kind == "fp8" && extras.size() == 1),
                 "DecoderStack: no linear of kind ", kind);
     spec.segments.push_back(Segment{kind, format, weight, rows, extras, input_scale});
   }

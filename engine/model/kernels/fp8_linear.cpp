@@ -1,0 +1,251 @@
+// FP8 weight linears (e4m3, vLLM's `fp8` checkpoints and compressed-tensors' FP8 schemes):
+// y = (x . w8) * s_w[column] (+ b), the weight's bytes widened to float in registers and
+// multiplied with x as it is (bf16 or float32). x is not rounded to fp8: on CPU the cost
+// is the weight read, and one byte a weight is half of bf16's.
+//
+// The widening is exact: an e4m3 byte with its sign moved to bit 15 and its 7 other bits
+// to bits 13..7 is an IEEE half whose value is the e4m3 value / 2^8, subnormals included
+// (both formats' subnormals are linear), so vcvtph2ps widens 16 at once; 2^8 is folded
+// into the column scale.
+//
+// Layout (fp8_pack): the columns in vectors of 16, each vector contiguous over K as
+// [K][16] bytes, one 128-bit load a k. Columns past N are zero.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#define FLOTILLA_F8_AVX512 1
+#else
+#define FLOTILLA_F8_AVX512 0
+#endif
+
+namespace {
+
+constexpr int64_t kC = 16;        // columns of a vector
+constexpr int kNR = 3;            // vectors a work item multiplies
+constexpr int kMR = 8;            // rows a tile holds (8 x 3 float sums in registers)
+constexpr float kHalfBias = 256;  // the half view holds the value / 2^8
+
+// e4m3 byte -> float, for the plain loops: a table, exact.
+const std::array<float, 256>& widen_table() {
+  static const std::array<float, 256> table = [] {
+    std::array<float, 256> t{};
+    for (int b = 0; b < 256; ++b) {
+      const int e = (b >> 3) & 0xF, m = b & 7;
+      const float v = e == 0 ? std::ldexp(float(m), -9) : std::ldexp(float(8 + m), e - 10);
+      t[b] = (b & 0x80) ? -v : v;
+    }
+    return t;
+  }();
+  return table;
+}
+
+// Where a tile's float sums go: row r, column c0.. of the item, times the column scale.
+struct Out {
+  void* y;
+  bool bf16_out, float_out_rounded;
+  int64_t ldy, ncols;
+  const float* sw;    // per column (already times 2^8 on the AVX-512 path)
+  const float* bias;  // per column or null
+
+  void emit(int64_t r, int64_t c0, const float* acc) const {
+    const int64_t lanes = std::min<int64_t>(kC, ncols - c0);
+    for (int64_t l = 0; l < lanes; ++l) {
+      const int64_t c = c0 + l;
+      float v = acc[l] * sw[c];
+      if (bias) v += bias[c];
+      if (bf16_out) {
+        static_cast<c10::BFloat16*>(y)[r * ldy + c] = c10::BFloat16(v);
+      } else {
+        static_cast<float*>(y)[r * ldy + c] = float_out_rounded ? float(c10::BFloat16(v)) : v;
+      }
+    }
+  }
+};
+
+// ---- plain loops (any CPU) ------------------------------------------------------------
+void plain_item(const float* x, int64_t ldx, int64_t rows, const uint8_t* w, int64_t k,
+                int vectors, const Out& out) {
+  const float* table = widen_table().data();
+  for (int j = 0; j < vectors; ++j) {
+    const uint8_t* b = w + j * k * kC;
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* xr = x + r * ldx;
+      float acc[kC] = {};
+      for (int64_t i = 0; i < k; ++i)
+        for (int64_t c = 0; c < kC; ++c) acc[c] += xr[i] * table[b[i * kC + c]];
+      out.emit(r, j * kC, acc);
+    }
+  }
+}
+
+#if FLOTILLA_F8_AVX512
+// ---- AVX-512 ------------------------------------------------------------------------------
+inline __m512 widen16(const uint8_t* p) {  // 16 e4m3 bytes -> 16 floats / 2^8
+  const __m256i s = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i h = _mm256_and_si256(_mm256_slli_epi16(s, 7), _mm256_set1_epi16(int16_t(0xBFFF)));
+  return _mm512_cvtph_ps(h);
+}
+
+template <int R, int W>
+void avx512_tile(const float* x, int64_t ldx, const uint8_t* w, int64_t k, const Out& out,
+                 int64_t r0, int64_t c0) {
+  // one row (a sequence's decode): two sums a vector, even and odd k, so the adds of
+  // successive k do not wait on each other
+  constexpr int P = R == 1 ? 2 : 1;
+  __m512 acc[P][R][W];
+  for (int p = 0; p < P; ++p)
+    for (int i = 0; i < R; ++i)
+      for (int j = 0; j < W; ++j) acc[p][i][j] = _mm512_setzero_ps();
+  int64_t s = 0;
+  for (; s + P <= k; s += P) {
+    for (int p = 0; p < P; ++p) {
+      __m512 b[W];
+      for (int j = 0; j < W; ++j) b[j] = widen16(w + (j * k + s + p) * kC);
+      for (int i = 0; i < R; ++i) {
+        const __m512 a = _mm512_set1_ps(x[i * ldx + s + p]);
+        for (int j = 0; j < W; ++j) acc[p][i][j] = _mm512_fmadd_ps(a, b[j], acc[p][i][j]);
+      }
+    }
+  }
+  for (; s < k; ++s)
+    for (int j = 0; j < W; ++j) {
+      const __m512 b = widen16(w + (j * k + s) * kC);
+      for (int i = 0; i < R; ++i)
+        acc[0][i][j] = _mm512_fmadd_ps(_mm512_set1_ps(x[i * ldx + s]), b, acc[0][i][j]);
+    }
+  alignas(64) float sums[kC];
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < W; ++j) {
+      __m512 v = acc[0][i][j];
+      if constexpr (P > 1) v = _mm512_add_ps(v, acc[1][i][j]);
+      _mm512_store_ps(sums, v);
+      out.emit(r0 + i, c0 + j * kC, sums);
+    }
+}
+
+template <int W, int R = kMR>
+void avx512_rows(const float* x, int64_t ldx, int64_t rows, const uint8_t* w, int64_t k,
+                 const Out& out, int64_t r0) {
+  if constexpr (R > 0) {
+    while (rows >= R) {
+      avx512_tile<R, W>(x, ldx, w, k, out, r0, 0);
+      x += R * ldx, rows -= R, r0 += R;
+    }
+    if (rows > 0) avx512_rows<W, R - 1>(x, ldx, rows, w, k, out, r0);
+  }
+}
+
+void avx512_item(const float* x, int64_t ldx, int64_t rows, const uint8_t* w, int64_t k,
+                 int vectors, const Out& out) {
+  if (vectors == 3) return avx512_rows<3>(x, ldx, rows, w, k, out, 0);
+  if (vectors == 2) return avx512_rows<2>(x, ldx, rows, w, k, out, 0);
+  avx512_rows<1>(x, ldx, rows, w, k, out, 0);
+}
+#endif
+
+bool g_plain = false;  // set_fp8_kernel("plain"): the table loops even where AVX-512 runs
+
+}  // namespace
+
+torch::Tensor fp8_pack(torch::Tensor weight) {
+  TORCH_CHECK(weight.dim() == 2 && (weight.scalar_type() == torch::kUInt8 ||
+                                    weight.scalar_type() == c10::ScalarType::Float8_e4m3fn),
+              "fp8_pack: an e4m3 [out, in] weight (float8_e4m3fn or its uint8 bytes), got ",
+              weight.scalar_type(), " of ", weight.dim(), " dims");
+  const torch::Tensor w = weight.contiguous().view(torch::kUInt8);
+  const int64_t n = w.size(0), k = w.size(1), vectors = (n + kC - 1) / kC;
+  torch::Tensor packed = torch::zeros({vectors * k * kC}, w.options());
+  const uint8_t* src = w.data_ptr<uint8_t>();
+  uint8_t* dst = packed.data_ptr<uint8_t>();
+  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      uint8_t* base = dst + (row / kC) * k * kC + row % kC;
+      for (int64_t i = 0; i < k; ++i) base[i * kC] = src[row * k + i];
+    }
+  });
+  return packed;
+}
+
+torch::Tensor fp8_linear(torch::Tensor input, torch::Tensor packed, torch::Tensor scales,
+                         c10::optional<torch::Tensor> bias, int64_t n, bool float_out) {
+  const auto dtype = input.scalar_type();
+  TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16,
+              "fp8_linear: float32 or bfloat16 input, not ", dtype);
+  TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && scales.scalar_type() == torch::kFloat32 &&
+                  scales.numel() == n,
+              "fp8_linear: a weight from fp8_pack and ", n, " float32 scales");
+  const int64_t k = input.size(-1), vectors = (n + kC - 1) / kC;
+  TORCH_CHECK(packed.numel() == vectors * kC * k, "fp8_linear: the packed weight does not hold ",
+              n, " x ", k);
+  const torch::Tensor x = input.reshape({-1, k}).to(torch::kFloat32).contiguous();
+  const int64_t m = x.size(0);
+  std::vector<int64_t> shape(input.sizes().begin(), input.sizes().end());
+  shape.back() = n;
+  const bool bf16 = dtype == torch::kBFloat16;
+  torch::Tensor y = torch::empty({m, n}, input.options().dtype(float_out ? torch::kFloat32 : dtype));
+  if (m == 0 || n == 0) return y.reshape(shape);
+  torch::Tensor bias_f;
+  if (bias && bias->defined()) {
+    TORCH_CHECK(bias->numel() == n, "fp8_linear: a bias of ", bias->numel(), " for ", n,
+                " outputs");
+    bias_f = bias->to(torch::kFloat32).contiguous();
+  }
+  const bool simd = FLOTILLA_F8_AVX512 && !g_plain;
+  // the AVX-512 path's sums are of value / 2^8
+  const torch::Tensor sw = simd ? (scales * kHalfBias).contiguous() : scales.contiguous();
+  const float* swp = sw.data_ptr<float>();
+  const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  // Work items (row chunk, panel of kNR vectors), chunk-major; rows are split only when
+  // there are fewer panels than threads.
+  const int64_t panels = (vectors + kNR - 1) / kNR, threads = at::get_num_threads();
+  int64_t chunk_rows = m;
+  if (panels < threads && m > kMR) chunk_rows = std::max<int64_t>(kMR, (m + threads - 1) / threads);
+  const int64_t chunks = (m + chunk_rows - 1) / chunk_rows;
+  at::parallel_for(0, chunks * panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t chunk = item / panels, g = item % panels;
+      const int64_t r0 = chunk * chunk_rows, rows = std::min(chunk_rows, m - r0);
+      const int64_t c0 = g * kNR * kC;
+      const int nv = int(std::min<int64_t>(kNR, vectors - g * kNR));
+      Out out{static_cast<char*>(y.data_ptr()) + (r0 * n + c0) * (float_out ? 4 : y.element_size()),
+              bf16 && !float_out, bf16 && float_out, n, std::min<int64_t>(nv * kC, n - c0),
+              swp + c0, bp ? bp + c0 : nullptr};
+      const float* a = xp + r0 * k;
+      const uint8_t* w = wp + c0 * k;
+#if FLOTILLA_F8_AVX512
+      if (simd) {
+        avx512_item(a, k, rows, w, k, nv, out);
+        continue;
+      }
+#endif
+      plain_item(a, k, rows, w, k, nv, out);
+    }
+  });
+  return y.reshape(shape);
+}
+
+std::vector<std::string> fp8_kernels() {
+  std::vector<std::string> names;
+  if (FLOTILLA_F8_AVX512) names.push_back("avx512");
+  names.push_back("plain");
+  return names;
+}
+
+std::string fp8_kernel() { return FLOTILLA_F8_AVX512 && !g_plain ? "avx512" : "plain"; }
+
+bool set_fp8_kernel(const std::string& name) {
+  if (name == "plain") { g_plain = true; return true; }
+  if (name == "avx512" && FLOTILLA_F8_AVX512) { g_plain = false; return true; }
+  return false;
+}

@@ -1,0 +1,71 @@
+"""compressed-tensors checkpoints (llm-compressor's format, vLLM's `compressed-tensors`
+quantization): which of their schemes Flotilla serves, and a refusal naming what differs
+for every other one.
+
+Served: 8-bit symmetric weights, one scale per output channel or per tensor,
+- int8 (format int-quantized or naive-quantized) with int8 activations per token
+  (dynamic) or per tensor (static): W8A8, engine/quant/int8_w8a8.py;
+- fp8 e4m3 (format float-quantized or naive-quantized) with fp8 activations per token or
+  per tensor, or none (weight-only): engine/quant/fp8.py.
+What the weights need past the scheme (static input scales, the modules left in float)
+the checkpoint's tensors say: an `input_scale` beside a weight, a quantized weight or a
+float one.
+"""
+from __future__ import annotations
+
+from engine.errors import UnsupportedQuantizationError
+
+SERVED = ("int8 W8A8: int8 symmetric weights per channel or per tensor, with int8 symmetric "
+          "activations per token (dynamic) or per tensor (static); FP8: e4m3 weights per "
+          "channel or per tensor, with fp8 activations per token or per tensor, or "
+          "weight-only")
+_FORMATS = {"int": ("int-quantized", "naive-quantized"),
+            "float": ("float-quantized", "naive-quantized")}
+
+
+def check_scheme(qc: dict, model: str) -> str:
+    """The weights' type of a compressed-tensors `quantization_config` Flotilla serves,
+    "int" or "float"; else UnsupportedQuantizationError naming the part that differs."""
+    def refuse(what: str) -> UnsupportedQuantizationError:
+        return UnsupportedQuantizationError(
+            f"model {model!r} is compressed-tensors with {what}; Flotilla serves its "
+            f"schemes {SERVED}")
+
+    fmt = qc.get("format")
+    if fmt not in _FORMATS["int"] + _FORMATS["float"]:
+        raise refuse(f"format {fmt!r}")
+    groups = qc.get("config_groups") or {}
+    if len(groups) != 1:
+        raise refuse(f"{len(groups)} config groups")
+    group = next(iter(groups.values()))
+    w, a = group.get("weights") or {}, group.get("input_activations")
+    kind = w.get("type", "int")
+    if w.get("num_bits") != 8 or kind not in _FORMATS or fmt not in _FORMATS[kind]:
+        raise refuse(f"{w.get('num_bits')}-bit {kind} weights in format {fmt!r}")
+    if not w.get("symmetric", True) or w.get("strategy") not in ("channel", "tensor"):
+        raise refuse(f"{'asymmetric ' if not w.get('symmetric', True) else ''}weights by "
+                     f"{w.get('strategy')!r}")
+    if not a:
+        if kind == "int":
+            raise refuse("weight-only int8 (no input_activations)")
+    else:
+        if (a.get("num_bits") != 8 or a.get("type", "int") != kind
+                or not a.get("symmetric", True)):
+            raise refuse(f"{a.get('num_bits')}-bit "
+                         f"{'asymmetric ' if not a.get('symmetric', True) else ''}"
+                         f"{a.get('type')} activations over {kind} weights")
+        dynamic = bool(a.get("dynamic"))
+        if (a.get("strategy"), dynamic) not in (("token", True), ("tensor", False)):
+            raise refuse(f"{'dynamic' if dynamic else 'static'} activations by "
+                         f"{a.get('strategy')!r}")
+    if group.get("output_activations"):
+        raise refuse("quantized output activations")
+    if qc.get("kv_cache_scheme"):
+        raise refuse("a kv_cache_scheme")
+    targets = group.get("targets") or []
+    if targets != ["Linear"]:
+        raise refuse(f"targets {targets}")
+    return kind
+
+
+__all__ = ["SERVED", "check_scheme"]

@@ -1,0 +1,84 @@
+"""FP8 checkpoints in their on-disk formats, made from a float Hugging Face checkpoint
+(tests' tiny models; bench/quantize_fp8.py's default model). tests/int8_helpers.py's
+write_decoded gives the float checkpoint of their decoded weights.
+
+Two formats, as vLLM reads them:
+- vLLM's `fp8` (quant_method fp8, as AutoFP8 and vLLM's own tools write it): each
+  quantized linear's `weight` float8_e4m3fn [out, in], `weight_scale` a float32 scalar
+  per tensor (here optionally [out] per channel), `input_scale` a scalar for
+  activation_scheme static;
+- compressed-tensors (format float-quantized, llm-compressor's FP8 and FP8_DYNAMIC
+  schemes): `weight_scale` [out, 1] per channel or [1] per tensor, `input_scale` [1]
+  for static activations, or no input_activations (weight-only).
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from tests.int8_helpers import LINEARS, _state
+
+E4M3_MAX = 448.0
+
+
+def quantize_fp8(w: torch.Tensor, per_channel: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 values and their float32 scale ([out] per channel, [] per tensor)."""
+    w = w.float()
+    amax = w.abs().amax(dim=1) if per_channel else w.abs().max()
+    scale = amax.clamp_min(1e-12) / E4M3_MAX
+    q = (w / (scale[:, None] if per_channel else scale)).clamp(-E4M3_MAX, E4M3_MAX)
+    return q.to(torch.float8_e4m3fn), scale
+
+
+def write_fp8(src: Path, out: Path, fmt: str = "fp8", per_channel: bool = False,
+              activations: str = "dynamic", static_scale: float = 0.05) -> Path:
+    """src's linears (q/k/v/o, gate/up/down) as e4m3 under out, in `fmt` ("fp8" or
+    "compressed-tensors"); the embedding and norms stay as they are. activations:
+    "dynamic", "static" (every input_scale static_scale) or "none" (weight-only,
+    compressed-tensors only)."""
+    out.mkdir(parents=True, exist_ok=True)
+    state = {}
+    for name, value in _state(src).items():
+        parts = name.split(".")
+        if len(parts) >= 2 and parts[-2] in LINEARS and parts[-1] == "weight":
+            q, scale = quantize_fp8(value, per_channel)
+            prefix = name[:-len(".weight")]
+            state[name] = q
+            if fmt == "compressed-tensors":
+                scale = scale.reshape(-1, 1) if per_channel else scale.reshape(1)
+            state[prefix + ".weight_scale"] = scale.contiguous()
+            if activations == "static":
+                state[prefix + ".input_scale"] = torch.tensor(
+                    static_scale if fmt == "fp8" else [static_scale])
+        else:
+            state[name] = value.contiguous()
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    if fmt == "fp8":
+        config["quantization_config"] = {"quant_method": "fp8",
+                                         "activation_scheme": activations,
+                                         "ignored_layers": ["lm_head"]}
+    else:
+        acts = None if activations == "none" else {
+            "num_bits": 8, "type": "float", "symmetric": True,
+            "dynamic": activations == "dynamic",
+            "strategy": "token" if activations == "dynamic" else "tensor"}
+        config["quantization_config"] = {
+            "quant_method": "compressed-tensors", "format": "float-quantized",
+            "quantization_status": "compressed",
+            "config_groups": {"group_0": {
+                "targets": ["Linear"],
+                "weights": {"num_bits": 8, "type": "float", "symmetric": True,
+                            "dynamic": False,
+                            "strategy": "channel" if per_channel else "tensor"},
+                "input_activations": acts, "output_activations": None}},
+            "ignore": ["lm_head"], "kv_cache_scheme": None}
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    for f in src.iterdir():  # tokenizer and generation config
+        if f.suffix != ".safetensors" and f.name != "config.json" and f.is_file():
+            shutil.copy(f, out / f.name)
+    return out
