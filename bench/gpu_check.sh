@@ -6,7 +6,8 @@
 #                             tests/test_triton_int4.py, tests/test_cuda.py)
 #   2. kernels (KERNELS_S=90) bench/gpu_kernels.py: paged attention triton vs flex vs SDPA
 #                             (and FlashInfer's decode kernel where it imports), the fused ops,
-#                             the int4 linear (AWQ / GPTQ / Q4_1) against its bytes' read
+#                             the int4 linear (AWQ / GPTQ / Q4_1) and the fp8 one
+#                             (torch._scaled_mm) against their bytes' read
 #   3. bench  (BENCH_S=180)   bench/gpu.py: decode step vs the HBM bound, prefill vs the
 #                             matmul peak (BENCH_ARGS, default --backends triton)
 #   4. profile (PROFILE_S=50) bench/gpu_profile.py: one decode step's kernels, 1B batch 64

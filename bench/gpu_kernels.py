@@ -15,6 +15,9 @@ step within 2x of the memory bound).
 3. The int4 linear (engine/model/triton_kernels/int4_linear.py: AWQ / GPTQ / GGUF Q4_1
    weights unpacked in registers) at 8B layer shapes and batch 64, against the read of
    its own bytes at the measured copy bandwidth and against torch's bf16 matmul.
+4. The fp8 linear (engine/quant/fp8.py's Fp8ScaledMM: torch._scaled_mm, x rounded to e4m3
+   per token) at the same shapes: against its bytes' read, bf16's matmul, and its error
+   against the decoded weight's bf16 product.
 Prints its tables; needs a CUDA device.
 """
 from __future__ import annotations
@@ -211,6 +214,27 @@ def int4_rows(bandwidth: float, batch: int = 64) -> list[tuple]:
     return rows
 
 
+def fp8_rows(bandwidth: float, batch: int = 64) -> list[tuple]:
+    """(linear, fp8 ms, its bytes' read ms, bf16 ms, relative error) at 8B shapes."""
+    from engine.quant.fp8 import Fp8ScaledMM
+    from engine.quant.scaled_pieces import ScaledWeight
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    rows = []
+    for name, n, k in INT4_SHAPES:
+        w = torch.randn(n, k, device=dev) * 0.02
+        scales = w.abs().amax(1) / 448
+        q = (w / scales[:, None]).to(torch.float8_e4m3fn)
+        weight = Fp8ScaledMM.of(ScaledWeight(q, scales, 0.0), dev)
+        x = torch.randn(batch, k, device=dev, dtype=dt)
+        fp8_ms = cuda_time(lambda: weight.matmul(x, None)) * 1e3
+        want = F.linear(x, (q.float() * scales[:, None]).to(dt)).float()
+        err = ((weight.matmul(x, None).float() - want).norm() / want.norm()).item()
+        rows.append((name, fp8_ms, weight.nbytes / bandwidth * 1e3, _bf16_ms(x, n, k), err))
+        del w, q, weight
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--skip-flashinfer", action="store_true")
@@ -248,6 +272,11 @@ def main() -> None:
     print(f"{'linear':<10}{'int4':>9}{'read':>9}{'int4/read':>11}{'bf16':>9}")
     for name, q, read, dense in int4_rows(bandwidth):
         print(f"{name:<10}{q:>9.3f}{read:>9.3f}{q / read:>10.2f}x{dense:>9.3f}")
+    print("\nfp8 linears (e4m3, torch._scaled_mm, x rounded per token), 8B shapes, batch 64, "
+          "ms (read: its bytes at the copy rate; err: relative to the decoded bf16 product)")
+    print(f"{'linear':<10}{'fp8':>9}{'read':>9}{'fp8/read':>10}{'bf16':>9}{'err':>9}")
+    for name, q, read, dense, err in fp8_rows(bandwidth):
+        print(f"{name:<10}{q:>9.3f}{read:>9.3f}{q / read:>9.2f}x{dense:>9.3f}{err:>9.4f}")
 
 
 if __name__ == "__main__":
