@@ -89,12 +89,26 @@ def run_llama_cpp(python: str, threads: int) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def quantized_checkpoint(fmt: str) -> Path:
+    """The decoded default model written as W8A8 or fp8 (bench/quantize_w8a8.py)."""
+    from bench.quantize_w8a8 import default_out
+    from tests.fp8_helpers import write_fp8
+    from tests.int8_helpers import write_w8a8
+    src = decoded_checkpoint()
+    out = default_out(src, fmt)
+    if not (out / "model.safetensors").exists():
+        (write_fp8 if fmt == "fp8" else write_w8a8)(src, out)
+    return out
+
+
 def child(kind: str, w1: bool) -> dict:
-    """A fresh process for one Flotilla run (kind: gguf, gguf-no-stack, decoded)."""
+    """A fresh process for one Flotilla run (kind: gguf, gguf-no-stack, decoded, w8a8,
+    fp8)."""
     env = dict(os.environ)
     if kind == "gguf-no-stack":
         env["FLOTILLA_DECODER_STACK"] = "0"
-    model = str(decoded_checkpoint()) if kind == "decoded" else "default"
+    model = (str(decoded_checkpoint()) if kind == "decoded"
+             else str(quantized_checkpoint(kind)) if kind in ("w8a8", "fp8") else "default")
     code = (f"import json, sys; sys.path.insert(0, {str(ROOT)!r}); from bench.quant import "
             f"run_flotilla; print('RESULT', json.dumps(run_flotilla({model!r}, {w1})))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
@@ -110,7 +124,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--w1", action="store_true", help="also W1 (gguf and decoded)")
     parser.add_argument("--kinds", default="gguf,gguf-no-stack,decoded,llama.cpp",
-                        help="which runs, in each round's order")
+                        help="which runs, in each round's order (also: w8a8, fp8: the decoded "
+                             "model written in those formats)")
     args = parser.parse_args()
     from engine.model.kernels import cpu_kernels
     kernels = cpu_kernels()
@@ -130,21 +145,26 @@ def main() -> None:
     print("\nsingle-sequence decode tok/s (best of rounds; all rounds above):")
     for k, v in best.items():
         print(f"  {k:14s} {v:7.1f}")
-    if "llama.cpp" in best:
+    if "llama.cpp" in best and "gguf" in best:
         rounds = [a["decode_tok_s"] / b["decode_tok_s"]
                   for a, b in zip(results["gguf"], results["llama.cpp"])]
         print(f"  flotilla gguf / llama.cpp: {best['gguf'] / best['llama.cpp']:.2f}x "
               f"(per round: {', '.join(f'{r:.2f}' for r in rounds)})")
     if "decoded" not in results:
         return
-    print(f"  flotilla gguf / decoded ({results['decoded'][0]['dtype']}): "
-          f"{best['gguf'] / best['decoded']:.2f}x")
-    g, d = results["gguf"][0]["weights_bytes"], results["decoded"][0]["weights_bytes"]
-    print(f"weights: gguf {g / 2**20:.1f} MiB, decoded {d / 2**20:.1f} MiB ({g / d:.3f}x)")
+    d = results["decoded"][0]
+    quantized = [k for k in results if k not in ("decoded", "llama.cpp")]
+    for k in quantized:
+        q = results[k][0]["weights_bytes"]
+        print(f"  flotilla {k} / decoded ({d['dtype']}): decode {best[k] / best['decoded']:.2f}x,"
+              f" weights {q / 2**20:.1f} MiB against {d['weights_bytes'] / 2**20:.1f} "
+              f"({q / d['weights_bytes']:.3f}x)")
     if args.w1:
-        w1 = {k: statistics.median(r["w1_tok_s"] for r in results[k]) for k in ("gguf", "decoded")}
-        print(f"W1 output tok/s: gguf {w1['gguf']:.1f}, decoded {w1['decoded']:.1f} "
-              f"({w1['gguf'] / w1['decoded']:.2f}x)")
+        w1 = {k: statistics.median(r["w1_tok_s"] for r in results[k])
+              for k in results if "w1_tok_s" in results[k][0]}
+        print("W1 output tok/s (median of rounds): " + ", ".join(
+            f"{k} {v:.1f}" + (f" ({v / w1['decoded']:.2f}x decoded)" if "decoded" in w1 and
+                              k != "decoded" else "") for k, v in w1.items()))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Writes the default model (or any float checkpoint) as an int8 W8A8 checkpoint in
-compressed-tensors' format, and reports how often its greedy tokens agree with the float
-model's.
+compressed-tensors' format (or, --format fp8, as vLLM's fp8 checkpoint: e4m3 weights with
+a scale per tensor, activations dynamic; tests/fp8_helpers.py), and reports how often its
+greedy tokens agree with the float model's.
 
 The weights: each linear of the decoder layers int8 with a scale per output channel
 (amax / 127), activations dynamic per token (tests/int8_helpers.py writes the format;
@@ -13,7 +14,7 @@ float checkpoint in --dtype (bf16 where the CPU has it), over AGREEMENT_PROMPTS 
 prompts of AGREEMENT_TOKENS tokens each: the share of positions whose tokens are equal,
 and of prompts whose whole outputs are.
 
-    python bench/quantize_w8a8.py [--out DIR] [--agreement]
+    python bench/quantize_w8a8.py [--format w8a8|fp8] [--out DIR] [--agreement]
 """
 from __future__ import annotations
 
@@ -36,8 +37,8 @@ AGREEMENT_PROMPTS = [
 ]
 
 
-def default_out(src: Path) -> Path:
-    return src.with_name(src.name + "-w8a8")
+def default_out(src: Path, fmt: str = "w8a8") -> Path:
+    return src.with_name(f"{src.name}-{fmt}")
 
 
 def agreement(w8a8: Path, reference: Path, dtype: str) -> dict:
@@ -46,18 +47,18 @@ def agreement(w8a8: Path, reference: Path, dtype: str) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=AGREEMENT_TOKENS, ignore_eos=True)
     messages = [[{"role": "user", "content": p}] for p in AGREEMENT_PROMPTS]
     outs = {}
-    for name, path in (("w8a8", w8a8), ("float", reference)):
+    for name, path in (("quantized", w8a8), ("float", reference)):
         llm = LLM(str(path), dtype=dtype)
         outs[name] = [o.outputs[0].token_ids for o in llm.chat(messages, params, use_tqdm=False)]
         del llm
-    same = sum(a == b for x, y in zip(outs["w8a8"], outs["float"]) for a, b in zip(x, y))
+    same = sum(a == b for x, y in zip(outs["quantized"], outs["float"]) for a, b in zip(x, y))
     total = sum(len(x) for x in outs["float"])
-    whole = sum(x == y for x, y in zip(outs["w8a8"], outs["float"]))
+    whole = sum(x == y for x, y in zip(outs["quantized"], outs["float"]))
     prefix = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x))
-              for x, y in zip(outs["w8a8"], outs["float"])]
+              for x, y in zip(outs["quantized"], outs["float"])]
     result = {"identical_tokens": same / total, "identical_outputs": whole / len(prefix),
               "mean_common_prefix": sum(prefix) / len(prefix)}
-    print(f"greedy agreement, W8A8 vs {dtype} ({len(prefix)} chat prompts x "
+    print(f"greedy agreement, {w8a8.name} vs {dtype} ({len(prefix)} chat prompts x "
           f"{AGREEMENT_TOKENS} tokens): {same}/{total} identical tokens ({same / total:.1%}), "
           f"{whole}/{len(prefix)} identical outputs, mean common prefix "
           f"{result['mean_common_prefix']:.1f} tokens")
@@ -67,6 +68,7 @@ def agreement(w8a8: Path, reference: Path, dtype: str) -> dict:
 def main() -> None:
     from checkpoints import float_checkpoint
 
+    from tests.fp8_helpers import write_fp8
     from tests.int8_helpers import write_w8a8
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -74,14 +76,15 @@ def main() -> None:
                         "default model's GGUF decoded, bench/checkpoints.py)")
     parser.add_argument("--out", type=Path, default=None,
                         help="where to write it (default: beside the float checkpoint)")
+    parser.add_argument("--format", choices=["w8a8", "fp8"], default="w8a8")
     parser.add_argument("--agreement", action="store_true")
     parser.add_argument("--dtype", default="auto", help="the float run's dtype (--agreement)")
     args = parser.parse_args()
     src = Path(float_checkpoint(args.model))
-    out = args.out or default_out(src)
+    out = args.out or default_out(src, args.format)
     if not (out / "model.safetensors").exists():
-        write_w8a8(src, out)
-    print(f"W8A8 checkpoint: {out}")
+        (write_fp8 if args.format == "fp8" else write_w8a8)(src, out)
+    print(f"{args.format} checkpoint: {out}")
     if args.agreement:
         from throughput import auto_dtype
         agreement(out, src, auto_dtype() if args.dtype == "auto" else args.dtype)
