@@ -107,10 +107,12 @@ void avx512_tile(const float* x, int64_t ldx, const uint8_t* w, int64_t k, const
       for (int j = 0; j < W; ++j) acc[p][i][j] = _mm512_setzero_ps();
   int64_t s = 0;
   for (; s + P <= k; s += P) {
-    // 64 k ahead in each vector's stream: the hardware prefetcher alone left a sequence's
-    // decode at ~11 GB/s a thread on Zen 4, out of cache (12.8 with this)
-    for (int j = 0; j < W; ++j)
-      _mm_prefetch(reinterpret_cast<const char*>(w + (j * k + s) * kC + 64 * kC), _MM_HINT_T0);
+    // one row: 64 k ahead in each vector's stream (the hardware prefetcher alone left a
+    // sequence's decode at ~11 GB/s a thread on Zen 4, out of cache; 12.8 with this). Not
+    // in the 8-row tiles: there it made GCC spill the 24 sums, 2x slower
+    if constexpr (R == 1)
+      for (int j = 0; j < W; ++j)
+        _mm_prefetch(reinterpret_cast<const char*>(w + (j * k + s) * kC + 64 * kC), _MM_HINT_T0);
     for (int p = 0; p < P; ++p) {
       __m512 b[W];
       for (int j = 0; j < W; ++j) b[j] = widen16(w + (j * k + s + p) * kC);
