@@ -24,6 +24,9 @@ _DTYPES = {"auto": None, "float32": "float32", "fp32": "float32", "float": "floa
            "bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16",
            "fp16": "float16", "half": "float16"}
 
+# kv_cache_dtype's values: vLLM's names for the types served (fp8 is e4m3, as in vLLM)
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+
 # CPU KV cache budget when kv_cache_memory_bytes is not set (vLLM's CPU default is 4 GiB).
 CPU_DEFAULT_KV_CACHE_BYTES = 2 << 30
 
@@ -112,6 +115,11 @@ class EngineConfig:
         "(Triton paged attention and fused layer kernels; on CPU only under "
         "TRITON_INTERPRET=1, for tests) or torch (the gather path)",
         choices=("auto", "native", "flex", "triton", "torch"))
+    kv_cache_dtype: str = option(
+        "auto", "the KV cache's element type: auto (the activation dtype) or fp8 (alias "
+        "fp8_e4m3: e4m3 bytes with a scale per layer for keys and for values, the "
+        "checkpoint's k_scale / v_scale or 1.0; twice the blocks per GiB of bf16). fp8 is "
+        "read by the native CPU attention kernel", choices=KV_CACHE_DTYPES)
     enforce_eager: bool = option(False, "CUDA: run decode steps eagerly instead of "
                                         "replaying CUDA graphs captured per batch size")
     quantization: str | None = option(
@@ -156,6 +164,9 @@ class EngineConfig:
             (self.attention_backend in ("auto", "native", "flex", "triton", "torch"),
              f"attention_backend must be auto, native, flex, triton or torch, got "
              f"{self.attention_backend!r}"),
+            (self.kv_cache_dtype in KV_CACHE_DTYPES,
+             f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got "
+             f"{self.kv_cache_dtype!r} (e5m2 caches are not served)"),
             (self.load_format in ("auto", "dummy"),
              f"load_format must be auto or dummy, got {self.load_format!r}"),
             (self.max_lora_rank >= 1, "max_lora_rank must be >= 1"),

@@ -130,6 +130,7 @@ class ModelRunner:
             self.kernels = cpu_kernels()
             keep_freed_memory()  # steps reuse their freed activations: no page faults
         self.backend = self._attention_backend()
+        self.kv_dtype = self._kv_cache_dtype()
         self.native_attention = (self.kernels.paged_attention if self.backend == "native"
                                  else None)
         self.flex = (FlexPagedAttention(device.type == "cuda", config.block_size)
@@ -166,6 +167,18 @@ class ModelRunner:
             if reason is not None:
                 raise InvalidRequestError(f"attention_backend 'triton': {reason}")
         return choice
+
+    def _kv_cache_dtype(self) -> torch.dtype:
+        """The cache's element type: the activation dtype, or e4m3 for kv_cache_dtype fp8,
+        which only the native CPU kernel reads."""
+        if self.config.kv_cache_dtype == "auto":
+            return self.dtype
+        if self.backend != "native":
+            raise InvalidRequestError(
+                f"kv_cache_dtype {self.config.kv_cache_dtype!r} is read by the native CPU "
+                f"attention kernel only; attention backend {self.backend!r} on {self.device} "
+                "reads the activation dtype (use kv_cache_dtype auto)")
+        return torch.float8_e4m3fn
 
     def _triton_backend(self):
         """The Triton kernels' attention (imported only when chosen: triton is optional
@@ -224,6 +237,8 @@ class ModelRunner:
             if scheme is not None:  # AWQ / GPTQ: their groups read as Q4_1 blocks
                 weights = iter_int4_weights(weights, scheme)
             model.load_weights(weights, quant_kernels=self._quant_kernels())
+        if self.kv_dtype == torch.float8_e4m3fn:
+            self._set_kv_scales(model)
         model = model.to(self.dtype).eval()
         model.requires_grad_(False)
         if (native_enabled() and self.triton is None
@@ -235,6 +250,20 @@ class ModelRunner:
             collapse_new_regions(regions)
         logger.info("loaded %s in %.2fs", self.shape.architecture, time.perf_counter() - start)
         return model
+
+    def _set_kv_scales(self, model) -> None:
+        """An fp8 cache's per-layer scales: the checkpoint's k_scale / v_scale, else 1.0
+        (vLLM's default; said in the log, since values past +-448 then saturate)."""
+        found = 0
+        for layer in model.layers:
+            attn = layer.self_attn
+            attn.k_scale = attn.checkpoint_kv_scales.get("k_scale", 1.0)
+            attn.v_scale = attn.checkpoint_kv_scales.get("v_scale", 1.0)
+            found += len(attn.checkpoint_kv_scales)
+        if not found:
+            logger.warning("kv_cache_dtype %s: the checkpoint has no k_scale / v_scale; the "
+                           "cache stores keys and values unscaled (1.0), saturating past "
+                           "+-448", self.config.kv_cache_dtype)
 
     def _quant_kernels(self):
         """The kernels that multiply a quantized checkpoint's weights (GGUF blocks, AWQ and
@@ -285,7 +314,7 @@ class ModelRunner:
     # ---- KV cache ---------------------------------------------------------------------
     def bytes_per_block(self) -> int:
         s = self.shape
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        elem = torch.empty((), dtype=self.kv_dtype).element_size()
         return 2 * s.num_layers * self.block_size * self.plan.num_kv_heads * s.head_dim * elem
 
     def max_kv_blocks(self) -> int:
@@ -389,7 +418,7 @@ class ModelRunner:
         shape = (s.num_layers, num_blocks, 2, self.plan.num_kv_heads, self.block_size, s.head_dim)
         # zeros, not garbage: masked-out slots still enter the matmuls, and 0 * NaN = NaN
         if self.device.type == "cpu":
-            self.kv_caches = lazily_zeroed(shape, self.dtype)
+            self.kv_caches = lazily_zeroed(shape, self.kv_dtype)
             self._prefault_kv(num_blocks)
         else:
             self.kv_caches = torch.zeros(shape, dtype=self.dtype, device=self.device)

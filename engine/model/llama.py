@@ -100,6 +100,11 @@ class ModelShape:
 class LlamaAttention(nn.Module):
     lora = None  # LoRASlots once LoRA is enabled (attach_lora), with layer_index
     layer_index = 0
+    # an fp8 KV cache's scales: the checkpoint's self_attn.k_scale / v_scale (read into
+    # checkpoint_kv_scales, set by the runner when the cache is fp8), else 1.0
+    k_scale = 1.0
+    v_scale = 1.0
+    checkpoint_kv_scales: dict = {}
 
     def __init__(self, shape: ModelShape, plan: ShardPlan, tp: TPGroup | None,
                  kernels=None) -> None:
@@ -143,8 +148,8 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if not native_rope:
             q, k = apply_rotary(q, k, rope.cos, rope.sin)
-        return self._project(paged_attention(q, k, v, kv_cache, meta, self.scale
-                                             ).reshape(t, self.q_size))
+        return self._project(paged_attention(q, k, v, kv_cache, meta, self.scale, self.k_scale,
+                                             self.v_scale).reshape(t, self.q_size))
 
     def _norm_qk(self, qkv: torch.Tensor) -> torch.Tensor:
         """Qwen3: q and k heads normalised before the rotary, as a new fused qkv."""
@@ -350,6 +355,11 @@ class LlamaForCausalLM(nn.Module):
                     src = None  # a row-parallel bias is whole, on rank 0 only
                     if target not in params:
                         continue
+            if module == "self_attn" and kind in ("k_scale", "v_scale"):  # an fp8 cache's
+                attn = self.get_submodule(".".join(parts[:-1]))
+                attn.checkpoint_kv_scales = {**attn.checkpoint_kv_scales,
+                                             kind: _scalar(tensor)}
+                continue
             if quantized.take_sidecar(kind, target, offset, src, tensor, params):
                 continue
             param = params.get(target)
@@ -410,6 +420,12 @@ def _read_slice(tensor, src: Slice | None) -> torch.Tensor:
     if dim == 0:
         return tensor[start:start + length]
     return tensor[:, start:start + length]
+
+
+def _scalar(tensor) -> float:
+    """A one-value tensor or lazy safetensors slice ([] or [1]) as a float."""
+    t = tensor if isinstance(tensor, torch.Tensor) else tensor[...]
+    return float(t.reshape(-1)[0])
 
 
 def _offsets(param_name: str, rules: dict) -> list:

@@ -61,7 +61,7 @@ def build_stack(model: nn.Module, kernels) -> object | None:
         if any(s is None for s in specs):
             return None
         stack.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                        specs)
+                        specs, attn.k_scale, attn.v_scale)
     return stack
 
 

@@ -6,7 +6,8 @@
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
                               torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
                               torch::Tensor block_tables, torch::Tensor seq_lens,
-                              torch::Tensor query_start, double scale);
+                              torch::Tensor query_start, double scale, double k_scale,
+                              double v_scale);
 std::string attention_bf16_kernel();
 bool set_attention_bf16_kernel(const std::string& name);
 std::string attention_prefill_kernel();
@@ -54,7 +55,11 @@ void rotary_inplace(torch::Tensor qkv, torch::Tensor positions, torch::Tensor co
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention,
-        "write the step's keys/values to the paged KV cache, then attend causally (CPU)");
+        "write the step's keys/values to the paged KV cache, then attend causally (CPU); "
+        "float8_e4m3fn caches hold x / k_scale and x / v_scale", py::arg("q"), py::arg("k"),
+        py::arg("v"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"),
+        py::arg("block_tables"), py::arg("seq_lens"), py::arg("query_start"),
+        py::arg("scale"), py::arg("k_scale") = 1.0, py::arg("v_scale") = 1.0);
   m.def("attention_bf16_kernel", &attention_bf16_kernel,
         "the bf16 attention kernel in use: dpbf16, fma (both measured, the faster) or vec");
   m.def("set_attention_bf16_kernel", &set_attention_bf16_kernel,

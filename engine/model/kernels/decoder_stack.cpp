@@ -16,7 +16,8 @@
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
                               torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
                               torch::Tensor block_tables, torch::Tensor seq_lens,
-                              torch::Tensor query_start, double scale);
+                              torch::Tensor query_start, double scale, double k_scale,
+                              double v_scale);
 void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
 void rotary_inplace(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
@@ -107,6 +108,7 @@ LinearSpec spec_of(const LinearArgs& args) {
 struct Layer {
   torch::Tensor input_norm, post_norm;
   LinearSpec qkv, o, gate_up, down;
+  double k_scale, v_scale;  // an fp8 cache's (1 otherwise)
 };
 
 }  // namespace
@@ -119,12 +121,12 @@ class DecoderStack {
         scale_(scale), final_norm_(final_norm) {}
 
   // Linears qkv, o, gate_up, down, each ([(kind, weight, format, rows, extras,
-  // input_scale), ...], bias or None, paired).
+  // input_scale), ...], bias or None, paired); k_scale, v_scale: an fp8 cache's.
   void add_layer(torch::Tensor input_norm, torch::Tensor post_norm,
-                 const std::vector<LinearArgs>& linears) {
+                 const std::vector<LinearArgs>& linears, double k_scale, double v_scale) {
     TORCH_CHECK(linears.size() == 4, "DecoderStack.add_layer: qkv, o, gate_up and down");
     layers_.push_back(Layer{input_norm, post_norm, spec_of(linears[0]), spec_of(linears[1]),
-                            spec_of(linears[2]), spec_of(linears[3])});
+                            spec_of(linears[2]), spec_of(linears[3]), k_scale, v_scale});
   }
 
   int64_t num_layers() const { return int64_t(layers_.size()); }
@@ -154,7 +156,7 @@ class DecoderStack {
       torch::Tensor attn = paged_attention(
           parts[0].view({t, heads_, head_dim_}), parts[1].view({t, kv_heads_, head_dim_}),
           parts[2].view({t, kv_heads_, head_dim_}), keys[i], values[i], slots, block_tables,
-          seq_lens, query_start, scale_);
+          seq_lens, query_start, scale_, l.k_scale, l.v_scale);
       x = l.o(attn.reshape({t, q_size}), dense_rows);
       fused_add_rms_norm(x, residual, l.post_norm, eps_);
       x = l.down(l.gate_up.glu(x, dense_rows), dense_rows);
@@ -184,7 +186,9 @@ void bind_decoder_stack(pybind11::module& m) {
       .def(pybind11::init<int64_t, int64_t, int64_t, double, double, torch::Tensor>(),
            pybind11::arg("num_heads"), pybind11::arg("num_kv_heads"), pybind11::arg("head_dim"),
            pybind11::arg("eps"), pybind11::arg("scale"), pybind11::arg("final_norm"))
-      .def("add_layer", &DecoderStack::add_layer)
+      .def("add_layer", &DecoderStack::add_layer, pybind11::arg("input_norm"),
+           pybind11::arg("post_norm"), pybind11::arg("linears"), pybind11::arg("k_scale") = 1.0,
+           pybind11::arg("v_scale") = 1.0)
       .def("num_layers", &DecoderStack::num_layers)
       .def("forward", &DecoderStack::forward);
 }

@@ -9,10 +9,18 @@
 // may be strided (the engine stores a block's heads, keys and values together), each
 // block is contiguous. Work is split over (query row, kv head) pairs; each computes its G = H / KVH query heads' scores, a
 // float32 softmax, and the weighted sum of values.
+//
+// An fp8 cache (kv_cache_dtype fp8: e4m3 bytes, one scale per layer for keys and one for
+// values) is written as x / scale, saturated to +-448 and rounded to nearest even, and
+// read through run_generic with each byte widened by a table: the scales fold into the
+// queries and into the output.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <c10/util/Float8_e4m3fn.h>
+
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cfloat>
@@ -31,14 +39,39 @@ namespace {
 using flotilla::from_float;
 using flotilla::to_float;
 
+// An fp8 (e4m3) cache element: its byte, widened by a table (exact).
+struct E4M3 {
+  uint8_t bits;
+};
+
+const std::array<float, 256>& e4m3_table() {
+  static const std::array<float, 256> table = [] {
+    std::array<float, 256> t{};
+    for (int b = 0; b < 256; ++b) t[b] = float(c10::Float8_e4m3fn(uint8_t(b), c10::Float8_e4m3fn::from_bits()));
+    return t;
+  }();
+  return table;
+}
+
+inline float to_float(E4M3 x) { return e4m3_table()[x.bits]; }
+
+// x / scale as an e4m3 byte: saturated to the largest finite value (+-448), as vLLM's
+// cache write does, since the type's conversion maps overflow to NaN
+inline E4M3 to_e4m3(float x, float inv_scale) {
+  const float v = std::min(448.f, std::max(-448.f, x * inv_scale));
+  return E4M3{c10::Float8_e4m3fn(v).x};
+}
+
 // What every kernel variant reads: pointers, sizes, and each query row's sequence,
 // visible context length, and whether it is its sequence's first row (which prefetches).
-template <typename T>
+// C: the caches' element type (T, or E4M3 for an fp8 cache with its scales).
+template <typename T, typename C = T>
 struct Problem {
   const T* q;
   int64_t q_row;  // q may be a row view into the fused qkv
-  T* k;  // the caches: written (this step's tokens), then read
-  T* v;
+  C* k;  // the caches: written (this step's tokens), then read
+  C* v;
+  float k_scale = 1.f, v_scale = 1.f;  // fp8: the stored value is x / scale
   T* out;
   const int64_t* tables;
   int64_t max_blocks, heads, kv_heads, group, num_blocks, d, bs;  // num_blocks: in the cache
@@ -64,8 +97,8 @@ struct Problem {
     k_new_row = k_.stride(0);
     v_new_row = v_.stride(0);
     slots = slots_.data_ptr<int64_t>();
-    k = k_cache.data_ptr<T>();
-    v = v_cache.data_ptr<T>();
+    k = static_cast<C*>(k_cache.data_ptr());
+    v = static_cast<C*>(v_cache.data_ptr());
     out = out_.data_ptr<T>();
     tables = block_tables.data_ptr<int64_t>();
     max_blocks = block_tables.size(1);
@@ -113,23 +146,29 @@ struct Problem {
 };
 
 // Writes row r's key and value of kv head h into its cache slot (keys transposed).
-template <typename T>
-inline void store_token(const Problem<T>& p, int64_t r, int64_t h) {
+template <typename T, typename C>
+inline void store_token(const Problem<T, C>& p, int64_t r, int64_t h) {
   const int64_t block = p.slots[r] / p.bs, off = p.slots[r] % p.bs;
   const T* kr = p.k_new + r * p.k_new_row + h * p.d;
   const T* vr = p.v_new + r * p.v_new_row + h * p.d;
-  T* kdst = p.k + h * p.k_hs + block * p.k_bs + off;  // [D][bs] block
-  T* vdst = p.v + h * p.v_hs + block * p.v_bs + off * p.d;  // [bs][D] block
-  for (int64_t i = 0; i < p.d; ++i) kdst[i * p.bs] = kr[i];
-  std::memcpy(vdst, vr, p.d * sizeof(T));
+  C* kdst = p.k + h * p.k_hs + block * p.k_bs + off;  // [D][bs] block
+  C* vdst = p.v + h * p.v_hs + block * p.v_bs + off * p.d;  // [bs][D] block
+  if constexpr (std::is_same_v<T, C>) {
+    for (int64_t i = 0; i < p.d; ++i) kdst[i * p.bs] = kr[i];
+    std::memcpy(vdst, vr, p.d * sizeof(T));
+  } else {
+    const float inv_k = 1.f / p.k_scale, inv_v = 1.f / p.v_scale;
+    for (int64_t i = 0; i < p.d; ++i) kdst[i * p.bs] = to_e4m3(to_float(kr[i]), inv_k);
+    for (int64_t i = 0; i < p.d; ++i) vdst[i] = to_e4m3(to_float(vr[i]), inv_v);
+  }
 }
 
 // The tokens of prefill chunks go into the cache before any row attends: a row reads the
 // keys of the rows before it, which other threads may handle. A decode row writes its
 // own token inside its work item instead (no other row reads it this step: a partly
 // filled block is never shared), so those writes overlap the context prefetch.
-template <typename T>
-void store_prefill_tokens(const Problem<T>& p) {
+template <typename T, typename C>
+void store_prefill_tokens(const Problem<T, C>& p) {
   const int64_t rows = int64_t(p.row_seq.size());
   if (std::all_of(p.row_decode.begin(), p.row_decode.end(), [](char d) { return d != 0; })) return;
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
@@ -141,8 +180,10 @@ void store_prefill_tokens(const Problem<T>& p) {
 
 // Any head and block size: BS and D are the sizes when known at compile time (0: read at
 // run time); fixed sizes let the compiler turn the short inner loops into vector code.
-template <typename T, int64_t BS, int64_t D>
-void run_generic(const Problem<T>& p) {
+// The one kernel of fp8 caches (C = E4M3): k_scale folds into the queries, v_scale into
+// the output (1 for other caches: the same values).
+template <typename T, int64_t BS, int64_t D, typename C = T>
+void run_generic(const Problem<T, C>& p) {
   const int64_t d = D ? D : p.d, bs = BS ? BS : p.bs, group = p.group;
   at::parallel_for(0, int64_t(p.row_ids.size()) * p.kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * d), acc(group * d), scores, inv_sum(group);
@@ -154,11 +195,12 @@ void run_generic(const Problem<T>& p) {
       scores.resize(group * nblocks * bs);
       for (int64_t g = 0; g < group; ++g)
         for (int64_t i = 0; i < d; ++i)
-          qf[g * d + i] = to_float(p.q[r * p.q_row + (h * group + g) * d + i]) * p.scale;
-      const T* k_head = p.k + h * p.k_hs;
-      const T* v_head = p.v + h * p.v_hs;
+          qf[g * d + i] = to_float(p.q[r * p.q_row + (h * group + g) * d + i]) * p.scale *
+                          p.k_scale;
+      const C* k_head = p.k + h * p.k_hs;
+      const C* v_head = p.v + h * p.v_hs;
       for (int64_t b = 0; b < nblocks; ++b) {
-        const T* kb = k_head + table[b] * p.k_bs;  // [d][bs]
+        const C* kb = k_head + table[b] * p.k_bs;  // [d][bs]
         for (int64_t g = 0; g < group; ++g) {
           float* __restrict out_sc = &scores[g * nblocks * bs + b * bs];
           if constexpr (BS != 0) {
@@ -186,14 +228,14 @@ void run_generic(const Problem<T>& p) {
           sc[t] = std::exp(sc[t] - m);
           sum += sc[t];
         }
-        inv_sum[g] = 1.f / sum;
+        inv_sum[g] = p.v_scale / sum;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t g = 0; g < group; ++g) {
         const float* pr = &scores[g * nblocks * bs];
         float* __restrict a = &acc[g * d];
         for (int64_t t = 0; t < len; ++t) {
-          const T* vrow = v_head + table[t / bs] * p.v_bs + (t % bs) * d;
+          const C* vrow = v_head + table[t / bs] * p.v_bs + (t % bs) * d;
           const float pt = pr[t];
           for (int64_t i = 0; i < d; ++i) a[i] += pt * to_float(vrow[i]);
         }
@@ -1085,7 +1127,8 @@ bool set_attention_prefill_kernel(const std::string& name) {
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
                               torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
                               torch::Tensor block_tables, torch::Tensor seq_lens,
-                              torch::Tensor query_start, double scale) {
+                              torch::Tensor query_start, double scale, double k_scale,
+                              double v_scale) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be [T, heads, D]");
   for (const auto* x : {&q, &k, &v})
     TORCH_CHECK(x->stride(2) == 1 && x->stride(1) == x->size(2) && x->size(0) == q.size(0),
@@ -1095,8 +1138,15 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
               "paged_attention needs each cache block contiguous (heads and blocks may be strided)");
   TORCH_CHECK(k.size(1) == k_cache.size(0) && v.size(1) == k_cache.size(0) &&
               q.size(1) % k_cache.size(0) == 0, "heads must be a multiple of kv heads");
-  for (const auto* x : {&k, &v, &k_cache, &v_cache})
-    TORCH_CHECK(x->scalar_type() == q.scalar_type(), "q, k, v and the caches must share a dtype");
+  for (const auto* x : {&k, &v})
+    TORCH_CHECK(x->scalar_type() == q.scalar_type(), "q, k and v must share a dtype");
+  const bool fp8 = k_cache.scalar_type() == c10::ScalarType::Float8_e4m3fn;
+  for (const auto* x : {&k_cache, &v_cache})
+    TORCH_CHECK(x->scalar_type() == (fp8 ? c10::ScalarType::Float8_e4m3fn : q.scalar_type()),
+                "the caches must be q's dtype or both float8_e4m3fn");
+  TORCH_CHECK(fp8 || (k_scale == 1.0 && v_scale == 1.0), "k_scale and v_scale are an fp8 "
+              "cache's");
+  TORCH_CHECK(k_scale > 0 && v_scale > 0, "k_scale and v_scale must be > 0");
   auto slots_ = slots.to(torch::kLong).contiguous();
   TORCH_CHECK(slots_.size(0) == q.size(0), "one cache slot per row");
   auto tables = block_tables.to(torch::kLong).contiguous();
@@ -1105,6 +1155,14 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
   auto out = torch::empty(q.sizes(), q.options());
   auto run = [&](auto tag) {
     using T = decltype(tag);
+    if (fp8) {
+      Problem<T, E4M3> p(q, k, v, k_cache, v_cache, slots_, tables, lens, starts, out, scale);
+      p.k_scale = float(k_scale), p.v_scale = float(v_scale);
+      store_prefill_tokens(p);
+      if (p.bs == 16 && p.d == 64) return run_generic<T, 16, 64>(p);
+      if (p.bs == 16 && p.d == 128) return run_generic<T, 16, 128>(p);
+      return run_generic<T, 0, 0>(p);
+    }
     Problem<T> p(q, k, v, k_cache, v_cache, slots_, tables, lens, starts, out, scale);
     store_prefill_tokens(p);
     run_prefill_chunks(p);

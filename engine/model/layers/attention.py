@@ -100,9 +100,9 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
-                    scale: float) -> torch.Tensor:
+                    scale: float, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, KVH, D]; kv_cache: this layer's (keys, values) views
-    (cache_views).
+    (cache_views); k_scale, v_scale: an fp8 cache's (the native kernel's only).
 
     Returns the attention output [T, H, D].
     """
@@ -112,7 +112,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return meta.flex(q, k, v, k_cache, v_cache, meta.slot_pos, meta.flex_groups, scale)
     if meta.native_attention is not None:
         return meta.native_attention(q, k, v, k_cache, v_cache, meta.slot_mapping,
-                                     meta.block_tables, meta.seq_lens, meta.query_start, scale)
+                                     meta.block_tables, meta.seq_lens, meta.query_start, scale,
+                                     k_scale, v_scale)
     write_kv(k, v, k_cache, v_cache, meta)
     if meta.num_decodes == q.shape[0]:
         return _decode_attention(q, k_cache, v_cache, meta, scale)
