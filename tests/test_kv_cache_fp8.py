@@ -25,12 +25,14 @@ def _e4m3(x: torch.Tensor, scale: float) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype, d", [(torch.float32, 64), (torch.bfloat16, 128),
-                                      (torch.float32, 48)])
+                                      (torch.float32, 48), (torch.float16, 64)])
 @pytest.mark.parametrize("k_scale, v_scale", [(1.0, 1.0), (0.01, 0.02)])
 def test_fp8_cache_kernel_writes_e4m3_and_attends_from_it(kernels, dtype, d, k_scale, v_scale):
     """Decodes and prefill chunks with cached context; bytes written equal torch's
     conversion of x / scale, and the output equals dense attention over the rounded
-    keys and values (values past 448 x scale saturate: scale 0.01 makes them do so)."""
+    keys and values (values past 448 x scale saturate: scale 0.01 makes them do so).
+    Head size 64 / 128 at block size 16 runs the FMA kernel (AVX-512), 48 and fp16 the
+    generic one."""
     heads, kv_heads, bs = 4, 2, 16
     q, kc, vc, tables, lens, starts = _problem(dtype, heads, kv_heads, d, bs, 24, 4,
                                                [37, 1, 50], [1, 1, 13])
@@ -60,7 +62,7 @@ def test_fp8_cache_kernel_writes_e4m3_and_attends_from_it(kernels, dtype, d, k_s
     assert torch.equal(written_v, want_v.view(torch.uint8))
     want = _reference(q, _e4m3(kc, k_scale), _e4m3(vc, v_scale), tables, lens, starts,
                       d ** -0.5)
-    tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output's rounding
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16, fp16: the output's rounding
     assert (out.float() - want).abs().max() / want.abs().max() < tol
 
 

@@ -248,6 +248,19 @@ def test_fp8_schemes_not_served_are_refused_by_name(tiny_hf, tmp_path, fmt, chan
         LLM(str(path), dtype="float32")
 
 
+@pytest.mark.parametrize("method", ["fp8", "compressed-tensors"])
+def test_an_fp8_config_over_float_weights_is_refused(tiny_hf, tmp_path, method):
+    """Before fp8 was read, such a checkpoint had its weights widened as they were copied;
+    a config claiming a format its weights are not in is refused, not served as floats."""
+    path = _with_config(write_fp8(tiny_hf, tmp_path / "src", method), tmp_path / "float",
+                        lambda q: None)
+    (path / "model.safetensors").unlink()
+    import shutil
+    shutil.copy(tiny_hf / "model.safetensors", path / "model.safetensors")
+    with pytest.raises(UnsupportedQuantizationError, match="none of its linear weights"):
+        LLM(str(path), dtype="float32")
+
+
 def test_quantization_option_names_the_fp8_format(tiny_fp8):
     LLM(str(tiny_fp8), dtype="float32", quantization="fp8", block_size=8)
     with pytest.raises(UnsupportedQuantizationError, match="quantized as 'fp8'"):

@@ -49,15 +49,15 @@ def test_a_row_that_is_not_whole_blocks_is_refused():
 
 # ---- the formats read, and the refusal of the rest (engine/quant/__init__.py) ---------------
 def test_a_quantized_checkpoint_in_an_unread_format_is_refused_naming_it(tiny_llama, tmp_path):
-    """A quantized directory failed deep in the loader ("unexpected checkpoint tensor"),
-    an fp8 one had its weights widened as they were copied; a format not read is now
-    refused before any weight is read, naming the format and what is read."""
+    """A quantized directory failed deep in the loader ("unexpected checkpoint tensor");
+    a format not read is now refused before any weight is read, naming the format and
+    what is read."""
     import json
     import shutil
 
     from engine import LLM
     from engine.errors import UnsupportedQuantizationError
-    for method in ("fp8", "bitsandbytes", "hqq"):
+    for method in ("bitsandbytes", "hqq", "mxfp4"):
         model = tmp_path / method
         shutil.copytree(tiny_llama, model)
         config = json.loads((model / "config.json").read_text())

@@ -17,7 +17,7 @@ import torch
 
 from engine.config import CPU_DEFAULT_KV_CACHE_BYTES, EngineConfig
 from engine.core.scheduler import SchedulerOutput
-from engine.errors import InvalidRequestError
+from engine.errors import InvalidRequestError, UnsupportedQuantizationError
 from engine.executor.allocator import keep_freed_memory
 from engine.executor.cuda_graphs import (
     DecodeGraphs,
@@ -236,7 +236,14 @@ class ModelRunner:
             scheme = int4_scheme(self.hf_config, str(self.checkpoint))
             if scheme is not None:  # AWQ / GPTQ: their groups read as Q4_1 blocks
                 weights = iter_int4_weights(weights, scheme)
-            model.load_weights(weights, quant_kernels=self._quant_kernels())
+            held = model.load_weights(weights, quant_kernels=self._quant_kernels())
+            fmt = checkpoint_quantization(self.hf_config)
+            if held == 0 and fmt in ("fp8", "compressed-tensors"):
+                raise UnsupportedQuantizationError(
+                    f"model {str(self.checkpoint)!r} declares {fmt!r} quantization, but none "
+                    "of its linear weights is int8 or float8_e4m3fn: a float checkpoint "
+                    "with a quantization_config is not quantized at load; remove the "
+                    "config's quantization_config to serve it in its own dtype")
         if self.kv_dtype == torch.float8_e4m3fn:
             self._set_kv_scales(model)
         model = model.to(self.dtype).eval()

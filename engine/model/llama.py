@@ -323,7 +323,7 @@ class LlamaForCausalLM(nn.Module):
             return None
         return logits[:, :self.shape.vocab_size].float()
 
-    def load_weights(self, weights: Iterable[tuple[str, Any]], quant_kernels=None) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, Any]], quant_kernels=None) -> int:
         """Copy this rank's slice of each checkpoint tensor (HF names) into the fused
         parameters. weights yields (name, t) where t is a tensor, a lazy safetensors
         slice or GGUF blocks (engine.quant.gguf_weights); only the sliced rows/columns
@@ -332,7 +332,9 @@ class LlamaForCausalLM(nn.Module):
         keep them (their dense weights are released), and without it they are decoded to
         floats.
 
-        Raises UnsupportedModelError naming any parameter the checkpoint left unset.
+        Returns how many of the parameters came quantized (int8 or e4m3 weights; GGUF
+        blocks where a kernel holds them). Raises UnsupportedModelError naming any
+        parameter the checkpoint left unset.
         """
         params = dict(self.named_parameters())
         loaded: set[str] = set()
@@ -387,6 +389,7 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise UnsupportedModelError(f"checkpoint is missing tensors for {missing[:5]}")
         quantized.finish(self, params, self.shape.tie_word_embeddings)
+        return quantized.count()
 
 
 Slice = tuple[int, int, int]  # (dim, start, length) of the checkpoint tensor

@@ -76,6 +76,10 @@ class QuantizedPieces:
             return True
         return False
 
+    def count(self) -> int:
+        """How many quantized weights (8-bit or GGUF blocks) the load held or decoded."""
+        return len(self.scaled.targets()) + len(self.blocks)
+
     def finish(self, model: nn.Module, params: dict, tied_embeddings: bool) -> None:
         """Hold (or decode) every kept piece in `model`, whose parameters are `params`."""
         shapes = {t: params[t].shape for t in self.scaled.targets()}

@@ -281,8 +281,8 @@ struct Item {
   int64_t next_blocks = 0, next_h = 0;
 };
 
-template <typename T>
-inline Item start_item(const Problem<T>& p, int64_t work, int64_t end) {
+template <typename T, typename E>
+inline Item start_item(const Problem<T, E>& p, int64_t work, int64_t end) {
   constexpr int64_t BS = 16;
   Item it;
   it.r = p.row_ids[work / p.kv_heads], it.h = work % p.kv_heads;
@@ -319,12 +319,14 @@ __attribute__((always_inline)) inline void prefetch_keys(const Item& it, int64_t
   prefetch_next<BYTES>(it, b, k_next, stride);
 }
 
-// An item's G query heads, widened to float32 and scaled.
-template <typename T, int64_t D, int64_t G>
-inline void load_queries(const Problem<T>& p, const Item& it, float (&qf)[G][D]) {
+// An item's G query heads, widened to float32 and scaled (times k_scale_eff: an fp8
+// cache's key scale as its keys are widened, 1 otherwise).
+template <typename T, int64_t D, int64_t G, typename E>
+inline void load_queries(const Problem<T, E>& p, const Item& it, float (&qf)[G][D],
+                         float k_scale_eff = 1.f) {
   for (int64_t g = 0; g < G; ++g)
     for (int64_t i = 0; i < D; ++i)
-      qf[g][i] = to_float(p.q[it.r * p.q_row + (it.h * G + g) * D + i]) * p.scale;
+      qf[g][i] = to_float(p.q[it.r * p.q_row + (it.h * G + g) * D + i]) * p.scale * k_scale_eff;
 }
 
 namespace vec = flotilla::vec;
@@ -430,6 +432,15 @@ void run_vec(const Problem<T>& p) {
 using flotilla::exp16;
 using flotilla::load16;
 
+// 16 e4m3 bytes widened to float32 lanes / 2^8, exactly: a byte's sign to bit 15 and its
+// other 7 bits to bits 13..7 is the IEEE half of its value / 2^8 (subnormals included).
+constexpr float kE4M3Widened = 256.f;
+inline __m512 load16(const E4M3* p) {
+  const __m256i s = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm512_cvtph_ps(
+      _mm256_and_si256(_mm256_slli_epi16(s, 7), _mm256_set1_epi16(int16_t(0xBFFF))));
+}
+
 // Softmax of one head's scores in place (float32, vectorized); lanes of the last block
 // past len are zeroed. Returns 1 / sum.
 inline float softmax_blocks(float* sc, int64_t len, int64_t nblocks) {
@@ -452,10 +463,14 @@ inline float softmax_blocks(float* sc, int64_t len, int64_t nblocks) {
 // Block size 16 and head size D (a multiple of 16), float32 FMAs on widened keys and
 // values, the G query heads of a kv head together: each key row and value row is loaded
 // and widened once for all G heads, and the next key block is prefetched into L1 while
-// the current one is computed (the next item's context too, see start_item).
-template <typename T, int64_t D, int64_t G>
-void run_fma(const Problem<T>& p) {
+// the current one is computed (the next item's context too, see start_item). E: the
+// cache's element type (T, or E4M3: its scales, and the widening's 2^8, fold into the
+// queries and the output).
+template <typename T, int64_t D, int64_t G, typename E = T>
+void run_fma(const Problem<T, E>& p) {
   constexpr int64_t BS = 16, C = D / 16;
+  constexpr float widened = std::is_same_v<E, E4M3> ? kE4M3Widened : 1.f;
+  const float k_eff = p.k_scale * widened, v_eff = p.v_scale * widened;
   // value accumulators: heads per pass so that GC * C registers stay <= 24
   constexpr int64_t GC = std::max<int64_t>(1, std::min<int64_t>(G, 24 / C));
   at::parallel_for(0, int64_t(p.row_ids.size()) * p.kv_heads, 1, [&](int64_t begin, int64_t end) {
@@ -466,15 +481,15 @@ void run_fma(const Problem<T>& p) {
       const int64_t r = it.r, h = it.h, len = it.len, nblocks = it.nblocks, padded = it.padded;
       const int64_t* table = it.table;
       scores.resize(G * padded);
-      load_queries(p, it, qf);
-      const T* k_head = p.k + h * p.k_hs;
-      const T* v_head = p.v + h * p.v_hs;
-      const T* k_next = p.k + it.next_h * p.k_hs;
-      const T* v_next = p.v + it.next_h * p.v_hs;
-      prefetch_l1<D * BS * sizeof(T)>(k_head + table[0] * p.k_bs);
+      load_queries(p, it, qf, k_eff);
+      const E* k_head = p.k + h * p.k_hs;
+      const E* v_head = p.v + h * p.v_hs;
+      const E* k_next = p.k + it.next_h * p.k_hs;
+      const E* v_next = p.v + it.next_h * p.v_hs;
+      prefetch_l1<D * BS * sizeof(E)>(k_head + table[0] * p.k_bs);
       for (int64_t b = 0; b < nblocks; ++b) {
-        prefetch_keys<D * BS * sizeof(T)>(it, b, k_head, k_next, p.k_bs);
-        const T* kb = k_head + table[b] * p.k_bs;  // [D][16]
+        prefetch_keys<D * BS * sizeof(E)>(it, b, k_head, k_next, p.k_bs);
+        const E* kb = k_head + table[b] * p.k_bs;  // [D][16]
         __m512 a0[G], a1[G];  // two chains per head hide the FMA latency
         for (int64_t g = 0; g < G; ++g) a0[g] = a1[g] = _mm512_setzero_ps();
         for (int64_t i = 0; i < D; i += 2) {
@@ -488,7 +503,8 @@ void run_fma(const Problem<T>& p) {
           _mm512_storeu_ps(&scores[g * padded + b * BS], _mm512_add_ps(a0[g], a1[g]));
       }
       float inv_sum[G];
-      for (int64_t g = 0; g < G; ++g) inv_sum[g] = softmax_blocks(&scores[g * padded], len, nblocks);
+      for (int64_t g = 0; g < G; ++g)
+        inv_sum[g] = softmax_blocks(&scores[g * padded], len, nblocks) * v_eff;
       // out_g = sum_t p_g[t] v_t, GC heads per pass over the (now cached) value rows
       for (int64_t g0 = 0; g0 < G; g0 += GC) {
         const int64_t ng = std::min<int64_t>(GC, G - g0);
@@ -496,9 +512,9 @@ void run_fma(const Problem<T>& p) {
         for (int64_t g = 0; g < GC; ++g)
           for (int64_t c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
         for (int64_t b = 0; b < nblocks; ++b) {
-          const T* vb = v_head + table[b] * p.v_bs;
+          const E* vb = v_head + table[b] * p.v_bs;
           const int64_t rows = std::min<int64_t>(BS, len - b * BS);
-          if (g0 == 0) prefetch_next<D * BS * sizeof(T)>(it, b, v_next, p.v_bs);
+          if (g0 == 0) prefetch_next<D * BS * sizeof(E)>(it, b, v_next, p.v_bs);
           for (int64_t j = 0; j < rows; ++j) {
             __m512 v[C];
             for (int64_t c = 0; c < C; ++c) v[c] = load16(vb + j * D + c * 16);
@@ -1058,6 +1074,39 @@ void run_prefill_chunks(Problem<T>& p) {
 #endif
 }
 
+// An fp8 cache at block size 16, head size 64 or 128 and up to 8 query heads per kv head:
+// the FMA kernel, widening 16 bytes at once (AVX-512); false elsewhere (run_generic).
+template <typename T, int64_t D>
+bool dispatch_fp8_group(const Problem<T, E4M3>& p) {
+#if FLOTILLA_AVX512 && !defined(FLOTILLA_VEC_ATTENTION)
+  switch (p.group) {
+    case 1: run_fma<T, D, 1>(p); return true;
+    case 2: run_fma<T, D, 2>(p); return true;
+    case 3: run_fma<T, D, 3>(p); return true;
+    case 4: run_fma<T, D, 4>(p); return true;
+    case 5: run_fma<T, D, 5>(p); return true;
+    case 6: run_fma<T, D, 6>(p); return true;
+    case 7: run_fma<T, D, 7>(p); return true;
+    case 8: run_fma<T, D, 8>(p); return true;
+    default: return false;
+  }
+#else
+  (void)p;
+  return false;
+#endif
+}
+
+template <typename T>
+bool dispatch_fp8(const Problem<T, E4M3>& p) {
+  if constexpr (std::is_same_v<T, c10::Half>) {  // as run_specialised: no fp16 FMA kernel
+    return false;
+  } else {
+    if (p.bs == 16 && p.d == 64) return dispatch_fp8_group<T, 64>(p);
+    if (p.bs == 16 && p.d == 128) return dispatch_fp8_group<T, 128>(p);
+    return false;
+  }
+}
+
 template <typename T>
 void dispatch(const Problem<T>& p) {
   if (p.bs == 16 && p.d == 64 && dispatch_group<T, 64>(p)) return;
@@ -1159,6 +1208,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
       Problem<T, E4M3> p(q, k, v, k_cache, v_cache, slots_, tables, lens, starts, out, scale);
       p.k_scale = float(k_scale), p.v_scale = float(v_scale);
       store_prefill_tokens(p);
+      if (dispatch_fp8(p)) return;
       if (p.bs == 16 && p.d == 64) return run_generic<T, 16, 64>(p);
       if (p.bs == 16 && p.d == 128) return run_generic<T, 16, 128>(p);
       return run_generic<T, 0, 0>(p);
