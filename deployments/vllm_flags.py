@@ -23,7 +23,6 @@ ALWAYS_ON = {
 }
 # Why a vLLM flag is missing, where a user would want to know more than that it is
 HINTS = {
-    "--kv-cache-dtype": "the KV cache is kept in the model's dtype",
     "--pipeline-parallel-size": "use --tensor-parallel-size and --data-parallel-size",
     "--speculative-config": "one token per step: speculative decoding is not built yet",
     "--enable-expert-parallel": "mixture-of-experts models are not served yet",

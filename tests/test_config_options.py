@@ -27,6 +27,7 @@ SAMPLES = {
     "generation_config": "vllm", "override_generation_config": '{"temperature": 0.5}',
     "lora_modules": json.dumps({"ad": "/adapters/ad"}), "scheduling_policy": "priority",
     "routing": "round_robin", "attention_backend": "torch", "load_format": "dummy",
+    "kv_cache_dtype": "fp8",
 }
 BY_KIND = {int: "7", float: "0.125", str: "text"}
 

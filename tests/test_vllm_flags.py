@@ -77,7 +77,7 @@ def test_the_host_and_port_flags_are_vllms():
     ("serve m -sc {}", "--speculative-config"),
     ("serve m --pipeline-parallel-size 2", "--pipeline-parallel-size"),
     ("serve m -pp 2 --port 8000", "--pipeline-parallel-size"),
-    ("serve m --kv-cache-dtype fp8", "--kv-cache-dtype"),
+    ("serve m --kv-offloading-size 4", "--kv-offloading-size"),
     ("serve m --trust-remote-code", "--trust-remote-code"),
     ("serve m --cpu-offload-gb 4", "--cpu-offload-gb"),
 ])
@@ -93,10 +93,10 @@ def test_a_vllm_flag_flotilla_lacks_exits_2_naming_it(line, named, capsys):
 
 def test_other_unknown_arguments_are_still_unrecognized(capsys):
     with pytest.raises(SystemExit) as exit_:
-        parse_command_line(["serve", "m", "--frobnicate", "--kv-cache-dtype", "fp8"])
+        parse_command_line(["serve", "m", "--frobnicate", "--cpu-offload-gb", "4"])
     assert exit_.value.code == 2
     err = capsys.readouterr().err
-    assert "--kv-cache-dtype is a vllm serve flag" in err
+    assert "--cpu-offload-gb is a vllm serve flag" in err
     assert "unrecognized arguments: --frobnicate" in err
 
 
