@@ -20,6 +20,9 @@
 #include <string>
 #include <vector>
 
+#include "convert.h"
+#include "simd.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #define FLOTILLA_F8_AVX512 1
@@ -32,35 +35,21 @@ namespace {
 constexpr int64_t kC = 16;        // columns of a vector
 constexpr int kNR = 3;            // vectors a work item multiplies
 constexpr int kMR = 8;            // rows a tile holds (8 x 3 float sums in registers)
-constexpr float kHalfBias = 256;  // the half view holds the value / 2^8
-
-// e4m3 byte -> float, for the plain loops: a table, exact.
-const std::array<float, 256>& widen_table() {
-  static const std::array<float, 256> table = [] {
-    std::array<float, 256> t{};
-    for (int b = 0; b < 256; ++b) {
-      const int e = (b >> 3) & 0xF, m = b & 7;
-      const float v = e == 0 ? std::ldexp(float(m), -9) : std::ldexp(float(8 + m), e - 10);
-      t[b] = (b & 0x80) ? -v : v;
-    }
-    return t;
-  }();
-  return table;
-}
 
 // Where a tile's float sums go: row r, column c0.. of the item, times the column scale.
 struct Out {
   void* y;
   bool bf16_out, float_out_rounded;
   int64_t ldy, ncols;
-  const float* sw;    // per column (already times 2^8 on the AVX-512 path)
+  const float* sw;    // per column
+  float widened;      // what the sums' weights were divided by (AVX-512: 2^8)
   const float* bias;  // per column or null
 
   void emit(int64_t r, int64_t c0, const float* acc) const {
     const int64_t lanes = std::min<int64_t>(kC, ncols - c0);
     for (int64_t l = 0; l < lanes; ++l) {
       const int64_t c = c0 + l;
-      float v = acc[l] * sw[c];
+      float v = acc[l] * (sw[c] * widened);
       if (bias) v += bias[c];
       if (bf16_out) {
         static_cast<c10::BFloat16*>(y)[r * ldy + c] = c10::BFloat16(v);
@@ -74,14 +63,13 @@ struct Out {
 // ---- plain loops (any CPU) ------------------------------------------------------------
 void plain_item(const float* x, int64_t ldx, int64_t rows, const uint8_t* w, int64_t k,
                 int vectors, const Out& out) {
-  const float* table = widen_table().data();
   for (int j = 0; j < vectors; ++j) {
     const uint8_t* b = w + j * k * kC;
     for (int64_t r = 0; r < rows; ++r) {
       const float* xr = x + r * ldx;
       float acc[kC] = {};
       for (int64_t i = 0; i < k; ++i)
-        for (int64_t c = 0; c < kC; ++c) acc[c] += xr[i] * table[b[i * kC + c]];
+        for (int64_t c = 0; c < kC; ++c) acc[c] += xr[i] * flotilla::e4m3_to_float(b[i * kC + c]);
       out.emit(r, j * kC, acc);
     }
   }
@@ -89,11 +77,7 @@ void plain_item(const float* x, int64_t ldx, int64_t rows, const uint8_t* w, int
 
 #if FLOTILLA_F8_AVX512
 // ---- AVX-512 ------------------------------------------------------------------------------
-inline __m512 widen16(const uint8_t* p) {  // 16 e4m3 bytes -> 16 floats / 2^8
-  const __m256i s = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m256i h = _mm256_and_si256(_mm256_slli_epi16(s, 7), _mm256_set1_epi16(int16_t(0xBFFF)));
-  return _mm512_cvtph_ps(h);
-}
+using flotilla::widen_e4m3;
 
 template <int R, int W>
 void avx512_tile(const float* x, int64_t ldx, const uint8_t* w, int64_t k, const Out& out,
@@ -115,7 +99,7 @@ void avx512_tile(const float* x, int64_t ldx, const uint8_t* w, int64_t k, const
         _mm_prefetch(reinterpret_cast<const char*>(w + (j * k + s) * kC + 64 * kC), _MM_HINT_T0);
     for (int p = 0; p < P; ++p) {
       __m512 b[W];
-      for (int j = 0; j < W; ++j) b[j] = widen16(w + (j * k + s + p) * kC);
+      for (int j = 0; j < W; ++j) b[j] = widen_e4m3(w + (j * k + s + p) * kC);
       for (int i = 0; i < R; ++i) {
         const __m512 a = _mm512_set1_ps(x[i * ldx + s + p]);
         for (int j = 0; j < W; ++j) acc[p][i][j] = _mm512_fmadd_ps(a, b[j], acc[p][i][j]);
@@ -124,7 +108,7 @@ void avx512_tile(const float* x, int64_t ldx, const uint8_t* w, int64_t k, const
   }
   for (; s < k; ++s)
     for (int j = 0; j < W; ++j) {
-      const __m512 b = widen16(w + (j * k + s) * kC);
+      const __m512 b = widen_e4m3(w + (j * k + s) * kC);
       for (int i = 0; i < R; ++i)
         acc[0][i][j] = _mm512_fmadd_ps(_mm512_set1_ps(x[i * ldx + s]), b, acc[0][i][j]);
     }
@@ -206,8 +190,11 @@ torch::Tensor fp8_linear(torch::Tensor input, torch::Tensor packed, torch::Tenso
     bias_f = bias->to(torch::kFloat32).contiguous();
   }
   const bool simd = FLOTILLA_F8_AVX512 && !g_plain;
-  // the AVX-512 path's sums are of value / 2^8
-  const torch::Tensor sw = simd ? (scales * kHalfBias).contiguous() : scales.contiguous();
+  const torch::Tensor sw = scales.contiguous();
+  float widened = 1.f;  // the AVX-512 sums are of value / 2^8
+#if FLOTILLA_F8_AVX512
+  if (simd) widened = flotilla::kE4M3Widened;
+#endif
   const float* swp = sw.data_ptr<float>();
   const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   const float* xp = x.data_ptr<float>();
@@ -226,7 +213,7 @@ torch::Tensor fp8_linear(torch::Tensor input, torch::Tensor packed, torch::Tenso
       const int nv = int(std::min<int64_t>(kNR, vectors - g * kNR));
       Out out{static_cast<char*>(y.data_ptr()) + (r0 * n + c0) * (float_out ? 4 : y.element_size()),
               bf16 && !float_out, bf16 && float_out, n, std::min<int64_t>(nv * kC, n - c0),
-              swp + c0, bp ? bp + c0 : nullptr};
+              swp + c0, widened, bp ? bp + c0 : nullptr};
       const float* a = xp + r0 * k;
       const uint8_t* w = wp + c0 * k;
 #if FLOTILLA_F8_AVX512

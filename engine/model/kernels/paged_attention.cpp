@@ -44,16 +44,7 @@ struct E4M3 {
   uint8_t bits;
 };
 
-const std::array<float, 256>& e4m3_table() {
-  static const std::array<float, 256> table = [] {
-    std::array<float, 256> t{};
-    for (int b = 0; b < 256; ++b) t[b] = float(c10::Float8_e4m3fn(uint8_t(b), c10::Float8_e4m3fn::from_bits()));
-    return t;
-  }();
-  return table;
-}
-
-inline float to_float(E4M3 x) { return e4m3_table()[x.bits]; }
+inline float to_float(E4M3 x) { return flotilla::e4m3_to_float(x.bits); }
 
 // x / scale as an e4m3 byte: saturated to the largest finite value (+-448), as vLLM's
 // cache write does, since the type's conversion maps overflow to NaN
@@ -431,14 +422,9 @@ void run_vec(const Problem<T>& p) {
 #if FLOTILLA_AVX512
 using flotilla::exp16;
 using flotilla::load16;
-
-// 16 e4m3 bytes widened to float32 lanes / 2^8, exactly: a byte's sign to bit 15 and its
-// other 7 bits to bits 13..7 is the IEEE half of its value / 2^8 (subnormals included).
-constexpr float kE4M3Widened = 256.f;
-inline __m512 load16(const E4M3* p) {
-  const __m256i s = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm512_cvtph_ps(
-      _mm256_and_si256(_mm256_slli_epi16(s, 7), _mm256_set1_epi16(int16_t(0xBFFF))));
+using flotilla::kE4M3Widened;
+inline __m512 load16(const E4M3* p) {  // value / kE4M3Widened
+  return flotilla::widen_e4m3(reinterpret_cast<const uint8_t*>(p));
 }
 
 // Softmax of one head's scores in place (float32, vectorized); lanes of the last block

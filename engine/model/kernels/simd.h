@@ -24,6 +24,16 @@ inline __m512 load16(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
+// 16 e4m3 bytes widened to float32 lanes / kE4M3Widened, exactly: a byte's sign moved
+// to bit 15 and its other 7 bits to bits 13..7 is the IEEE half of its value / 2^8
+// (subnormals included: both formats' are linear), which vcvtph2ps widens.
+constexpr float kE4M3Widened = 256.f;
+inline __m512 widen_e4m3(const uint8_t* p) {
+  const __m256i s = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm512_cvtph_ps(
+      _mm256_and_si256(_mm256_slli_epi16(s, 7), _mm256_set1_epi16(int16_t(0xBFFF))));
+}
+
 // float32 lanes -> bf16, round to nearest even (what torch's .to(bfloat16) does for
 // finite values), as the raw 16-bit patterns.
 inline __m256i to_bf16_bits(__m512 x) {
