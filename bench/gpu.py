@@ -61,6 +61,25 @@ def cuda_time(fn, reps: int = 20, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
+def graph_time(fn, inner: int = 10, reps: int = 10) -> float:
+    """Median seconds of one fn() on the device alone: inner calls captured in a CUDA
+    graph and replayed, so the host's launch cost (tens of microseconds for a Triton
+    kernel, more than a small kernel runs) is not timed. Falls back to cuda_time where
+    fn cannot be captured."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            for _ in range(inner):
+                fn()
+    except Exception as exc:  # noqa: BLE001 - some ops cannot be captured: time them eagerly
+        print(f"  (not capturable, timed eagerly: {type(exc).__name__})", flush=True)
+        torch.cuda.synchronize()
+        return cuda_time(fn)
+    return cuda_time(graph.replay, reps=reps, warmup=2) / inner
+
+
 def ceilings() -> tuple[float, float]:
     """(bytes/s moved by a device copy, read + write; bf16 matmul FLOP/s)."""
     src = torch.randn(1 << 30, device="cuda", dtype=torch.bfloat16)  # 2 GiB

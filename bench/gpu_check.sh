@@ -16,7 +16,7 @@
 # What it carries: .gpu/ beside the checkout (ignored by git), made here with
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #     --implementation cp --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 \
-#     -d .gpu msgspec==0.19.0                            # the image lacks msgspec
+#     -d .gpu msgspec==0.19.0 gguf==0.19.0               # the image lacks both
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #     --implementation cp --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 \
 #     -d .gpu/flashinfer flashinfer-python==0.6.18 "apache-tvm-ffi<0.2" nvidia-ml-py \

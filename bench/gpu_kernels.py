@@ -3,8 +3,11 @@ step within 2x of the memory bound).
 
   python bench/gpu_kernels.py [--skip-flashinfer]
 
-1. Paged attention at block size 16, bf16, pages scattered over the pool, CUDA-event
-   medians: Flotilla's Triton kernel (engine.model.triton_kernels), FlexAttention (the
+Every time is the device's alone: ten calls captured in a CUDA graph, the replay's
+CUDA-event median over ten (bench.gpu.graph_time; the first run timed single eager calls,
+whose host launch cost hid the kernels).
+
+1. Paged attention at block size 16, bf16, pages scattered over the pool: Flotilla's Triton kernel (engine.model.triton_kernels), FlexAttention (the
    engine's compiled FlexPagedAttention), SDPA over the same keys laid out densely (what
    a non-paged kernel takes) and, where it imports, FlashInfer's paged decode kernel as
    a yardstick. Decode rows also show the time to read the batch's K and V once at the
@@ -32,7 +35,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.gpu import ceilings, cuda_time  # noqa: E402
+from bench.gpu import ceilings, graph_time  # noqa: E402
 from engine.model.layers import flex_paged  # noqa: E402
 from engine.model.layers.triton_paged import BLOCK_N, TritonPagedAttention  # noqa: E402
 from engine.model.triton_kernels.paged_attention import attend  # noqa: E402
@@ -105,7 +108,7 @@ def attention_rows(bandwidth: float, flashinfer: bool) -> list[tuple]:
         def triton_call():
             for launch in launches:
                 attend(q, kc, vc, out, launch, scale, BLOCK, BLOCK_N, backend.scratch)
-        triton_ms = cuda_time(triton_call) * 1e3
+        triton_ms = graph_time(triton_call) * 1e3
         splits = launches[0].num_splits
         # FlexAttention
         slot_mapping = torch.tensor([tb[p // BLOCK] * BLOCK + p % BLOCK
@@ -120,7 +123,7 @@ def attention_rows(bandwidth: float, flashinfer: bool) -> list[tuple]:
         kf = torch.randn(t, kv_heads, dim, device=dev, dtype=dt)
         kcf, vcf = kc.unsqueeze(0), vc.unsqueeze(0)
         try:
-            flex_ms = cuda_time(lambda: flex(q, kf, kf, kcf, vcf, slot_pos, groups, scale)) * 1e3
+            flex_ms = graph_time(lambda: flex(q, kf, kf, kcf, vcf, slot_pos, groups, scale)) * 1e3
         except Exception as exc:  # noqa: BLE001 - a table cell, not a crash
             print(f"  flex failed on {case}: {str(exc).splitlines()[0][:120]}", flush=True)
             flex_ms = float("nan")
@@ -128,13 +131,13 @@ def attention_rows(bandwidth: float, flashinfer: bool) -> list[tuple]:
         b, ctx = len(seqs), slens[0]
         kd = torch.randn(b, kv_heads, ctx, dim, device=dev, dtype=dt)
         qd = q.view(b, qlens[0], heads, dim).transpose(1, 2)
-        sdpa_ms = cuda_time(lambda: F.scaled_dot_product_attention(
+        sdpa_ms = graph_time(lambda: F.scaled_dot_product_attention(
             qd, kd, kd, is_causal=not decode and seqs[0][0] == 0, scale=scale,
             enable_gqa=True)) * 1e3
         fi_ms = float("nan")
         if flashinfer and decode:
             try:
-                fi_ms = cuda_time(_flashinfer_decode(q, kc, vc, tables, seqs, heads,
+                fi_ms = graph_time(_flashinfer_decode(q, kc, vc, tables, seqs, heads,
                                                      kv_heads, dim)) * 1e3
             except Exception as exc:  # noqa: BLE001
                 print(f"  flashinfer failed on {case}: {type(exc).__name__}: "
@@ -159,11 +162,11 @@ def fused_rows() -> list[tuple[str, float, float]]:
         r = res + x
         return w * F.rms_norm(r.float(), (hidden,), None, 1e-5).to(dt), r
     xt = x.clone()  # normalised in place, again and again
-    rows = [("residual add + RMSNorm", cuda_time(lambda: rms_norm(xt, w, 1e-5, res, out=xt)),
-             cuda_time(torch_norm))]
+    rows = [("residual add + RMSNorm", graph_time(lambda: rms_norm(xt, w, 1e-5, res, out=xt)),
+             graph_time(torch_norm))]
     gu = torch.randn(t, 2 * inter, device=dev, dtype=dt)
-    rows.append(("SiLU x mul", cuda_time(lambda: silu_and_mul(gu)),
-                 cuda_time(lambda: F.silu(gu[:, :inter]) * gu[:, inter:])))
+    rows.append(("SiLU x mul", graph_time(lambda: silu_and_mul(gu)),
+                 graph_time(lambda: F.silu(gu[:, :inter]) * gu[:, inter:])))
     qkv = torch.randn(t, (heads + 2 * kv_heads) * dim, device=dev, dtype=dt)
     pos = torch.arange(500, 500 + t, device=dev)
     cos = torch.randn(4096, dim, device=dev)
@@ -181,9 +184,9 @@ def fused_rows() -> list[tuple[str, float, float]]:
         cache[0].index_copy_(1, slots, out[1].transpose(0, 1))
         cache[1].index_copy_(1, slots, v.view(t, kv_heads, dim).transpose(0, 1))
     rows.append(("rotary + KV-cache write",
-                 cuda_time(lambda: rope_write_kv(qkv, pos, cos, sin, heads, kv_heads, dim,
+                 graph_time(lambda: rope_write_kv(qkv, pos, cos, sin, heads, kv_heads, dim,
                                                  cache[0], cache[1], slots)),
-                 cuda_time(torch_rope)))
+                 graph_time(torch_rope)))
     return [(name, a * 1e3, b * 1e3) for name, a, b in rows]
 
 
@@ -193,7 +196,7 @@ INT4_SHAPES = [("q/k/v", 6144, 4096), ("o", 4096, 4096), ("gate/up", 28672, 4096
 
 def _bf16_ms(x: torch.Tensor, n: int, k: int) -> float:
     dense = torch.randn(n, k, device=x.device, dtype=x.dtype)
-    return cuda_time(lambda: F.linear(x, dense)) * 1e3
+    return graph_time(lambda: F.linear(x, dense)) * 1e3
 
 
 def int4_rows(bandwidth: float, batch: int = 64) -> list[tuple]:
@@ -207,7 +210,7 @@ def int4_rows(bandwidth: float, batch: int = 64) -> list[tuple]:
                             (torch.rand(k // 32, n, device=dev) * 0.01).half(),
                             (torch.rand(k // 32, n, device=dev) * -0.05).half(), n, k)
         x = torch.randn(batch, k, device=dev, dtype=dt)
-        int4_ms = cuda_time(lambda: weight.matmul(x, None)) * 1e3
+        int4_ms = graph_time(lambda: weight.matmul(x, None)) * 1e3
         rows.append((name, int4_ms, weight.nbytes / bandwidth * 1e3,
                      _bf16_ms(x, n, k)))
         torch.cuda.empty_cache()
@@ -226,7 +229,7 @@ def fp8_rows(bandwidth: float, batch: int = 64) -> list[tuple]:
         q = (w / scales[:, None]).to(torch.float8_e4m3fn)
         weight = Fp8ScaledMM.of(ScaledWeight(q, scales, 0.0), dev)
         x = torch.randn(batch, k, device=dev, dtype=dt)
-        fp8_ms = cuda_time(lambda: weight.matmul(x, None)) * 1e3
+        fp8_ms = graph_time(lambda: weight.matmul(x, None)) * 1e3
         want = F.linear(x, (q.float() * scales[:, None]).to(dt)).float()
         err = ((weight.matmul(x, None).float() - want).norm() / want.norm()).item()
         rows.append((name, fp8_ms, weight.nbytes / bandwidth * 1e3, _bf16_ms(x, n, k), err))

@@ -110,8 +110,8 @@ class EngineConfig:
         "(add_lora, /v1/load_lora_adapter, an engine-core request naming a path), symlinks "
         "resolved; none: any folder. lora_modules are always allowed")
     attention_backend: str = option(
-        "auto", "attention kernels: auto (the native kernels on CPU, FlexAttention on "
-        "CUDA), native (CPU only), flex (FlexAttention; eager, unfused on CPU), triton "
+        "auto", "attention kernels: auto (the native kernels on CPU; on CUDA triton, or "
+        "FlexAttention where triton does not import), native (CPU only), flex (FlexAttention; eager, unfused on CPU), triton "
         "(Triton paged attention and fused layer kernels; on CPU only under "
         "TRITON_INTERPRET=1, for tests) or torch (the gather path)",
         choices=("auto", "native", "flex", "triton", "torch"))

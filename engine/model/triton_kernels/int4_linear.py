@@ -25,10 +25,11 @@ RUN = 32  # input columns sharing a d and an m
 @triton.jit
 def int4_linear_kernel(x_ptr, packed_ptr, d_ptr, m_ptr, bias_ptr, y_ptr, M, N, K,
                        stride_xm, stride_ym, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr):
+                       BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
     """Grid (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N)). float32 accumulation of x's dtype
     products: each K tile of 32 is unpacked from 4 packed rows, scaled by its run's d
-    and shifted by its m, then multiplied with tl.dot."""
+    and shifted by its m, then multiplied with tl.dot (PRECISION "ieee" for float32 x:
+    the GPU's default tf32 rounds its products to 10 mantissa bits)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -48,7 +49,7 @@ def int4_linear_kernel(x_ptr, packed_ptr, d_ptr, m_ptr, bias_ptr, y_ptr, M, N, K
         d = tl.load(d_ptr + run * N + rn, mask=n_ok, other=0.0).to(tl.float32)
         mn = tl.load(m_ptr + run * N + rn, mask=n_ok, other=0.0).to(tl.float32)
         w = q.to(tl.float32) * d[None, :] + mn[None, :]
-        acc += tl.dot(x, w.to(x.dtype), out_dtype=tl.float32)
+        acc += tl.dot(x, w.to(x.dtype), out_dtype=tl.float32, input_precision=PRECISION)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :],
@@ -106,7 +107,8 @@ class Int4Weight:
             int4_linear_kernel[grid](x2, self.packed, self.d, self.m,
                                      bias if bias is not None else self.d, y, x2.shape[0],
                                      self.rows, self.columns, x2.stride(0), y.stride(0),
-                                     HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=64)
+                                     HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=64,
+                                     PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
         y = y.reshape(*shape[:-1], self.rows)
         return y.float() if float_out else y
 
