@@ -266,16 +266,17 @@ def test_frontend_utilities_answer_or_fail_clearly(served):
 
 def test_requests_queued_behind_a_long_step_are_bounded(tokenizer):  # noqa: F811
     """A step that runs long (here a utility call held on the core loop) let a flood of
-    ADDs pile up in the server's input queue without bound; past max_waiting_requests
-    queued ones the io thread refuses at once (EngineOverloadedError, served as 429) and
-    those it took run when the step ends."""
+    ADDs pile up in the server's input queue without bound; past max_num_seqs +
+    max_waiting_requests queued ones (what the idle core would take) the io thread
+    refuses at once (EngineOverloadedError, served as 429) and those it took run when
+    the step ends."""
     import threading
 
     from engine.errors import EngineOverloadedError
     from engine.wire.mock import MockConfig, MockEngineCore
     from tests.test_core_client import free_address
     core = MockEngineCore(MockConfig(vocab_size=len(tokenizer), itl_s=0.001,
-                                     max_waiting_requests=6))
+                                     max_num_seqs=2, max_waiting_requests=4))
     held, release = threading.Event(), threading.Event()
 
     def long_step(*_args, **_kwargs):

@@ -7,16 +7,20 @@ accepted by the OpenAI app (issue 40, finding 3)."""
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import msgspec
 import pytest
 
 from engine.config import LIMIT_OPTIONS, EngineConfig
-from engine.errors import InvalidRequestError
+from engine.errors import EngineOverloadedError, InvalidRequestError
 from engine.request_limits import RequestLimits, check_fanout, check_limits
 from engine.sampling_params import SamplingParams
 from engine.structured.params import StructuredOutputsParams
+from engine.wire.core_server import EngineCoreServer
+from engine.wire.mock import MockConfig, MockEngineCore
 from engine.wire.protocol import EngineCoreRequest
+from tests.test_core_client import free_address
 from tests.test_openai_app import MODEL, engines, serve, tokenizer  # noqa: F401 - fixtures
 
 TIGHT = RequestLimits(max_stop_strings=2, max_stop_string_chars=5, max_bad_words=2,
@@ -178,3 +182,64 @@ def test_a_full_waiting_queue_gets_429_with_retry_after(engines):  # noqa: F811
     assert refused.json()["error"]["type"] == "RateLimitError"
     assert "max_waiting_requests" in refused.json()["error"]["message"]
     assert served == [200] * 5 and again == 200
+
+
+class _GatedCore(MockEngineCore):
+    """A mock core whose steps wait at a gate once closed: a long step, on demand."""
+
+    def __init__(self, config: MockConfig) -> None:
+        super().__init__(config)
+        self.gate = threading.Event()
+        self.gate.set()
+        self.in_step = threading.Event()
+
+    def step(self):
+        if not self.gate.is_set():
+            self.in_step.set()
+            self.gate.wait(10)
+        return super().step()
+
+
+def test_a_burst_during_a_long_step_is_refused_only_past_the_batch_and_the_queue(engines):  # noqa: F811
+    """ADDs that arrive while a step runs wait for the core loop; they are bounded by
+    what the core takes, its batch and its waiting queue. Bounded by the queue alone, a
+    burst of 5 behind a step at max_num_seqs 2 + max_waiting_requests 3 got two 429s
+    although the engine held only one request (seen as a flaky 429 test)."""
+    core = _GatedCore(MockConfig(engine_index=0, vocab_size=len(engines.tokenizer),
+                                 itl_s=0.01, max_num_seqs=2, max_waiting_requests=3))
+    address = free_address()
+    server = EngineCoreServer(core, address, 0, heartbeat_interval_s=0.2).start()
+    engines.servers.append(server)
+    engines.cores.append(core)
+    engines.addresses.append(address)
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+
+    async def run(client, request_id):
+        try:
+            async for _ in client.generate(request_id, [10, 11, 12], params):
+                pass
+            return "done"
+        except EngineOverloadedError:
+            return "refused"
+
+    async def main():
+        client = await engines.client()
+        first = asyncio.ensure_future(run(client, "first"))
+        while not core._running:
+            await asyncio.sleep(0.005)
+        core.gate.clear()  # the next step waits: 5 more arrive while it runs
+        while not core.in_step.is_set():
+            await asyncio.sleep(0.005)
+        burst = [asyncio.ensure_future(run(client, f"b{i}")) for i in range(5)]
+        for _ in range(400):  # all 5 queued for the core (before the fix: 3, 2 refused)
+            if server._adds_in - server._adds_out == 5 or any(b.done() for b in burst):
+                break
+            await asyncio.sleep(0.005)
+        core.gate.set()
+        results = [await first] + list(await asyncio.gather(*burst))
+        await client.shutdown()
+        return results
+
+    results = asyncio.run(main())
+    # 1 + 4 fit (2 running, 3 waiting); the fifth of the burst is refused by the core
+    assert results.count("done") == 5 and results.count("refused") == 1

@@ -60,6 +60,17 @@ from engine.wire.step_watch import StepWatch
 logger = logging.getLogger(__name__)
 MAX_QUEUED_ADDS = 4096  # for a core without config.max_waiting_requests
 
+
+def queued_adds_bound(config: Any) -> int:
+    """How many ADDs may wait for the core loop while a step runs: as many as an idle
+    core would take, its batch (max_num_seqs) and its waiting queue. Bounding them by the
+    waiting queue alone refused a burst that arrived during a step with 429 although the
+    batch had room for part of it."""
+    waiting = getattr(config, "max_waiting_requests", None)
+    if waiting is None:
+        return MAX_QUEUED_ADDS
+    return waiting + getattr(config, "max_num_seqs", 0)
+
 # The utilities a client may call by name. The last four are the ones vLLM's frontends
 # also send (profiling, multimodal / encoder cache resets, a data-parallel dummy step);
 # a core that lacks one answers with a clear failure rather than "unknown method".
@@ -119,8 +130,7 @@ class EngineCoreServer:
         # unbounded, ahead of the waiting queue's own bound. Each counter has one writer.
         self._adds_in = 0  # io thread
         self._adds_out = 0  # core loop
-        self.max_queued_adds = getattr(getattr(core, "config", None), "max_waiting_requests",
-                                       MAX_QUEUED_ADDS)
+        self.max_queued_adds = queued_adds_bound(getattr(core, "config", None))
         self._to_encode: queue.Queue = queue.Queue()
         self._stopped = threading.Event()
         self._outbox_address = f"inproc://outbox-{id(self)}"
