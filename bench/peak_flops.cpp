@@ -1,10 +1,11 @@
 // Measured compute peak of this CPU: every core runs independent chains of the widest
 // float32 FMA (and, with AVX512_BF16, of vdpbf16ps; with AMX_BF16, of the tile
-// instruction tdpbf16ps: what oneDNN's bf16 matmuls run on such CPUs), enough chains to
+// instruction tdpbf16ps: what oneDNN's bf16 matmuls run on such CPUs; with AVX512_VNNI,
+// of vpdpbusd, the int8 kernels' instruction), enough chains to
 // cover the instruction's latency; prints GFLOP/s over all cores. Then the memory side of
 // the roofline: GB/s all cores read from a 1 GiB buffer (far past any cache; each core
 // sums its own part, first touched by it), the best of three passes ("read_gbs").
-// Built and run by bench/roofline.py: g++ -O2 -march=native -fopenmp.
+// Built and run by bench/throughput.py (_peaks): g++ -O2 -march=<isa> -fopenmp.
 #include <omp.h>
 
 #include <algorithm>
@@ -87,6 +88,24 @@ int main() {
     return double(s);
   });
   std::printf("bf16_dot %d %.1f\n", omp_get_max_threads(), bf16);
+#endif
+#if defined(__AVX512VNNI__)
+  // int8 multiply-adds (vpdpbusd: 64 a 512-bit instruction, what the GGUF and W8A8
+  // kernels run without AMX), counted as 2 ops each like the float rows.
+  const double int8 = gflops(2.0 * 64 * kChains, [] {
+    const __m512i a = _mm512_set1_epi8(1), b = _mm512_set1_epi8(1);
+#define INIT_I8(i) __m512i z##i = _mm512_set1_epi32(i);
+    CHAINS(INIT_I8)
+    for (long it = 0; it < kIters; ++it) {
+#define STEP_I8(i) z##i = _mm512_dpbusd_epi32(z##i, a, b);
+      CHAINS(STEP_I8)
+    }
+#define SUM_I8(i) s += _mm512_reduce_add_epi32(z##i);
+    long s = 0;
+    CHAINS(SUM_I8)
+    return double(s);
+  });
+  std::printf("int8_dot %d %.1f\n", omp_get_max_threads(), int8);
 #endif
 #if defined(__AMX_BF16__)
   // Linux hands out the tile registers' state only on request (once per process).

@@ -97,6 +97,41 @@ def test_regrouped_weights_hold_the_same_values(fmt):
         kernels.gguf_regrouped_linear(x, packed, fmt, n + 16, None, False, 16)
 
 
+@pytest.mark.skipif("avx512_vnni" not in cpu_flags(),
+                    reason="the regrouped kernels need AVX-512 VNNI, which this CPU lacks")
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q8_0"])
+def test_regrouped_blocks_of_rows_equal_one_row_at_a_time(fmt):
+    """From 2 rows of x the regrouped product runs in blocks of 4 rows x 2 groups of 16
+    weight rows; each row's result equals the 1-row kernel's (the same int8 sums and
+    scales, summed in another order) for every row count's tail block, an odd count of
+    groups and a last group of a few rows, with a bias, float32 and bf16 x, and bf16 x's
+    float32 logits."""
+    from engine.model.kernels import cpu_kernels
+    kernels = cpu_kernels("native")
+    k = 256
+    for n in (40, 50, 96):  # 3 groups (the last of 8 rows), 4 (the last of 2), 6
+        raw = _blocks(fmt, n, k, seed=n)
+        packed = kernels.gguf_regroup(raw, fmt, k)
+        torch.manual_seed(n)
+        bias = torch.randn(n)
+        x = torch.randn(17, k)
+        for rows in (2, 3, 4, 5, 8, 9, 17):
+            for dtype, float_out in ((torch.float32, False), (torch.bfloat16, False),
+                                     (torch.bfloat16, True)):
+                xr = x[:rows].to(dtype)
+                b = None if float_out else bias.to(dtype)
+                got = kernels.gguf_regrouped_linear(xr, packed, fmt, n, b, float_out, 64)
+                one = torch.cat([kernels.gguf_regrouped_linear(xr[i:i + 1], packed, fmt, n, b,
+                                                               float_out, 64)
+                                 for i in range(rows)])
+                assert got.dtype == one.dtype and got.shape == (rows, n)
+                tol = 1e-5 if got.dtype == torch.float32 and dtype == torch.float32 else 2 ** -7
+                torch.testing.assert_close(got.float(), one.float(), rtol=tol, atol=tol * 4,
+                                           msg=f"{fmt} n={n} rows={rows} {dtype} {float_out}")
+                want = xr.float() @ dequantize(raw, fmt, k).T + (0 if b is None else b.float())
+                assert _relative_error(got, want) < 0.03
+
+
 def test_block_columns_split_only_at_block_boundaries():
     raw = _blocks("Q4_1", 4, 128)
     blocks = GGUFBlocks("Q4_1", raw, 128)
