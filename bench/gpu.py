@@ -1,7 +1,7 @@
 """The GPU path measured against the device's own ceilings (issue: the GPU path).
 
   python bench/gpu.py [--models 1b,8b] [--batches 1,16,64,256] [--context 512]
-                      [--backends triton,flex]
+                      [--backends triton,flex] [--quantization none,fp8,awq]
 
 1. Ceilings, measured here: HBM bandwidth (a device-to-device copy, bytes read + written
    over its time) and the bf16 matmul rate (8192^3 on random data).
@@ -9,7 +9,9 @@
 3. Decode step time of the engine (EngineCore.step, sampling and scheduling included;
    the forward alone beside it) at each batch, random-weight Llama 3.2 1B and Llama 3.1
    8B shapes in bf16 (load_format dummy), for each attention backend, against the HBM
-   bound: weights + the KV bytes the step reads, over the measured bandwidth.
+   bound: weights + the KV bytes the step reads, over the measured bandwidth. With
+   --quantization fp8 / awq the dummy weights are that format's bytes (issue 42: FP8
+   and AWQ decode steps against the bound of their own bytes).
 4. Prefill tokens/s at 2,048-token prompts (8,192-token steps) against the matmul rate.
 Prints one table per part; needs a CUDA device.
 """
@@ -30,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.config import EngineConfig  # noqa: E402
 from engine.core.engine_core import EngineCore  # noqa: E402
+from engine.quant.dummy import quantization_config  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from engine.wire.protocol import EngineCoreRequest  # noqa: E402
 
@@ -93,10 +96,22 @@ def ceilings() -> tuple[float, float]:
     return bandwidth, 2 * 8192 ** 3 / t
 
 
-def _model_dir(name: str) -> str:
+def _model_dir(name: str, quantization: str = "none") -> str:
+    """config.json of the model's shapes; quantization (fp8, awq) declared in it makes the
+    dummy load hold that format's bytes (engine/quant/dummy.py)."""
+    config = dict(MODELS[name])
+    if quantization != "none":
+        config["quantization_config"] = quantization_config(quantization)
     path = Path(tempfile.mkdtemp(prefix=f"llama-{name}-"))
-    (path / "config.json").write_text(json.dumps(MODELS[name]))
+    (path / "config.json").write_text(json.dumps(config))
     return str(path)
+
+
+def _linear_params(shape) -> int:
+    """Weights of the decoder layers' linears (what prefill multiplies, lm_head aside)."""
+    q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+    h, i = shape.hidden_size, shape.intermediate_size
+    return shape.num_layers * (h * (q + 2 * kv) + q * h + 3 * h * i)
 
 
 def _request(rid: str, n: int, max_tokens: int) -> EngineCoreRequest:
@@ -128,20 +143,25 @@ class ForwardTimer:
 
 
 def model_tables(name: str, batches: list[int], context: int, bandwidth: float,
-                 peak: float, decode_steps: int, backend: str) -> tuple[list, tuple]:
-    config = EngineConfig(model=_model_dir(name), load_format="dummy", dtype="bfloat16",
+                 peak: float, decode_steps: int, backend: str,
+                 quantization: str = "none") -> tuple[list, tuple]:
+    config = EngineConfig(model=_model_dir(name, quantization), load_format="dummy",
+                          dtype="bfloat16",
                           device="cuda", max_num_seqs=max(batches), log_stats_interval_s=0,
                           enable_prefix_caching=False, attention_backend=backend)
     start = time.perf_counter()
     core = EngineCore(config)
-    name = f"{name}/{backend}"
+    name = f"{name}{'' if quantization == 'none' else '-' + quantization}/{backend}"
     print(f"{name}: engine up in {time.perf_counter() - start:.1f}s, "
           f"{core.num_blocks} KV blocks", flush=True)
     runner = core.runner
     shape = core.shape
     params = runner.model
-    weight_bytes = sum(p.numel() * p.element_size() for n, p in params.named_parameters()
-                       if "embed_tokens" not in n or shape.tie_word_embeddings)
+    # the bytes a decode step reads: every weight as held (quantized ones at their own
+    # size), less an untied embedding's, of which a step reads a row a sequence
+    embedding = params.embed_tokens.weight
+    weight_bytes = runner.memory_usage()["weights_bytes"] - (
+        0 if shape.tie_word_embeddings else embedding.numel() * embedding.element_size())
     kv_per_token = runner.bytes_per_block() // core.block_size
     timer = ForwardTimer(runner)
     decode_rows = []
@@ -165,7 +185,7 @@ def model_tables(name: str, batches: list[int], context: int, bandwidth: float,
         core.step()
     # prefill: 2,048-token prompts, 8,192-token steps; the second round is measured
     prompt, per_step = 2048, config.step_token_budget(core.device)
-    matmul_params = weight_bytes // 2 - (shape.vocab_size * shape.hidden_size)  # no lm_head
+    matmul_params = _linear_params(shape)
     for round_ in range(2):
         for i in range(8):
             core.add_request(_request(f"p{round_}-{i}", prompt, 1))
@@ -196,6 +216,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=512, help="prompt tokens before decoding")
     ap.add_argument("--decode-steps", type=int, default=24)
     ap.add_argument("--backends", default="triton,flex", help="attention backends to run")
+    ap.add_argument("--quantization", default="none",
+                    help="weight formats to run: none (bf16), fp8, awq (comma-separated)")
     args = ap.parse_args()
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     bandwidth, peak = ceilings()
@@ -205,24 +227,25 @@ def main() -> None:
     decode, prefill = [], []
     for name in args.models.split(","):
         for backend in args.backends.split(","):
-            rows, pre = model_tables(name, batches, args.context, bandwidth, peak,
-                                     args.decode_steps, backend)
-            decode += rows
-            prefill.append(pre)
+            for quantization in args.quantization.split(","):
+                rows, pre = model_tables(name, batches, args.context, bandwidth, peak,
+                                         args.decode_steps, backend, quantization)
+                decode += rows
+                prefill.append(pre)
         for r in rows:
             print(f"  {r[0]} batch {r[1]}: step {r[2]:.2f} ms, forward {r[3]:.2f} ms, "
                   f"bound {r[4]:.2f} ms", flush=True)
-    print(f"\ndecode step, bf16, {args.context}-token prompts (HBM bound: weights + KV read "
-          f"/ {bandwidth / 1e12:.2f} TB/s)")
-    print(f"{'model':<12}{'batch':>6}{'step ms':>10}{'forward ms':>12}{'bound ms':>10}"
+    print(f"\ndecode step, bf16 activations, {args.context}-token prompts (HBM bound: "
+          f"weights as held + KV read / {bandwidth / 1e12:.2f} TB/s)")
+    print(f"{'model':<16}{'batch':>6}{'step ms':>10}{'forward ms':>12}{'bound ms':>10}"
           f"{'step/bound':>12}")
     for name, batch, wall, fwd, bound in decode:
-        print(f"{name:<12}{batch:>6}{wall:>10.2f}{fwd:>12.2f}{bound:>10.2f}"
+        print(f"{name:<16}{batch:>6}{wall:>10.2f}{fwd:>12.2f}{bound:>10.2f}"
               f"{wall / bound:>11.2f}x")
     print(f"\nprefill, 2,048-token prompts, 8,192-token steps (matmul peak "
           f"{peak / 1e12:.0f} TFLOP/s)")
     for name, tokens_s, share in prefill:
-        print(f"{name:<12}{tokens_s:>12,.0f} tok/s {share:>6.1f} % of the peak")
+        print(f"{name:<16}{tokens_s:>12,.0f} tok/s {share:>6.1f} % of the peak")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU session's one script (device tool), run first whenever a GPU is lent. In order,
-# each part under its own timeout, the whole within 8 minutes:
+# each part under its own timeout, the whole within 10 minutes (~4 in session 32):
 #   1. tests  (TEST_S=150)    the Triton kernels compiled on the GPU (bf16 too) and the
 #                             CUDA engine tests on both backends (tests/test_triton_kernels.py,
 #                             tests/test_triton_int4.py, tests/test_cuda.py)
@@ -11,7 +11,9 @@
 #   3. bench  (BENCH_S=180)   bench/gpu.py: decode step vs the HBM bound, prefill vs the
 #                             matmul peak (BENCH_ARGS, default --backends triton)
 #   4. profile (PROFILE_S=50) bench/gpu_profile.py: one decode step's kernels, 1B batch 64
-# Logs land in $OUT (tests.log, kernels.log, bench.log, profile.log).
+#   5. quant  (QUANT_S=120)   bench/gpu.py --quantization fp8,awq: 8B decode steps at batch
+#                             64 with FP8 / AWQ weights against the bound of their own bytes
+# Logs land in $OUT (tests.log, kernels.log, bench.log, profile.log, quant.log).
 #
 # What it carries: .gpu/ beside the checkout (ignored by git), made here with
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
@@ -57,3 +59,6 @@ timeout "${BENCH_S:-180}" python3 bench/gpu.py ${BENCH_ARGS:---backends triton} 
 echo "== 4. profile"
 timeout "${PROFILE_S:-50}" python3 bench/gpu_profile.py --model 1b --batch 64 \
   --backend triton 2>&1 | tee "$OUT/profile.log" | tail -40
+echo "== 5. quant"
+timeout "${QUANT_S:-120}" python3 bench/gpu.py --models 8b --batches 64 --backends triton \
+  --quantization fp8,awq 2>&1 | tee "$OUT/quant.log" | tail -12

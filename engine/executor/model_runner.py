@@ -45,6 +45,7 @@ from engine.model.layers.rotary import RotaryEmbedding
 from engine.model.llama import LlamaForCausalLM, ModelShape
 from engine.model.loader import is_gguf_checkpoint, iter_weights
 from engine.quant import checkpoint_quantization, int4_scheme
+from engine.quant.dummy import dummy_weights
 from engine.quant.int4_groups import iter_int4_weights
 from engine.model.stack import build_stack
 
@@ -233,15 +234,16 @@ class ModelRunner:
                                        self.max_model_len).to(self.device)
         if self.shape.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight
-        if self.config.load_format == "dummy":
+        fmt = checkpoint_quantization(self.hf_config)
+        if self.config.load_format == "dummy" and fmt is None:
             _random_weights(model)
-        else:
-            weights = iter_weights(self.checkpoint)
+        else:  # a dummy load of a quantized config: its format's bytes, loaded as a file's
+            weights = (dummy_weights(self.shape, fmt)
+                       if self.config.load_format == "dummy" else iter_weights(self.checkpoint))
             scheme = int4_scheme(self.hf_config, str(self.checkpoint))
             if scheme is not None:  # AWQ / GPTQ: their groups read as Q4_1 blocks
                 weights = iter_int4_weights(weights, scheme)
             held = model.load_weights(weights, quant_kernels=self._quant_kernels())
-            fmt = checkpoint_quantization(self.hf_config)
             if held == 0 and fmt in ("fp8", "compressed-tensors"):
                 raise UnsupportedQuantizationError(
                     f"model {str(self.checkpoint)!r} declares {fmt!r} quantization, but none "
