@@ -144,7 +144,7 @@ class ForwardTimer:
 
 def model_tables(name: str, batches: list[int], context: int, bandwidth: float,
                  peak: float, decode_steps: int, backend: str,
-                 quantization: str = "none") -> tuple[list, tuple]:
+                 quantization: str = "none", prefill: bool = True) -> tuple[list, tuple | None]:
     config = EngineConfig(model=_model_dir(name, quantization), load_format="dummy",
                           dtype="bfloat16",
                           device="cuda", max_num_seqs=max(batches), log_stats_interval_s=0,
@@ -183,6 +183,13 @@ def model_tables(name: str, batches: list[int], context: int, bandwidth: float,
         decode_rows.append((name, batch, wall * 1e3, forward * 1e3, bound * 1e3))
         core.abort_requests(list(core.requests))
         core.step()
+    if not prefill:
+        core.shutdown()
+        runner.run = timer.inner
+        del core, runner, params, timer
+        gc.collect()
+        torch.cuda.empty_cache()
+        return decode_rows, None
     # prefill: 2,048-token prompts, 8,192-token steps; the second round is measured
     prompt, per_step = 2048, config.step_token_budget(core.device)
     matmul_params = _linear_params(shape)
@@ -216,6 +223,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=512, help="prompt tokens before decoding")
     ap.add_argument("--decode-steps", type=int, default=24)
     ap.add_argument("--backends", default="triton,flex", help="attention backends to run")
+    ap.add_argument("--skip-prefill", action="store_true", help="decode steps only")
     ap.add_argument("--quantization", default="none",
                     help="weight formats to run: none (bf16), fp8, awq (comma-separated)")
     args = ap.parse_args()
@@ -229,12 +237,14 @@ def main() -> None:
         for backend in args.backends.split(","):
             for quantization in args.quantization.split(","):
                 rows, pre = model_tables(name, batches, args.context, bandwidth, peak,
-                                         args.decode_steps, backend, quantization)
+                                         args.decode_steps, backend, quantization,
+                                         not args.skip_prefill)
                 decode += rows
-                prefill.append(pre)
-        for r in rows:
-            print(f"  {r[0]} batch {r[1]}: step {r[2]:.2f} ms, forward {r[3]:.2f} ms, "
-                  f"bound {r[4]:.2f} ms", flush=True)
+                if pre is not None:
+                    prefill.append(pre)
+                for r in rows:  # as each finishes: a timeout keeps what was measured
+                    print(f"  {r[0]} batch {r[1]}: step {r[2]:.2f} ms, forward {r[3]:.2f} "
+                          f"ms, bound {r[4]:.2f} ms, {r[2] / r[4]:.2f}x", flush=True)
     print(f"\ndecode step, bf16 activations, {args.context}-token prompts (HBM bound: "
           f"weights as held + KV read / {bandwidth / 1e12:.2f} TB/s)")
     print(f"{'model':<16}{'batch':>6}{'step ms':>10}{'forward ms':>12}{'bound ms':>10}"

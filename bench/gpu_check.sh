@@ -61,4 +61,4 @@ timeout "${PROFILE_S:-50}" python3 bench/gpu_profile.py --model 1b --batch 64 \
   --backend triton 2>&1 | tee "$OUT/profile.log" | tail -40
 echo "== 5. quant"
 timeout "${QUANT_S:-120}" python3 bench/gpu.py --models 8b --batches 64 --backends triton \
-  --quantization fp8,awq 2>&1 | tee "$OUT/quant.log" | tail -12
+  --quantization fp8,awq --skip-prefill 2>&1 | tee "$OUT/quant.log" | tail -12

@@ -38,12 +38,21 @@ def _uniform(shape: tuple[int, ...], generator: torch.Generator, device: torch.d
     return (torch.rand(shape, generator=generator, device=device) * 2 - 1) * scale
 
 
+TILE_ROWS = 256  # random rows made per tensor; the rest repeat them (8B: seconds, not ~30)
+
+
+def _tiled(rows: int, make) -> torch.Tensor:
+    """make(n) is n random rows; rows of them, the first TILE_ROWS repeated."""
+    block = make(min(rows, TILE_ROWS))
+    return block.repeat((rows + block.shape[0] - 1) // block.shape[0], 1)[:rows].contiguous()
+
+
 def _quantized(fmt: str, out: int, inp: int, group_size: int, generator: torch.Generator,
                device: torch.device) -> dict[str, torch.Tensor]:
     """One linear's checkpoint tensors in fmt, by suffix."""
     if fmt == "fp8":  # random e4m3 bytes but NaN's (0x7F, 0xFF), one scale a tensor
-        raw = torch.randint(0, 255, (out, inp), generator=generator, device=device,
-                            dtype=torch.uint8)
+        raw = _tiled(out, lambda n: torch.randint(0, 255, (n, inp), generator=generator,
+                                                  device=device, dtype=torch.uint8))
         raw = torch.where(raw == 0x7F, 0x7E, raw)
         return {"weight": raw.view(torch.float8_e4m3fn),
                 "weight_scale": torch.tensor(1e-3 / 448, device=device)}
@@ -51,8 +60,9 @@ def _quantized(fmt: str, out: int, inp: int, group_size: int, generator: torch.G
         raise UnsupportedQuantizationError(
             f"load_format dummy, awq: a {out} x {inp} linear is not a whole number of "
             f"{group_size}-input groups and 8-output words")
-    words = torch.randint(-2 ** 31, 2 ** 31 - 1, (inp, out // 8), generator=generator,
-                          device=device, dtype=torch.int32)
+    words = _tiled(inp, lambda n: torch.randint(-2 ** 31, 2 ** 31 - 1, (n, out // 8),
+                                                generator=generator, device=device,
+                                                dtype=torch.int32))
     zeros = torch.randint(-2 ** 31, 2 ** 31 - 1, (inp // group_size, out // 8),
                           generator=generator, device=device, dtype=torch.int32)
     scales = (torch.rand((inp // group_size, out), generator=generator, device=device) * 2e-4
