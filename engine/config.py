@@ -129,7 +129,8 @@ class EngineConfig:
         "vLLM's awq_marlin / gptq_marlin) for int4 ones; compressed-tensors for int8 W8A8 "
         "and FP8; fp8 for vLLM's own fp8 checkpoints)")
     load_format: str = option("auto", "auto: the checkpoint's weights; dummy: random weights "
-                                      "of its shapes (benchmarks, no weight files needed)",
+                                      "of its shapes (benchmarks, no weight files needed; "
+                                      "in its declared format for fp8 and AWQ configs)",
                               choices=("auto", "dummy"))
     override_generation_config: dict | None = option(
         None, "sampling defaults (JSON) that take precedence over generation_config, "
