@@ -20,15 +20,31 @@ import torch
 from engine.errors import UnsupportedModelError
 from engine.quant.gguf_weights import GGUFBlocks
 
+
+
+def _decode_crossover() -> int:
+    """Rows of a decode-only step up to which the int8 products run, by CPU. With AMX the
+    decoded panels' bf16 tiles win past 64 rows (Xeon, 2 threads: 64-128 rows for a
+    layer's linears, past 64 for the 49152-row LM head). With AVX-512 VNNI and no AMX
+    (Zen 4, session 32) the regrouped blocks won at every batch measured (a layer: 1,559
+    against 2,849 us at 128 rows, 3,130 against 5,004 at 256). Elsewhere 64, unmeasured."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(next((line for line in f if line.startswith("flags")), "").split())
+    except OSError:
+        flags = set()
+    return 256 if "avx512_vnni" in flags and "amx_bf16" not in flags else 64
+
+
 # Rows of x up to which the kernels multiply the blocks with int8 dot products; past
 # it they decode the weight a panel at a time and use oneDNN's matmul, exact but for
 # float rounding. A step with prompt tokens takes the decoded path past DENSE_ROWS rows,
 # so a prompt's keys and values carry no int8 rounding of activations; a step of decodes
-# only takes the int8 products up to DECODE_DENSE_ROWS rows, the measured crossover on a
-# Xeon with AMX (2 threads: 64-128 rows for a layer's linears, past 64 for the 49152-row
-# LM head; docs/benchmarks.md, "GGUF blocks").
+# only takes the int8 products up to DECODE_DENSE_ROWS rows, the measured crossover
+# (_decode_crossover; docs/benchmarks.md, "GGUF blocks").
 DENSE_ROWS = int(os.environ.get("FLOTILLA_GGUF_DENSE_ROWS", "16"))
-DECODE_DENSE_ROWS = int(os.environ.get("FLOTILLA_GGUF_DECODE_DENSE_ROWS", "64"))
+DECODE_DENSE_ROWS = int(os.environ.get("FLOTILLA_GGUF_DECODE_DENSE_ROWS",
+                                       str(_decode_crossover())))
 REGROUPED_FORMATS = frozenset({"Q4_0", "Q4_1", "Q8_0"})
 
 
