@@ -18,22 +18,22 @@ from engine.sampling_params import SamplingParams
 from engine.wire.protocol import EngineCoreRequest
 
 
-def _config_dir(root, fmt: str | None):
+def _config_dir(root, fmt: str | None, group_size: int = 128):
     cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256,
                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                       max_position_embeddings=256, tie_word_embeddings=False,
                       architectures=["LlamaForCausalLM"])
-    d = root / (fmt or "float")
+    d = root / f"{fmt or 'float'}-{group_size}"
     d.mkdir()
     cfg.to_json_file(d / "config.json")
     if fmt is not None:
         data = json.loads((d / "config.json").read_text())
-        data["quantization_config"] = quantization_config(fmt)
+        data["quantization_config"] = quantization_config(fmt, group_size)
         (d / "config.json").write_text(json.dumps(data))
     return d
 
 
-def _run(model_dir) -> tuple[int, list[int]]:
+def _run(model_dir) -> tuple[int, list[int], set[str]]:
     core = EngineCore(EngineConfig(model=str(model_dir), load_format="dummy",
                                    dtype="bfloat16", max_num_seqs=4))
     try:
@@ -63,6 +63,14 @@ def test_a_dummy_load_of_a_quantized_config_holds_that_format(tmp_path, fmt):
     assert float_bytes - got_bytes >= linear_weights * (0.9 if fmt == "fp8" else 1.3)
 
 
+@pytest.mark.parametrize("group_size", [32, -1])
+def test_a_dummy_awq_load_takes_the_configs_group_size(tmp_path, group_size):
+    """The scales and zeros made for the config's groups (32, or -1: one group a row),
+    which the loader reads them as."""
+    got_bytes, tokens, packings = _run(_config_dir(tmp_path, "awq", group_size))
+    assert len(tokens) == 6 and packings
+
+
 def test_dummy_tensors_are_the_formats_own():
     from engine.model.llama import ModelShape
     cfg = LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=256,
@@ -76,6 +84,10 @@ def test_dummy_tensors_are_the_formats_own():
     awq = dict(dummy_weights(shape, "awq"))
     assert awq["model.layers.0.self_attn.k_proj.qweight"].shape == (128, 64 // 8)
     assert awq["model.layers.0.mlp.down_proj.scales"].shape == (256 // 128, 128)
+    assert awq["model.layers.0.mlp.down_proj.qzeros"].shape == (256 // 128, 128 // 8)
+    assert fp8["model.layers.0.self_attn.o_proj.weight_scale"].numel() == 1
+    grouped = dict(dummy_weights(shape, "awq", group_size=32))
+    assert grouped["model.layers.0.mlp.down_proj.scales"].shape == (256 // 32, 128)
     assert "lm_head.weight" not in awq  # tied: the embedding is the head
     with pytest.raises(UnsupportedQuantizationError, match="fp8, awq"):
         next(dummy_weights(shape, "gptq"))

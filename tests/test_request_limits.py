@@ -73,18 +73,21 @@ def test_an_engine_refuses_what_reaches_its_socket_past_the_limits(tiny_llama):
     from engine.core.engine_core import EngineCore
     from engine.errors import EngineOverloadedError
     core = EngineCore(EngineConfig(model=str(tiny_llama), dtype="float32", device="cpu",
-                                   max_stop_strings=3, max_waiting_requests=2,
+                                   max_stop_strings=3, max_num_seqs=1, max_waiting_requests=1,
                                    log_stats_interval_s=0))
     try:
         assert core.ready_response(0).limits.max_stop_strings == 3
         with pytest.raises(InvalidRequestError, match="max_stop_strings"):
             core.add_request(EngineCoreRequest("r", [1, 2, 3],
                                                SamplingParams(stop=["a"] * 4)))
-        core.add_request(EngineCoreRequest("ok", [1, 2, 3], SamplingParams(stop=["a"] * 3)))
-        core.add_request(EngineCoreRequest("ok2", [1, 2, 3], SamplingParams()))
+        short = SamplingParams(stop=["a"] * 3, max_tokens=2, ignore_eos=True)
+        core.add_request(EngineCoreRequest("ok", [1, 2, 3], short))  # the batch's one slot
+        core.add_request(EngineCoreRequest("ok2", [1, 2, 3], SamplingParams()))  # waits
         with pytest.raises(EngineOverloadedError, match="max_waiting_requests"):
             core.add_request(EngineCoreRequest("third", [1, 2, 3], SamplingParams()))
-        core.step()  # both start running: the queue has room again
+        while "ok" in core.requests:  # it ends; ok2 takes its slot: the queue has room
+            core.step()
+        core.step()
         core.add_request(EngineCoreRequest("third", [1, 2, 3], SamplingParams()))
         assert core.has_unfinished_requests()
     finally:
@@ -222,24 +225,58 @@ def test_a_burst_during_a_long_step_is_refused_only_past_the_batch_and_the_queue
         except EngineOverloadedError:
             return "refused"
 
+    async def until(condition, what: str) -> None:
+        for _ in range(1000):
+            if condition():
+                return
+            await asyncio.sleep(0.005)
+        raise AssertionError(f"not within 5 s: {what}")
+
     async def main():
         client = await engines.client()
-        first = asyncio.ensure_future(run(client, "first"))
-        while not core._running:
-            await asyncio.sleep(0.005)
-        core.gate.clear()  # the next step waits: 5 more arrive while it runs
-        while not core.in_step.is_set():
-            await asyncio.sleep(0.005)
-        burst = [asyncio.ensure_future(run(client, f"b{i}")) for i in range(5)]
-        for _ in range(400):  # all 5 queued for the core (before the fix: 3, 2 refused)
-            if server._adds_in - server._adds_out == 5 or any(b.done() for b in burst):
-                break
-            await asyncio.sleep(0.005)
-        core.gate.set()
-        results = [await first] + list(await asyncio.gather(*burst))
-        await client.shutdown()
-        return results
+        try:
+            # the gate closes at once: the first request's next step waits there (it has
+            # 20 tokens a step apart, so it is still running)
+            core.gate.clear()
+            first = asyncio.ensure_future(run(client, "first"))
+            await until(core.in_step.is_set, "a step running")
+            burst = [asyncio.ensure_future(run(client, f"b{i}")) for i in range(5)]
+            # all 5 queued for the core (before the fix: 3 queued, 2 refused at once)
+            await until(lambda: server._adds_in - server._adds_out == 5
+                        or any(b.done() for b in burst), "the burst queued")
+            core.gate.set()
+            return [await first] + list(await asyncio.gather(*burst))
+        finally:
+            core.gate.set()
+            await client.shutdown()
 
     results = asyncio.run(main())
     # 1 + 4 fit (2 running, 3 waiting); the fifth of the burst is refused by the core
     assert results.count("done") == 5 and results.count("refused") == 1
+
+
+def test_the_engine_queues_max_waiting_requests_past_its_free_batch_slots(tiny_llama):
+    """The real engine's bound, as the mock's: requests the batch will take at the next
+    step do not count against max_waiting_requests (an idle engine at max_num_seqs 2 and
+    max_waiting_requests 1 takes a burst of 3 and refuses the fourth)."""
+    from engine.core.engine_core import EngineCore
+    core = EngineCore(EngineConfig(model=str(tiny_llama), dtype="float32", max_num_seqs=2,
+                                   max_waiting_requests=1))
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+        for i in range(3):
+            core.add_request(EngineCoreRequest(f"r{i}", [1, 2, 3], params))
+        with pytest.raises(EngineOverloadedError, match="max_waiting_requests"):
+            core.add_request(EngineCoreRequest("r3", [1, 2, 3], params))
+        core.step()  # two run now: the batch is full, one waits
+        with pytest.raises(EngineOverloadedError):
+            core.add_request(EngineCoreRequest("r4", [1, 2, 3], params))
+        done = set()
+        for _ in range(50):
+            done |= {o.request_id for o in core.step() if o.finish_reason is not None}
+            if not core.has_unfinished_requests():
+                break
+        assert done == {"r0", "r1", "r2"}
+        core.add_request(EngineCoreRequest("r5", [1, 2, 3], params))  # room again
+    finally:
+        core.shutdown()

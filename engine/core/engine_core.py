@@ -143,7 +143,10 @@ class EngineCore:
             raise EngineSleepingError("the engine is asleep (sleep mode); call wake_up first")
         if req.request_id in self.requests:
             raise DuplicateRequestError(f"request id {req.request_id!r} is already running")
-        if len(self.scheduler.waiting) >= self.config.max_waiting_requests:
+        # the batch's free slots take waiting requests at the next step: only those past
+        # them wait in the queue that max_waiting_requests bounds
+        free = max(0, self.config.max_num_seqs - len(self.scheduler.running))
+        if len(self.scheduler.waiting) >= self.config.max_waiting_requests + free:
             raise EngineOverloadedError(
                 f"the engine's waiting queue is full ({self.config.max_waiting_requests} "
                 "requests, max_waiting_requests); retry shortly")

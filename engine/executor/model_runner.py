@@ -238,9 +238,10 @@ class ModelRunner:
         if self.config.load_format == "dummy" and fmt is None:
             _random_weights(model)
         else:  # a dummy load of a quantized config: its format's bytes, loaded as a file's
-            weights = (dummy_weights(self.shape, fmt)
-                       if self.config.load_format == "dummy" else iter_weights(self.checkpoint))
             scheme = int4_scheme(self.hf_config, str(self.checkpoint))
+            weights = (dummy_weights(self.shape, fmt, 128 if scheme is None else
+                                     scheme.group_size)
+                       if self.config.load_format == "dummy" else iter_weights(self.checkpoint))
             if scheme is not None:  # AWQ / GPTQ: their groups read as Q4_1 blocks
                 weights = iter_int4_weights(weights, scheme)
             held = model.load_weights(weights, quant_kernels=self._quant_kernels())

@@ -49,13 +49,15 @@ def _tiled(rows: int, make) -> torch.Tensor:
 
 def _quantized(fmt: str, out: int, inp: int, group_size: int, generator: torch.Generator,
                device: torch.device) -> dict[str, torch.Tensor]:
-    """One linear's checkpoint tensors in fmt, by suffix."""
+    """One linear's checkpoint tensors in fmt, by suffix (group_size -1: one group over
+    all of the inputs, as AWQ configs say it)."""
     if fmt == "fp8":  # random e4m3 bytes but NaN's (0x7F, 0xFF), one scale a tensor
         raw = _tiled(out, lambda n: torch.randint(0, 255, (n, inp), generator=generator,
                                                   device=device, dtype=torch.uint8))
         raw = torch.where(raw == 0x7F, 0x7E, raw)
         return {"weight": raw.view(torch.float8_e4m3fn),
                 "weight_scale": torch.tensor(1e-3 / 448, device=device)}
+    group_size = inp if group_size == -1 else group_size
     if inp % group_size or out % 8:
         raise UnsupportedQuantizationError(
             f"load_format dummy, awq: a {out} x {inp} linear is not a whole number of "

@@ -208,15 +208,14 @@ constexpr int64_t kAhead = 8;  // runs between a prefetch and its use
 
 // y[i0 .. i0+MT, 16 rows of group g]: float sums of the group's 16 lanes per x row.
 // A run's integer sums go to C independent accumulators per x row (vpdpbusd's latency
-// is 5 cycles: one chain of 8 left a row at a dot product every 5 of them), and the
-// scaled sums and the min terms to two float chains.
+// is 5 cycles: one chain of 8 left a row at a dot product every 5 of them), then the
+// scaled sum and the min term go into one float accumulator, as block_tile's.
 template <int K, int MT>
 void group_tile(const Shape& s, const uint8_t* packed, int64_t g, const Activations& a,
                 int64_t i0, __m512 (&acc)[kMaxRows]) {
   constexpr int C = MT == 1 ? 4 : 2;
   const __m512i low4 = _mm512_set1_epi8(0x0F);
-  __m512 accm[MT];
-  for (int t = 0; t < MT; ++t) acc[t] = accm[t] = _mm512_setzero_ps();
+  for (int t = 0; t < MT; ++t) acc[t] = _mm512_setzero_ps();
   const int8_t* xq[MT];
   for (int t = 0; t < MT; ++t) xq[t] = a.q.data() + (i0 + t) * s.k;
   const int64_t rb = s.run_bytes();
@@ -266,12 +265,13 @@ void group_tile(const Shape& s, const uint8_t* packed, int64_t g, const Activati
       __m512i sum = dot[t][0];
       for (int c = 1; c < C; ++c) sum = _mm512_add_epi32(sum, dot[t][c]);
       const int64_t at = (i0 + t) * s.runs + r;
+      // the same two fused steps, in the same order, as block_tile: a row's result does
+      // not depend on how many rows shared its call (the int8 sums are exact)
       acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum),
                                _mm512_mul_ps(d, _mm512_set1_ps(a.d[at])), acc[t]);
-      accm[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(a.sum[at]), accm[t]);
+      acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(a.sum[at]), acc[t]);
     }
   }
-  for (int t = 0; t < MT; ++t) acc[t] = _mm512_add_ps(acc[t], accm[t]);
 }
 
 // float32 lanes -> bf16 bits, round to nearest even (as torch's .to(bfloat16))
