@@ -183,16 +183,20 @@ def model_tables(name: str, batches: list[int], context: int, bandwidth: float,
         decode_rows.append((name, batch, wall * 1e3, forward * 1e3, bound * 1e3))
         core.abort_requests(list(core.requests))
         core.step()
-    if not prefill:
-        core.shutdown()
-        runner.run = timer.inner
-        del core, runner, params, timer
-        gc.collect()
-        torch.cuda.empty_cache()
-        return decode_rows, None
-    # prefill: 2,048-token prompts, 8,192-token steps; the second round is measured
+    prefill_row = _prefill_row(core, config, timer, name, peak) if prefill else None
+    core.shutdown()
+    runner.run = timer.inner
+    del core, runner, params, timer
+    gc.collect()
+    torch.cuda.empty_cache()
+    return decode_rows, prefill_row
+
+
+def _prefill_row(core, config, timer, name: str, peak: float) -> tuple:
+    """2,048-token prompts in 8,192-token steps, the second round measured: (name,
+    tokens/s, % of the matmul peak)."""
     prompt, per_step = 2048, config.step_token_budget(core.device)
-    matmul_params = _linear_params(shape)
+    shape = core.shape
     for round_ in range(2):
         for i in range(8):
             core.add_request(_request(f"p{round_}-{i}", prompt, 1))
@@ -202,18 +206,10 @@ def model_tables(name: str, batches: list[int], context: int, bandwidth: float,
             t0 = time.perf_counter()
             core.step()
             walls.append(time.perf_counter() - t0)
-    steps = [w for w in walls if w > 0][:2]
-    step_s = statistics.median(steps)
-    tokens_s = per_step / step_s
+    step_s = statistics.median([w for w in walls if w > 0][:2])
     attn_flops = 2 * shape.num_layers * shape.num_heads * shape.head_dim * prompt ** 2
-    flops = 2 * matmul_params * per_step + attn_flops * per_step // prompt
-    prefill = (name, tokens_s, flops / step_s / peak * 100)
-    core.shutdown()
-    runner.run = timer.inner
-    del core, runner, params, timer
-    gc.collect()
-    torch.cuda.empty_cache()
-    return decode_rows, prefill
+    flops = 2 * _linear_params(shape) * per_step + attn_flops * per_step // prompt
+    return name, per_step / step_s, flops / step_s / peak * 100
 
 
 def main() -> None:

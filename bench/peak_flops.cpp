@@ -57,6 +57,25 @@ double gflops(double flop_per_iter, Body body) {
 
 // CHAINS names each accumulator (an array indexed in a loop may live in memory).
 
+#if defined(__AVX512F__)
+// Ops a second of kChains independent chains of step() over V registers, all cores.
+template <typename V, typename Init, typename Step, typename Reduce>
+double chain_rate(double ops_per_step, Init init, Step step, Reduce reduce) {
+  return gflops(ops_per_step * kChains, [&] {
+#define INIT_V(i) V v##i = init(i);
+    CHAINS(INIT_V)
+    for (long it = 0; it < kIters; ++it) {
+#define STEP_V(i) v##i = step(v##i);
+      CHAINS(STEP_V)
+    }
+    double s = 0;
+#define SUM_V(i) s += reduce(v##i);
+    CHAINS(SUM_V)
+    return s;
+  });
+}
+#endif
+
 int main() {
   const double fp32 = gflops(2.0 * kLanes * kChains, [] {
     vf a, b;
@@ -74,37 +93,21 @@ int main() {
   });
   std::printf("fp32_fma %d %.1f\n", omp_get_max_threads(), fp32);
 #if defined(__AVX512BF16__)
-  const double bf16 = gflops(4.0 * 16 * kChains, [] {
-    const __m512bh a = (__m512bh)_mm512_set1_epi16(0x3F80), b = (__m512bh)_mm512_set1_epi16(0x0001);
-#define INIT_BF(i) __m512 y##i = _mm512_set1_ps(float(i));
-    CHAINS(INIT_BF)
-    for (long it = 0; it < kIters; ++it) {
-#define STEP_BF(i) y##i = _mm512_dpbf16_ps(y##i, a, b);
-      CHAINS(STEP_BF)
-    }
-#define SUM_BF(i) s += _mm512_reduce_add_ps(y##i);
-    float s = 0;
-    CHAINS(SUM_BF)
-    return double(s);
-  });
+  const __m512bh a = (__m512bh)_mm512_set1_epi16(0x3F80), b = (__m512bh)_mm512_set1_epi16(0x0001);
+  const double bf16 = chain_rate<__m512>(
+      4.0 * 16, [](int i) { return _mm512_set1_ps(float(i)); },
+      [&](__m512 y) { return _mm512_dpbf16_ps(y, a, b); },
+      [](__m512 y) { return double(_mm512_reduce_add_ps(y)); });
   std::printf("bf16_dot %d %.1f\n", omp_get_max_threads(), bf16);
 #endif
 #if defined(__AVX512VNNI__)
   // int8 multiply-adds (vpdpbusd: 64 a 512-bit instruction, what the GGUF and W8A8
   // kernels run without AMX), counted as 2 ops each like the float rows.
-  const double int8 = gflops(2.0 * 64 * kChains, [] {
-    const __m512i a = _mm512_set1_epi8(1), b = _mm512_set1_epi8(1);
-#define INIT_I8(i) __m512i z##i = _mm512_set1_epi32(i);
-    CHAINS(INIT_I8)
-    for (long it = 0; it < kIters; ++it) {
-#define STEP_I8(i) z##i = _mm512_dpbusd_epi32(z##i, a, b);
-      CHAINS(STEP_I8)
-    }
-#define SUM_I8(i) s += _mm512_reduce_add_epi32(z##i);
-    long s = 0;
-    CHAINS(SUM_I8)
-    return double(s);
-  });
+  const __m512i ones = _mm512_set1_epi8(1);
+  const double int8 = chain_rate<__m512i>(
+      2.0 * 64, [](int i) { return _mm512_set1_epi32(i); },
+      [&](__m512i z) { return _mm512_dpbusd_epi32(z, ones, ones); },
+      [](__m512i z) { return double(_mm512_reduce_add_epi32(z)); });
   std::printf("int8_dot %d %.1f\n", omp_get_max_threads(), int8);
 #endif
 #if defined(__AMX_BF16__)
