@@ -19,59 +19,9 @@
 // 4w..4w+3, high ones 16+4w..16+4w+3 (W = 4). A Q8_0 word holds weights 4w..4w+3 (W = 8).
 // Activations are quantized to int8 runs as in quant_linear.cpp; the dot products are
 // exact, and the error against the decoded weights in float32 is the activations' only.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <memory>
-#include <string>
-#include <type_traits>
-#include <vector>
-
-#include "convert.h"
-
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#include <immintrin.h>
-#define FLOTILLA_QR 1
-#else
-#define FLOTILLA_QR 0
-#endif
+#include "quant_regrouped.h"
 
 namespace {
-
-constexpr int64_t kGroup = 16;  // rows a group interleaves: one 32-bit lane each
-
-enum Kind : int { kQ4_0, kQ4_1, kQ8_0 };
-
-Kind parse_kind(const std::string& name) {
-  if (name == "Q4_0") return kQ4_0;
-  if (name == "Q4_1") return kQ4_1;
-  if (name == "Q8_0") return kQ8_0;
-  TORCH_CHECK(false, "gguf regrouped kernels: no kernel for ", name, " (Q4_0, Q4_1, Q8_0)");
-}
-
-struct Shape {
-  Kind kind;
-  int64_t n, k, groups, runs;
-  int64_t words() const { return kind == kQ8_0 ? 8 : 4; }
-  int64_t file_block() const { return kind == kQ8_0 ? 34 : kind == kQ4_1 ? 20 : 18; }
-  int64_t qs_at() const { return kind == kQ4_1 ? 4 : 2; }  // in a file block
-  int64_t halves() const { return kind == kQ4_1 ? 2 : 1; }  // d (and m) per row
-  // bytes of one group's run: scales, then the words
-  int64_t run_bytes() const { return kGroup * (2 * halves() + 4 * words()); }
-  int64_t numel() const { return groups * runs * run_bytes(); }
-  const uint8_t* run(const uint8_t* p, int64_t g, int64_t r) const {
-    return p + (g * runs + r) * run_bytes();
-  }
-};
-
-Shape shape_of(Kind kind, int64_t n, int64_t k) {
-  TORCH_CHECK(k % 32 == 0, "gguf regrouped kernels: rows of whole 32-weight blocks, not ", k);
-  return Shape{kind, n, k, (n + kGroup - 1) / kGroup, k / 32};
-}
 
 inline float half_at(const uint8_t* p) {
   uint16_t h;
@@ -114,97 +64,8 @@ void decode_rows(const Shape& s, const uint8_t* packed, const int64_t* ids, int6
   });
 }
 
-// ---- activations: int8 runs, their scales and their scaled sums -------------------------
-// An array left uninitialised (std::vector zeroes what it allocates: a memset a call that
-// every row overwrites anyway).
-template <typename T>
-struct Buffer {
-  std::unique_ptr<T[]> p;
-  void resize(int64_t n) { p.reset(new T[n]); }
-  T* data() { return p.get(); }
-  const T* data() const { return p.get(); }
-  T operator[](int64_t i) const { return p[i]; }
-};
-
-struct Activations {
-  Buffer<int8_t> q;   // [m, k]
-  Buffer<float> d;    // [m, runs]
-  Buffer<float> sum;  // [m, runs]: d * (sum of the run's q)
-};
-
-template <typename T>
-[[maybe_unused]] void quantize_row(const T* x, int64_t k, int8_t* q, float* d_out, float* sum_out) {
-  for (int64_t r = 0; r < k / 32; ++r) {
-    float v[32], amax = 0.f;
-    for (int l = 0; l < 32; ++l) {
-      v[l] = flotilla::to_float(x[r * 32 + l]);
-      amax = std::max(amax, std::fabs(v[l]));
-    }
-    const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
-    int total = 0;
-    for (int l = 0; l < 32; ++l) {
-      const int qv = int(std::nearbyint(v[l] * inv));
-      q[r * 32 + l] = int8_t(qv);
-      total += qv;
-    }
-    d_out[r] = d;
-    sum_out[r] = d * total;
-  }
-}
-
-#if FLOTILLA_QR
-inline __m512 load_floats(const float* x) { return _mm512_loadu_ps(x); }
-inline __m512 load_floats(const c10::BFloat16* x) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-// The same values as quantize_row's scalar loop: one rounding of v * inv, to nearest
-// even (vcvtps2dq under the default rounding mode, as nearbyint), |q| <= 127.
-template <typename T>
-void quantize_row_avx512(const T* x, int64_t k, int8_t* q, float* d_out, float* sum_out) {
-  const __m512 sign = _mm512_set1_ps(-0.f);
-  for (int64_t r = 0; r < k / 32; ++r) {
-    const __m512 v0 = load_floats(x + r * 32), v1 = load_floats(x + r * 32 + 16);
-    const float amax = _mm512_reduce_max_ps(
-        _mm512_max_ps(_mm512_andnot_ps(sign, v0), _mm512_andnot_ps(sign, v1)));
-    const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
-    const __m512 vi = _mm512_set1_ps(inv);
-    const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, vi));
-    const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, vi));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + r * 32), _mm512_cvtepi32_epi8(q0));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + r * 32 + 16), _mm512_cvtepi32_epi8(q1));
-    d_out[r] = d;
-    sum_out[r] = d * float(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
-  }
-}
-#endif
-
-template <typename T>
-Activations quantize(const T* x, int64_t m, int64_t k) {
-  const int64_t runs = k / 32;
-  Activations a;
-  a.q.resize(m * k);
-  a.d.resize(m * runs);
-  a.sum.resize(m * runs);
-  // a row is ~1 us: rows split across threads only when there are enough of them
-  at::parallel_for(0, m, 8, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-#if FLOTILLA_QR
-      quantize_row_avx512(x + i * k, k, a.q.data() + i * k, a.d.data() + i * runs,
-                          a.sum.data() + i * runs);
-#else
-      quantize_row(x + i * k, k, a.q.data() + i * k, a.d.data() + i * runs,
-                   a.sum.data() + i * runs);
-#endif
-    }
-  });
-  return a;
-}
-
 #if FLOTILLA_QR
 constexpr int kMaxRows = 4;  // rows of x a pass takes: a float accumulator each
-constexpr int64_t kAhead = 8;  // runs between a prefetch and its use
 
 // y[i0 .. i0+MT, 16 rows of group g]: float sums of the group's 16 lanes per x row.
 // A run's integer sums go to C independent accumulators per x row (vpdpbusd's latency
@@ -272,14 +133,6 @@ void group_tile(const Shape& s, const uint8_t* packed, int64_t g, const Activati
       acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(a.sum[at]), acc[t]);
     }
   }
-}
-
-// float32 lanes -> bf16 bits, round to nearest even (as torch's .to(bfloat16))
-inline __m256i to_bf16(__m512 x) {
-  const __m512i bits = _mm512_castps_si512(x);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
-  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
 }
 
 // The weight decoded to W^T [k, n] (n padded to whole groups): a group's 16 lanes are 16
@@ -356,150 +209,6 @@ torch::Tensor dense_product(const Shape& s, const torch::Tensor& x, const torch:
     y.narrow(1, c0, cols).copy_(at::matmul(x, panel.narrow(1, 0, cols)));
   }
   return y;
-}
-
-// ---- many rows of x: blocks of kBlockRows rows x 2 groups ------------------------------
-// group_tile spends ~15 vector instructions a row and run beside its 8 products (its
-// own unpacking, C chains summed, scales): at 64 rows it ran at 36 % of the CPU's int8
-// peak (Zen 4: 1,403 us for a layer's four linears, slower than the bf16 kernel's 1,089).
-// Here a run's weights of two groups are unpacked once for 4 rows, each (row, group)
-// sums its products in one chain (8 chains in flight cover vpdpbusd's latency), and a
-// run ends with 4 instructions a (row, group): convert, the two scales' product, and two
-// fused multiply-adds into one float accumulator (the min term included). The same
-// layer: 924 us at 64 rows, 55 % of the int8 peak (8 rows x 1 group: 986 us; 4 rows x 2
-// groups leave ~27 of the 32 vector registers in use).
-constexpr int kBlockRows = 4;
-constexpr int kBlockGroups = 2;  // groups a block takes (1 or 2)
-constexpr int64_t kManyRows = 2;  // rows of x from which matmul takes these blocks
-
-inline __m512i bcast4(const int8_t* p) {  // 4 activations, to every 32-bit lane
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm512_set1_epi32(v);
-}
-
-template <int K, int R, int G>
-void block_tile(const Shape& s, const uint8_t* packed, int64_t g0, const Activations& a,
-                int64_t i0, bool prefetch, __m512 (&acc)[kBlockRows][2]) {
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
-  for (int t = 0; t < R; ++t)
-    for (int g = 0; g < G; ++g) acc[t][g] = _mm512_setzero_ps();
-  const int8_t* xq[R];
-  const float* xd[R];
-  const float* xs[R];
-  for (int t = 0; t < R; ++t) {
-    xq[t] = a.q.data() + (i0 + t) * s.k;
-    xd[t] = a.d.data() + (i0 + t) * s.runs;
-    xs[t] = a.sum.data() + (i0 + t) * s.runs;
-  }
-  const int64_t rb = s.run_bytes();
-  constexpr int64_t scale_bytes = 2 * kGroup * (K == kQ4_1 ? 2 : 1);
-  for (int64_t r = 0; r < s.runs; ++r) {
-    const uint8_t* grun[G];
-    for (int g = 0; g < G; ++g) {
-      grun[g] = s.run(packed, g0 + g, r);
-      if (prefetch)  // the first rows' pass streams the weights; the others find them cached
-        for (int64_t l = 0; l < rb; l += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(grun[g] + kAhead * rb + l), _MM_HINT_T0);
-    }
-    __m512i dot[R][G];
-    for (int t = 0; t < R; ++t)
-      for (int g = 0; g < G; ++g) dot[t][g] = _mm512_setzero_si512();
-    if constexpr (K == kQ8_0) {
-      for (int w = 0; w < 8; ++w) {
-        __m512i ws[G];
-        for (int g = 0; g < G; ++g) ws[g] = _mm512_loadu_si512(grun[g] + scale_bytes + w * 64);
-        for (int t = 0; t < R; ++t) {
-          const __m512i xb = bcast4(xq[t] + r * 32 + 4 * w);
-          for (int g = 0; g < G; ++g) dot[t][g] = _mm512_dpbusd_epi32(dot[t][g], ws[g], xb);
-        }
-      }
-    } else {
-      for (int w = 0; w < 4; ++w) {
-        __m512i lo[G], hi[G];
-        for (int g = 0; g < G; ++g) {
-          const __m512i bytes = _mm512_loadu_si512(grun[g] + scale_bytes + w * 64);
-          lo[g] = _mm512_and_si512(bytes, low4);
-          hi[g] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low4);
-        }
-        for (int t = 0; t < R; ++t) {
-          const __m512i xl = bcast4(xq[t] + r * 32 + 4 * w);
-          const __m512i xh = bcast4(xq[t] + r * 32 + 16 + 4 * w);
-          for (int g = 0; g < G; ++g) {
-            dot[t][g] = _mm512_dpbusd_epi32(dot[t][g], lo[g], xl);
-            dot[t][g] = _mm512_dpbusd_epi32(dot[t][g], hi[g], xh);
-          }
-        }
-      }
-    }
-    for (int g = 0; g < G; ++g) {
-      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(grun[g])));
-      __m512 m;
-      if constexpr (K == kQ4_1) {
-        m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(grun[g] + 32)));
-      } else {
-        m = _mm512_mul_ps(d, _mm512_set1_ps(K == kQ4_0 ? -8.f : -128.f));
-      }
-      for (int t = 0; t < R; ++t) {
-        acc[t][g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[t][g]),
-                                    _mm512_mul_ps(d, _mm512_set1_ps(xd[t][r])), acc[t][g]);
-        acc[t][g] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[t][r]), acc[t][g]);
-      }
-    }
-  }
-}
-
-template <int K, int G, int R = kBlockRows>
-void block_any(int rows, const Shape& s, const uint8_t* packed, int64_t g0,
-               const Activations& a, int64_t i0, bool prefetch,
-               __m512 (&acc)[kBlockRows][2]) {
-  if constexpr (R > 0) {
-    if (rows == R) return block_tile<K, R, G>(s, packed, g0, a, i0, prefetch, acc);
-    block_any<K, G, R - 1>(rows, s, packed, g0, a, i0, prefetch, acc);
-  }
-}
-
-// 16 lanes of a row of y (cols of them real), bias added, in y's type: bf16 rounded to
-// nearest even; float32 logits of a bf16 x hold bf16-rounded values, as the 1-row path.
-template <typename T, typename O>
-inline void store_lanes(O* dst, __m512 v, const float* bias, int64_t cols) {
-  const __mmask16 mask = cols >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << cols) - 1);
-  if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bias));
-  if constexpr (std::is_same_v<O, c10::BFloat16>) {
-    _mm256_mask_storeu_epi16(dst, mask, to_bf16(v));
-  } else if constexpr (std::is_same_v<T, float>) {
-    _mm512_mask_storeu_ps(dst, mask, v);
-  } else {
-    const __m512i widened = _mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16(v)), 16);
-    _mm512_mask_storeu_ps(dst, mask, _mm512_castsi512_ps(widened));
-  }
-}
-
-template <int K, typename T, typename O>
-void matmul_rows(const Shape& s, const Activations& a, int64_t m, const uint8_t* packed,
-                 const float* bias, O* y) {
-  const int64_t blocks = (s.groups + kBlockGroups - 1) / kBlockGroups;
-  at::parallel_for(0, blocks, 1, [&](int64_t p0, int64_t p1) {
-    __m512 acc[kBlockRows][2];
-    for (int64_t p = p0; p < p1; ++p) {
-      const int64_t g0 = kBlockGroups * p;
-      const int64_t groups = std::min<int64_t>(kBlockGroups, s.groups - g0);
-      for (int64_t i0 = 0; i0 < m; i0 += kBlockRows) {
-        const int rows = int(std::min<int64_t>(kBlockRows, m - i0));
-        if (groups == 2) {
-          block_any<K, 2>(rows, s, packed, g0, a, i0, i0 == 0, acc);
-        } else {
-          block_any<K, 1>(rows, s, packed, g0, a, i0, i0 == 0, acc);
-        }
-        for (int t = 0; t < rows; ++t)
-          for (int64_t g = 0; g < groups; ++g) {
-            const int64_t j0 = (g0 + g) * kGroup;
-            store_lanes<T>(y + (i0 + t) * s.n + j0, acc[t][g], bias ? bias + j0 : nullptr,
-                           std::min<int64_t>(kGroup, s.n - j0));
-          }
-      }
-    }
-  });
 }
 
 template <int K, int MT = kMaxRows>
