@@ -5,6 +5,7 @@ Scheduler, the KV cache and the model runner; nothing else threads kwargs.
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -232,11 +233,17 @@ def default_num_threads() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def cpu_has_native_bf16() -> bool:
-    """True when the CPU runs bf16 dot products natively (avx512_bf16 or AMX)."""
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (/proc/cpuinfo's first "flags" line; empty where there is
+    none), read once: dtype and kernel-path defaults are chosen from them."""
     try:
         with open("/proc/cpuinfo") as f:
-            flags = f.read()
+            return frozenset(next((line for line in f if line.startswith("flags")), "").split())
     except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+        return frozenset()
+
+
+def cpu_has_native_bf16() -> bool:
+    """True when the CPU runs bf16 dot products natively (avx512_bf16 or AMX)."""
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())

@@ -239,9 +239,10 @@ class ModelRunner:
             _random_weights(model)
         else:  # a dummy load of a quantized config: its format's bytes, loaded as a file's
             scheme = int4_scheme(self.hf_config, str(self.checkpoint))
-            weights = (dummy_weights(self.shape, fmt, 128 if scheme is None else
-                                     scheme.group_size)
-                       if self.config.load_format == "dummy" else iter_weights(self.checkpoint))
+            if self.config.load_format == "dummy":
+                weights = dummy_weights(self.shape, fmt, scheme.group_size if scheme else 128)
+            else:
+                weights = iter_weights(self.checkpoint)
             if scheme is not None:  # AWQ / GPTQ: their groups read as Q4_1 blocks
                 weights = iter_int4_weights(weights, scheme)
             held = model.load_weights(weights, quant_kernels=self._quant_kernels())

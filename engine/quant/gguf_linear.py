@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.config import cpu_flags
 from engine.errors import UnsupportedModelError
 from engine.quant.gguf_weights import GGUFBlocks
-
 
 
 def _decode_crossover() -> int:
@@ -28,11 +28,7 @@ def _decode_crossover() -> int:
     layer's linears, past 64 for the 49152-row LM head). With AVX-512 VNNI and no AMX
     (Zen 4, session 32) the regrouped blocks won at every batch measured (a layer: 1,559
     against 2,849 us at 128 rows, 3,130 against 5,004 at 256). Elsewhere 64, unmeasured."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = set(next((line for line in f if line.startswith("flags")), "").split())
-    except OSError:
-        flags = set()
+    flags = cpu_flags()
     return 256 if "avx512_vnni" in flags and "amx_bf16" not in flags else 64
 
 
