@@ -120,7 +120,8 @@ class EngineConfig:
         "auto", "the KV cache's element type: auto (the activation dtype) or fp8 (alias "
         "fp8_e4m3: e4m3 bytes with a scale per layer for keys and for values, the "
         "checkpoint's k_scale / v_scale or 1.0; twice the blocks per GiB of bf16). fp8 is "
-        "read by the native CPU attention kernel", choices=KV_CACHE_DTYPES)
+        "read by the native CPU, triton and torch attention backends, not flex",
+        choices=KV_CACHE_DTYPES)
     enforce_eager: bool = option(False, "CUDA: run decode steps eagerly instead of "
                                         "replaying CUDA graphs captured per batch size")
     quantization: str | None = option(

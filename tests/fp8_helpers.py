@@ -35,13 +35,24 @@ def quantize_fp8(w: torch.Tensor, per_channel: bool) -> tuple[torch.Tensor, torc
 
 
 def write_fp8(src: Path, out: Path, fmt: str = "fp8", per_channel: bool = False,
-              activations: str = "dynamic", static_scale: float = 0.05) -> Path:
+              activations: str = "dynamic", static_scale: float = 0.05,
+              kv_scales: str | None = None) -> Path:
     """src's linears (q/k/v/o, gate/up/down) as e4m3 under out, in `fmt` ("fp8" or
     "compressed-tensors"); the embedding and norms stay as they are. activations:
     "dynamic", "static" (every input_scale static_scale) or "none" (weight-only,
-    compressed-tensors only)."""
+    compressed-tensors only). kv_scales (compressed-tensors): a kv_cache_scheme of static
+    fp8 per tensor, layer i's k_scale 0.1 (i + 1) and v_scale 0.2 (i + 1), named
+    "k_scale" (self_attn.k_scale, llm-compressor's current names) or "output_scale"
+    (k_proj / v_proj.output_scale, its older ones)."""
     out.mkdir(parents=True, exist_ok=True)
     state = {}
+    if kv_scales is not None:
+        layers = json.loads((src / "config.json").read_text())["num_hidden_layers"]
+        for i in range(layers):
+            for kind, value in (("k", 0.1 * (i + 1)), ("v", 0.2 * (i + 1))):
+                name = (f"model.layers.{i}.self_attn.{kind}_scale" if kv_scales == "k_scale"
+                        else f"model.layers.{i}.self_attn.{kind}_proj.output_scale")
+                state[name] = torch.tensor([value])
     for name, value in _state(src).items():
         parts = name.split(".")
         if len(parts) >= 2 and parts[-2] in LINEARS and parts[-1] == "weight":
@@ -76,7 +87,9 @@ def write_fp8(src: Path, out: Path, fmt: str = "fp8", per_channel: bool = False,
                             "dynamic": False,
                             "strategy": "channel" if per_channel else "tensor"},
                 "input_activations": acts, "output_activations": None}},
-            "ignore": ["lm_head"], "kv_cache_scheme": None}
+            "ignore": ["lm_head"], "kv_cache_scheme": None if kv_scales is None else {
+                "num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False,
+                "symmetric": True}}
     (out / "config.json").write_text(json.dumps(config, indent=1))
     for f in src.iterdir():  # tokenizer and generation config
         if f.suffix != ".safetensors" and f.name != "config.json" and f.is_file():

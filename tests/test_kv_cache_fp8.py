@@ -163,11 +163,11 @@ def test_fp8_cache_in_bf16_holds_twice_the_blocks(tiny):
     assert b.runner.memory_usage()["kv_cache_bytes"] == a.runner.memory_usage()["kv_cache_bytes"]
 
 
-def test_the_checkpoint_s_kv_scales_are_the_fp8_cache_s(tiny, tmp_path, caplog, monkeypatch):
-    """vLLM's fp8 checkpoints carry self_attn.k_scale / v_scale: an fp8 cache uses them,
-    a float cache has no use for them; without them the log says the cache is unscaled."""
+@pytest.fixture(scope="module")
+def scaled(tiny, tmp_path_factory):
+    """The tiny model with vLLM's per-layer self_attn.k_scale / v_scale tensors."""
     import shutil
-    path = tmp_path / "scaled"
+    path = tmp_path_factory.mktemp("kvfp8") / "scaled"
     shutil.copytree(tiny, path)
     state = load_file(str(path / "model.safetensors"))
     layers = json.loads((path / "config.json").read_text())["num_hidden_layers"]
@@ -175,6 +175,14 @@ def test_the_checkpoint_s_kv_scales_are_the_fp8_cache_s(tiny, tmp_path, caplog, 
         state[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(0.25 * (i + 1))
         state[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor([0.5])
     save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
+def test_the_checkpoint_s_kv_scales_are_the_fp8_cache_s(tiny, scaled, caplog, monkeypatch):
+    """vLLM's fp8 checkpoints carry self_attn.k_scale / v_scale: an fp8 cache uses them,
+    a float cache has no use for them; without them the log says the cache is unscaled."""
+    path = scaled
+    layers = json.loads((path / "config.json").read_text())["num_hidden_layers"]
     llm = LLM(str(path), dtype="float32", kv_cache_dtype="fp8", block_size=16)
     attns = [layer.self_attn for layer in llm.llm_engine.engine_core.runner.model.layers]
     assert [a.k_scale for a in attns] == [0.25 * (i + 1) for i in range(layers)]
@@ -189,8 +197,31 @@ def test_the_checkpoint_s_kv_scales_are_the_fp8_cache_s(tiny, tmp_path, caplog, 
     assert "no k_scale / v_scale" in caplog.text
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_the_torch_and_triton_paths_read_the_fp8_cache_as_the_native_kernel(scaled, backend):
+    """attention_backend torch (the gather path) and triton (its kernels, under the
+    interpreter here) on an fp8 cache with the checkpoint's scales: teacher-forced
+    logprobs within summation order of the native kernel's fp8 engine, so they write the
+    same e4m3 bytes and read them back the same, through chunked prefill, decodes and a
+    prefix hit."""
+    from engine.model.triton_kernels import availability
+    if backend == "triton" and availability(torch.device("cpu")) is not None:
+        pytest.skip(f"Triton kernels: {availability(torch.device('cpu'))}")
+    native = LLM(str(scaled), dtype="float32", block_size=16, kv_cache_dtype="fp8")
+    llm = LLM(str(scaled), dtype="float32", block_size=16, kv_cache_dtype="fp8",
+              attention_backend=backend, max_num_batched_tokens=24, device="cpu")
+    runner = llm.llm_engine.engine_core.runner
+    assert runner.backend == backend and runner.kv_caches.dtype == torch.float8_e4m3fn
+    assert runner.model.layers[1].self_attn.k_scale == 0.5
+    outs = _run(llm, PROMPTS)
+    _agree(outs, native, PROMPTS)
+    hit = _run(llm, [PROMPTS[0][:32] + [7, 8, 9]])
+    assert hit[0].num_cached_tokens > 0
+    _agree(hit, native, [PROMPTS[0][:32] + [7, 8, 9]])
+
+
 def test_what_is_not_served_is_refused(tiny):
     with pytest.raises(InvalidRequestError, match="kv_cache_dtype must be one of"):
         LLM(str(tiny), dtype="float32", kv_cache_dtype="fp8_e5m2")
-    with pytest.raises(InvalidRequestError, match="native CPU attention kernel only"):
-        LLM(str(tiny), dtype="float32", kv_cache_dtype="fp8", attention_backend="torch")
+    with pytest.raises(InvalidRequestError, match="not read by attention backend .flex."):
+        LLM(str(tiny), dtype="float32", kv_cache_dtype="fp8", attention_backend="flex")

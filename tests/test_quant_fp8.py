@@ -261,6 +261,39 @@ def test_an_fp8_config_over_float_weights_is_refused(tiny_hf, tmp_path, method):
         LLM(str(path), dtype="float32")
 
 
+@pytest.mark.parametrize("names", ["k_scale", "output_scale"])
+def test_a_kv_cache_scheme_s_scales_are_the_fp8_cache_s(tiny_hf, tmp_path, caplog, names):
+    """llm-compressor's static fp8 kv_cache_scheme: its per-layer scales (self_attn.k_scale,
+    or the older k_proj / v_proj output_scale) scale an fp8 cache; under kv_cache_dtype
+    auto the cache holds floats and the log says the scales go unused, as in vLLM."""
+    path = write_fp8(tiny_hf, tmp_path / "ckpt", "compressed-tensors", True, kv_scales=names)
+    llm = LLM(str(path), dtype="float32", block_size=16, kv_cache_dtype="fp8")
+    runner = llm.llm_engine.engine_core.runner
+    assert runner.kv_caches.dtype == torch.float8_e4m3fn
+    attns = [layer.self_attn for layer in runner.model.layers]
+    assert [a.k_scale for a in attns] == pytest.approx([0.1 * (i + 1) for i in range(2)])
+    assert [a.v_scale for a in attns] == pytest.approx([0.2 * (i + 1) for i in range(2)])
+    with caplog.at_level(logging.INFO, logger="engine.executor.model_runner"):
+        plain = LLM(str(path), dtype="float32", block_size=16)
+    assert plain.llm_engine.engine_core.runner.kv_caches.dtype == torch.float32
+    assert "fp8 KV cache scales" in caplog.text
+    prompts = [list(range(100, 120)), list(range(700, 706))]
+    check_against(llm, _reference(path), prompts, tolerance=0.5, tie=0.5, exact_share=0.5)
+
+
+@pytest.mark.parametrize("change, named", [
+    (dict(type="int"), "kv_cache_scheme of 8-bit int"),
+    (dict(strategy="attn_head"), "kv_cache_scheme of scales by 'attn_head'"),
+    (dict(dynamic=True), "kv_cache_scheme of dynamic"),
+])
+def test_kv_cache_schemes_not_served_are_refused_by_name(tiny_hf, tmp_path, change, named):
+    path = _with_config(write_fp8(tiny_hf, tmp_path / "src", "compressed-tensors",
+                                  kv_scales="k_scale"), tmp_path / "other",
+                        lambda q: q["kv_cache_scheme"].update(change))
+    with pytest.raises(UnsupportedQuantizationError, match=named):
+        LLM(str(path), dtype="float32")
+
+
 def test_quantization_option_names_the_fp8_format(tiny_fp8):
     LLM(str(tiny_fp8), dtype="float32", quantization="fp8", block_size=8)
     with pytest.raises(UnsupportedQuantizationError, match="quantized as 'fp8'"):

@@ -123,6 +123,81 @@ def test_prefill_attention_over_cached_context_matches_dense(dtype, page, block_
     assert not out[0].any()  # the decode row is not the launch's
 
 
+def _fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """x as an fp8 cache holds it: x / scale saturated at +-448, in e4m3."""
+    return (x.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["decode", "decode-split", "prefill"])
+def test_attention_over_an_fp8_cache_matches_dense(dtype, kind):
+    """An e4m3 cache holding keys / k_scale and values / v_scale (k_scale small enough
+    that the larger keys saturate at 448): the output equals dense attention over the
+    cache's values times their scales, decodes (split-KV too) and prefill chunks."""
+    from engine.model.triton_kernels.paged_attention import SplitScratch, attend
+    page, kv_heads, group, dim = 16, 2, 4, 32
+    seqs = ([(40, 1), (47, 1), (0, 1), (130, 1)] if kind != "prefill"
+            else [(32, 9), (0, 21), (75, 5)])
+    block_q, splits = {"decode": (1, 1), "decode-split": (1, 3), "prefill": (8, 1)}[kind]
+    cache, q, tables = _paged_case(11, seqs, 32, page, kv_heads, group, dim, dtype)
+    k_scale, v_scale = 0.006, 0.02
+    k8, v8 = _fp8(cache[0] * 2, k_scale).to(DEVICE), _fp8(cache[1], v_scale).to(DEVICE)
+    assert (k8.float().abs() == 448).any()  # some keys saturated
+    out = torch.full_like(q, float("nan"))
+    attend(q, k8, v8, out, _launch(seqs, tables, block_q, splits), 0.2, page, 16,
+           SplitScratch.allocate(8, q.shape[1], dim, DEVICE), k_scale, v_scale)
+    ref = _reference(q, k8.float() * k_scale, v8.float() * v_scale, page, seqs, tables, 0.2)
+    torch.testing.assert_close(out.float().cpu(), ref, **_tol(dtype))
+
+
+def test_e4m3_rounding_is_torch_s():
+    """The cache write's own rounding to e4m3 (the interpreter's conversion is wrong where
+    rounding carries into the exponent and on subnormals) gives torch's bytes for values
+    across e4m3's range: subnormals, carries (124 -> 128), ties, +-448 and signed zeros."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.cat([torch.randn(2048, generator=gen) * s for s in (1e-3, 0.05, 1, 30, 300)]
+                  + [torch.tensor([124., -124., 7.9, 0.0019, 464., -1000., -0.0, 2 ** -10,
+                                   3 * 2 ** -11, 9.5 * 2 ** -9, 52.0, 56.0])])
+    x = torch.cat([x, torch.zeros(16384 - x.numel())])
+    got = torch.empty(x.numel(), dtype=torch.float8_e4m3fn, device=DEVICE)
+    from tests.triton_probes import e4m3_store_kernel
+    e4m3_store_kernel[(1,)](x.to(DEVICE), got, N=x.numel())
+    want = x.clamp(-448, 448).to(torch.float8_e4m3fn)
+    bad = got.cpu().view(torch.uint8) != want.view(torch.uint8)
+    assert not bad.any(), (x[bad][:8], got.cpu()[bad][:8], want[bad][:8])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_write_into_an_fp8_cache(dtype):
+    """The rotated k (rounded to the activation dtype) and v land as x / scale in e4m3,
+    saturated: torch's own conversion under the interpreter; on a GPU within one e4m3
+    step (its float division may round the quotient's last bit differently)."""
+    from transformers import LlamaConfig
+
+    from engine.model.triton_kernels.fused_ops import rope_write_kv
+    heads, kv_heads, t, head_dim = 4, 2, 5, 32
+    gen = torch.Generator().manual_seed(4)
+    rotary = RotaryEmbedding(LlamaConfig(rope_theta=10000.0), head_dim, 64)
+    positions = torch.tensor([0, 5, 6, 33, 63])
+    qkv = (torch.randn(t, (heads + 2 * kv_heads) * head_dim, generator=gen) * 3).to(dtype)
+    cache = torch.zeros(2, kv_heads, 32, head_dim, dtype=torch.float8_e4m3fn)
+    slots = torch.tensor([9, 3, 30, 17, 0])
+    got, cache = qkv.clone().to(DEVICE), cache.to(DEVICE)
+    rope_write_kv(got, positions.to(DEVICE), rotary.cos.to(DEVICE), rotary.sin.to(DEVICE),
+                  heads, kv_heads, head_dim, cache[0], cache[1], slots.to(DEVICE), 0.01, 0.5)
+    got, cache = got.cpu(), cache.cpu()
+    _, g_k, g_v = got.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
+    assert torch.equal(g_v, qkv[:, -kv_heads * head_dim:])  # v itself is not scaled
+    for held, want, scale in ((cache[0], g_k, 0.01), (cache[1], g_v, 0.5)):
+        want8 = _fp8(want.view(t, kv_heads, head_dim), scale)
+        held = held[:, slots].transpose(0, 1)
+        assert (want8.float().abs() == 448).any() or scale == 0.5
+        if DEVICE.type == "cpu":
+            assert torch.equal(held.view(torch.uint8), want8.view(torch.uint8))
+        else:
+            torch.testing.assert_close(held.float(), want8.float(), rtol=0.125, atol=2 ** -9)
+
+
 def test_padded_decode_rows_write_zeros():
     """A captured batch's padding rows (no context) attend to nothing and read as 0."""
     from engine.model.triton_kernels.paged_attention import SplitScratch, attend
@@ -292,6 +367,6 @@ def test_kernels_compile_for_hopper():
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     built = json.loads(run.stdout.strip().splitlines()[-1])
-    assert len(built) == 18
+    assert len(built) == 22
     for name, shared in built.items():
         assert shared <= 227 * 1024, (name, shared)

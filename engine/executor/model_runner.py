@@ -175,14 +175,15 @@ class ModelRunner:
 
     def _kv_cache_dtype(self) -> torch.dtype:
         """The cache's element type: the activation dtype, or e4m3 for kv_cache_dtype fp8,
-        which only the native CPU kernel reads."""
+        which the native CPU kernel, the Triton kernels and the torch path read
+        (FlexAttention's score and value products would need the whole cache widened)."""
         if self.config.kv_cache_dtype == "auto":
             return self.dtype
-        if self.backend != "native":
+        if self.backend == "flex":
             raise InvalidRequestError(
-                f"kv_cache_dtype {self.config.kv_cache_dtype!r} is read by the native CPU "
-                f"attention kernel only; attention backend {self.backend!r} on {self.device} "
-                "reads the activation dtype (use kv_cache_dtype auto)")
+                f"kv_cache_dtype {self.config.kv_cache_dtype!r} is not read by attention "
+                "backend 'flex'; the native (CPU), triton and torch backends read it (use "
+                "attention_backend triton, or kv_cache_dtype auto)")
         return torch.float8_e4m3fn
 
     def _triton_backend(self):
@@ -254,6 +255,10 @@ class ModelRunner:
                     "config's quantization_config to serve it in its own dtype")
         if self.kv_dtype == torch.float8_e4m3fn:
             self._set_kv_scales(model)
+        elif any(layer.self_attn.checkpoint_kv_scales for layer in model.layers):
+            logger.info("the checkpoint carries fp8 KV cache scales (k_scale / v_scale); "
+                        "the cache holds the activation dtype, kv_cache_dtype fp8 would use "
+                        "them")
         model = model.to(self.dtype).eval()
         model.requires_grad_(False)
         if (native_enabled() and self.triton is None
@@ -418,7 +423,7 @@ class ModelRunner:
         if self.flex is not None or self.triton is not None:  # head-major, scratch block
             shape = flex_paged.cache_shape(s.num_layers, num_blocks, self.plan.num_kv_heads,
                                            self.block_size, s.head_dim)
-            self.kv_caches = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            self.kv_caches = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
             if self.triton is not None:
                 self.layer_caches = [(layer[0], layer[1]) for layer in self.kv_caches]
             else:
@@ -436,7 +441,7 @@ class ModelRunner:
             self.kv_caches = lazily_zeroed(shape, self.kv_dtype)
             self._prefault_kv(num_blocks)
         else:
-            self.kv_caches = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            self.kv_caches = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         cache = self.kv_caches
         self.layer_caches = [cache_views(layer) for layer in cache]  # made once, not per step
 

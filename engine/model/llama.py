@@ -134,7 +134,7 @@ class LlamaAttention(nn.Module):
                 qkv = self._norm_qk(qkv)
             o = meta.triton.forward(qkv, rope, kv_cache, meta.slot_mapping, meta.triton_step,
                                     self.num_heads, self.num_kv_heads, self.head_dim,
-                                    self.scale)
+                                    self.scale, self.k_scale, self.v_scale)
             return self._project(o)
         native_rope = self.kernels is not None and self.q_norm is None
         if native_rope:  # rotate q and k heads in place inside the fused qkv rows
@@ -349,6 +349,9 @@ class LlamaForCausalLM(nn.Module):
                 continue
             parts = name.split(".")
             module, kind = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", name)
+            if kind == "output_scale" and module in ("k_proj", "v_proj"):
+                kind = module[0] + "_scale"  # compressed-tensors' older k_scale / v_scale
+                parts, module = parts[:-2] + [kind], "self_attn"
             target, offset, src = name, None, None
             if module in rules:
                 fused_name, offset, src = rules[module]

@@ -9,7 +9,8 @@ Served: 8-bit symmetric weights, one scale per output channel or per tensor,
   per tensor, or none (weight-only): engine/quant/fp8.py.
 What the weights need past the scheme (static input scales, the modules left in float)
 the checkpoint's tensors say: an `input_scale` beside a weight, a quantized weight or a
-float one.
+float one. A kv_cache_scheme of static fp8 per tensor is served too: its k_scale /
+v_scale tensors (or the older k_proj / v_proj output_scale) scale an fp8 KV cache.
 """
 from __future__ import annotations
 
@@ -21,6 +22,22 @@ SERVED = ("int8 W8A8: int8 symmetric weights per channel or per tensor, with int
           "weight-only")
 _FORMATS = {"int": ("int-quantized", "naive-quantized"),
             "float": ("float-quantized", "naive-quantized")}
+
+
+KV_SERVED = "static symmetric 8-bit float per tensor, the fp8 cache's k_scale / v_scale"
+
+
+def kv_scheme_difference(kv: dict) -> str | None:
+    """What a kv_cache_scheme differs in from the one served (its scales are then an fp8
+    cache's per-layer k_scale / v_scale, used under kv_cache_dtype fp8 as vLLM uses
+    them), or None."""
+    if kv.get("num_bits") != 8 or kv.get("type") != "float":
+        return f"{kv.get('num_bits')}-bit {kv.get('type')}"
+    if kv.get("strategy") != "tensor":
+        return f"scales by {kv.get('strategy')!r}"
+    if kv.get("dynamic") or not kv.get("symmetric", True):
+        return "dynamic" if kv.get("dynamic") else "asymmetric values"
+    return None
 
 
 def check_scheme(qc: dict, model: str) -> str:
@@ -60,12 +77,15 @@ def check_scheme(qc: dict, model: str) -> str:
                          f"{a.get('strategy')!r}")
     if group.get("output_activations"):
         raise refuse("quantized output activations")
-    if qc.get("kv_cache_scheme"):
-        raise refuse("a kv_cache_scheme")
+    kv = qc.get("kv_cache_scheme")
+    if kv:
+        what = kv_scheme_difference(kv)
+        if what is not None:
+            raise refuse(f"a kv_cache_scheme of {what} (served: {KV_SERVED})")
     targets = group.get("targets") or []
     if targets != ["Linear"]:
         raise refuse(f"targets {targets}")
     return kind
 
 
-__all__ = ["SERVED", "check_scheme"]
+__all__ = ["KV_SERVED", "SERVED", "check_scheme", "kv_scheme_difference"]

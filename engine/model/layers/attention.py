@@ -27,6 +27,10 @@ reads, a request may read blocks that another request fills in the same step
   consecutive chunks of equal length share one SDPA call. Prefill chunks with cached
   context (chunked prefill, prefix-cache hits) gather their blocks and use SDPA with
   an offset causal mask.
+
+kv_cache_dtype fp8: the cache holds keys / k_scale and values / v_scale in e4m3 (the
+layer's scales); every path reads them widened to the activation dtype, with the
+scales applied to the scores and the output.
 """
 from __future__ import annotations
 
@@ -37,6 +41,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.model.layers import flex_paged
+
+FP8_MAX = 448.0  # e4m3's largest finite value
 
 
 @dataclass
@@ -102,7 +108,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
                     scale: float, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, KVH, D]; kv_cache: this layer's (keys, values) views
-    (cache_views); k_scale, v_scale: an fp8 cache's (the native kernel's only).
+    (cache_views); k_scale, v_scale: an fp8 cache's, which holds k / k_scale and
+    v / v_scale in e4m3 (not FlexAttention's: the runner refuses fp8 with it).
 
     Returns the attention output [T, H, D].
     """
@@ -114,6 +121,26 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return meta.native_attention(q, k, v, k_cache, v_cache, meta.slot_mapping,
                                      meta.block_tables, meta.seq_lens, meta.query_start, scale,
                                      k_scale, v_scale)
+    if k_cache.dtype == torch.float8_e4m3fn:
+        # every key and value attended is the cache's (fresh ones too, as the kernels
+        # read them back): e4m3 widens exactly to q's dtype, and the scales fold into
+        # the score scale and the output
+        k, v = to_fp8(k, k_scale), to_fp8(v, v_scale)
+        out = _torch_attention(q, k, v, k_cache, v_cache, meta, scale * k_scale)
+        return out.mul_(v_scale) if v_scale != 1.0 else out
+    return _torch_attention(q, k, v, k_cache, v_cache, meta, scale)
+
+
+def to_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """x as an fp8 cache holds it: x / scale saturated at e4m3's +-448, in e4m3 (the
+    bare conversion would make values past 448 NaN)."""
+    return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+
+def _torch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor, meta: AttentionMetadata,
+                     scale: float) -> torch.Tensor:
+    """The torch path: k, v in the cache's dtype, widened to q's where they are read."""
     write_kv(k, v, k_cache, v_cache, meta)
     if meta.num_decodes == q.shape[0]:
         return _decode_attention(q, k_cache, v_cache, meta, scale)
@@ -127,14 +154,14 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         e = s + n * b
         qs = q[s:e].view(b, n, *q.shape[1:]).transpose(1, 2)  # [B, H, n, D]
         if g.block_table is None:
-            ks = k[s:e].view(b, n, *k.shape[1:]).transpose(1, 2)
-            vs = v[s:e].view(b, n, *v.shape[1:]).transpose(1, 2)
+            ks = k[s:e].view(b, n, *k.shape[1:]).transpose(1, 2).to(q.dtype)
+            vs = v[s:e].view(b, n, *v.shape[1:]).transpose(1, 2).to(q.dtype)
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
                                                enable_gqa=gqa)
         else:
             c = g.context_len
-            ks = gather_keys(k_cache, g.block_table)[:, :c].unsqueeze(0)  # [1, KVH, c, D]
-            vs = gather_values(v_cache, g.block_table)[:, :c].unsqueeze(0)
+            ks = gather_keys(k_cache, g.block_table)[:, :c].unsqueeze(0).to(q.dtype)
+            vs = gather_values(v_cache, g.block_table)[:, :c].unsqueeze(0).to(q.dtype)
             mask = _offset_causal_mask(n, c, q.device)
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale,
                                                enable_gqa=gqa)
@@ -163,8 +190,9 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     tables = meta.block_tables
     ctx = tables.shape[1] * bs
     # keys^T: [KVH, S, blocks, D, bs] -> [KVH * S, D, ctx]; values: [KVH * S, ctx, D]
-    keys_t = k_cache[:, tables].permute(0, 1, 3, 2, 4).reshape(kv_heads * d_reqs, head_dim, ctx)
-    values = v_cache[:, tables].view(kv_heads * d_reqs, ctx, head_dim)
+    keys_t = k_cache[:, tables].permute(0, 1, 3, 2, 4).reshape(
+        kv_heads * d_reqs, head_dim, ctx).to(q.dtype)
+    values = v_cache[:, tables].view(kv_heads * d_reqs, ctx, head_dim).to(q.dtype)
     qg = q.view(d_reqs, kv_heads, group, head_dim).transpose(0, 1).reshape(
         kv_heads * d_reqs, group, head_dim)
     scores = torch.bmm(qg, keys_t).float()  # [KVH * S, group, ctx]

@@ -45,15 +45,52 @@ def add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, stride_x, stri
     tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=ok)
 
 
+# e4m3's largest finite value: an fp8 cache saturates there (the conversion alone would
+# make values past it NaN)
+FP8_MAX = tl.constexpr(448.0)
+
+
+# 1.5 x 2^23: adding and subtracting it rounds a float32 below 2^22 to an integer, to
+# nearest even
+_RNE_MAGIC = tl.constexpr(12582912.0)
+
+
+@triton.jit
+def _e4m3_grid(y):
+    """y (float32, within +-448) rounded to nearest even on e4m3's grid: 3 mantissa bits
+    below y's power of two, steps of 2^-9 below 2^-6 (the subnormals). The cast of the
+    result to e4m3 is then exact. Done by hand because Triton's interpreter converts to
+    e4m3 wrongly where rounding carries into the exponent (124.0 became 64.0) and
+    flushes subnormals, so CPU runs would hold other values than a GPU's."""
+    size = tl.abs(y)
+    exponent = tl.maximum(((size.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)
+    step = ((exponent + 124) << 23).to(tl.float32, bitcast=True)  # 2^(exponent - 3)
+    inverse = ((130 - exponent) << 23).to(tl.float32, bitcast=True)  # 2^(3 - exponent)
+    rounded = ((size * inverse + _RNE_MAGIC) - _RNE_MAGIC) * step
+    return tl.where(y.to(tl.int32, bitcast=True) < 0, -rounded, rounded)  # -0.0 too
+
+
+@triton.jit
+def _cache_value(x, scale, FP8: tl.constexpr, cache_type: tl.constexpr):
+    """x as the cache stores it: unchanged in its dtype, or x / scale saturated in e4m3."""
+    if FP8:
+        y = tl.minimum(tl.maximum(x.to(tl.float32) / scale, -FP8_MAX), FP8_MAX)
+        return _e4m3_grid(y).to(cache_type)
+    return x.to(cache_type)
+
+
 @triton.jit
 def rope_write_kv_kernel(qkv_ptr, positions_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr,
-                         slots_ptr, stride_t, stride_cos, stride_kh, stride_ks, stride_vh,
-                         stride_vs, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
-                         HEAD_DIM: tl.constexpr, HALF_PAD: tl.constexpr,
-                         HEADS_PAD: tl.constexpr, KV_PAD: tl.constexpr):
+                         slots_ptr, k_scale, v_scale, stride_t, stride_cos, stride_kh,
+                         stride_ks, stride_vh, stride_vs, NUM_HEADS: tl.constexpr,
+                         NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         HALF_PAD: tl.constexpr, HEADS_PAD: tl.constexpr,
+                         KV_PAD: tl.constexpr, FP8: tl.constexpr):
     """Grid (tokens,). Rotates (neox, rotate-half) the q and k heads of one token's fused
     qkv row in place, then stores its k and v heads at the token's cache slot.
-    cos / sin: the tables [max_positions, D] whose two halves repeat."""
+    cos / sin: the tables [max_positions, D] whose two halves repeat. FP8: the cache is
+    e4m3, and holds k / k_scale and v / v_scale saturated to +-448 (the rotated k first
+    rounded to the activation dtype, as the torch path and the CPU kernel round it)."""
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + t).to(tl.int64)
     half = HEAD_DIM // 2
@@ -75,8 +112,9 @@ def rope_write_kv_kernel(qkv_ptr, positions_ptr, cos_ptr, sin_ptr, k_cache_ptr, 
     kv = (h - NUM_HEADS).to(tl.int64)  # the k heads' rows, as kv head indices
     k_ok = ((h >= NUM_HEADS) & (h < NUM_HEADS + NUM_KV_HEADS))[:, None] & i_ok[None, :]
     k_at = k_cache_ptr + kv[:, None] * stride_kh + slot * stride_ks + i[None, :]
-    tl.store(k_at, y1.to(k_cache_ptr.dtype.element_ty), mask=k_ok)
-    tl.store(k_at + half, y2.to(k_cache_ptr.dtype.element_ty), mask=k_ok)
+    tl.store(k_at, _cache_value(y1, k_scale, FP8, k_cache_ptr.dtype.element_ty), mask=k_ok)
+    tl.store(k_at + half, _cache_value(y2, k_scale, FP8, k_cache_ptr.dtype.element_ty),
+             mask=k_ok)
     g = tl.arange(0, KV_PAD).to(tl.int64)
     d = tl.arange(0, 2 * HALF_PAD)
     v_ok = (g < NUM_KV_HEADS)[:, None] & (d < HEAD_DIM)[None, :]
@@ -84,7 +122,7 @@ def rope_write_kv_kernel(qkv_ptr, positions_ptr, cos_ptr, sin_ptr, k_cache_ptr, 
              + g[:, None] * HEAD_DIM + d[None, :])
     v = tl.load(v_src, mask=v_ok, other=0.0)
     tl.store(v_cache_ptr + g[:, None] * stride_vh + slot * stride_vs + d[None, :],
-             v.to(v_cache_ptr.dtype.element_ty), mask=v_ok)
+             _cache_value(v, v_scale, FP8, v_cache_ptr.dtype.element_ty), mask=v_ok)
 
 
 @triton.jit
@@ -123,19 +161,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos_table: torch.Tensor,
                   sin_table: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
-                  k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> None:
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                  k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Rotate the q and k heads of qkv [T, (H + 2 KVH) * D] in place and store each
-    token's k and v at slots[t] of the cache (k_cache, v_cache [KVH, slots, D])."""
+    token's k and v at slots[t] of the cache (k_cache, v_cache [KVH, slots, D]); an e4m3
+    cache stores them divided by k_scale / v_scale (its per-layer scales)."""
     t = qkv.shape[0]
     if t == 0:
         return
     rope_write_kv_kernel[(t,)](
-        qkv, positions, cos_table, sin_table, k_cache, v_cache, slots, qkv.stride(0),
-        cos_table.stride(0), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
-        v_cache.stride(1), NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
-        HEAD_DIM=head_dim, HALF_PAD=triton.next_power_of_2(head_dim // 2),
+        qkv, positions, cos_table, sin_table, k_cache, v_cache, slots, float(k_scale),
+        float(v_scale), qkv.stride(0), cos_table.stride(0), k_cache.stride(0),
+        k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), NUM_HEADS=num_heads,
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        HALF_PAD=triton.next_power_of_2(head_dim // 2),
         HEADS_PAD=triton.next_power_of_2(num_heads + num_kv_heads),
-        KV_PAD=triton.next_power_of_2(num_kv_heads))
+        KV_PAD=triton.next_power_of_2(num_kv_heads),
+        FP8=k_cache.dtype == torch.float8_e4m3fn)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

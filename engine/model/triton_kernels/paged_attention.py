@@ -37,7 +37,7 @@ MAX_SPLITS = 16  # the split-KV scratch holds this many segments a row
 def paged_attention_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, part_out_ptr, part_lse_ptr,
         tile_seq_ptr, tile_q_ptr, query_start_ptr, seq_lens_ptr, tables_ptr,
-        scale_log2,
+        scale_log2, v_scale,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kh, stride_ks, stride_vh, stride_vs, stride_bt,
         stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
@@ -46,7 +46,9 @@ def paged_attention_kernel(
         PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr):
     """Grid (query tiles, kv heads, NUM_SPLITS). Tile i covers queries
     tile_q[i] .. + BLOCK_Q of sequence tile_seq[i]; that sequence's queries are the flat
-    tokens query_start[s] .. query_start[s + 1], the last of its seq_lens[s] positions."""
+    tokens query_start[s] .. query_start[s + 1], the last of its seq_lens[s] positions.
+    An e4m3 cache's keys and values are widened to q's dtype as they are loaded; k_scale
+    is in scale_log2 and v_scale multiplies the output."""
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -88,7 +90,7 @@ def paged_attention_kernel(
         slot = page * PAGE + keys % PAGE
         k = tl.load(k_base + slot[None, :] * stride_ks + dims[:, None],
                     mask=key_ok[None, :] & dim_ok[:, None], other=0.0)  # [HEAD_PAD, BLOCK_N]
-        s = tl.dot(q, k, input_precision=PRECISION) * scale_log2
+        s = tl.dot(q, k.to(q.dtype), input_precision=PRECISION) * scale_log2
         seen = key_ok[None, :] & (keys[None, :] <= q_pos[:, None])
         s = tl.where(seen, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -98,11 +100,12 @@ def paged_attention_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_base + slot[:, None] * stride_vs + dims[None, :],
                     mask=key_ok[:, None] & dim_ok[None, :], other=0.0)  # [BLOCK_N, HEAD_PAD]
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype),
+                                            input_precision=PRECISION)
         m_i = m_new
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    result = acc / l_safe[:, None]
+    result = acc / l_safe[:, None] * v_scale  # exact for a float cache's 1.0
     if NUM_SPLITS == 1:
         tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh
                  + dims[None, :], result.to(out_ptr.dtype.element_ty),
@@ -184,10 +187,12 @@ def group_pad(group: int, block_q: int) -> int:
 
 def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
            launch: AttentionLaunch, scale: float, page_size: int, block_n: int,
-           scratch: SplitScratch | None = None) -> None:
+           scratch: SplitScratch | None = None, k_scale: float = 1.0,
+           v_scale: float = 1.0) -> None:
     """Attention of launch's queries in q [T, H, D] (row strides free, D contiguous) over
     one layer's cache (k_cache, v_cache [KVH, slots, D]) into out [T, H, D]. Queries see
-    their sequence's keys at positions up to their own. Splits > 1 need scratch."""
+    their sequence's keys at positions up to their own. Splits > 1 need scratch. An e4m3
+    cache holds keys / k_scale and values / v_scale."""
     heads, head_dim = q.shape[1], q.shape[2]
     kv_heads = k_cache.shape[0]
     group = heads // kv_heads
@@ -204,7 +209,7 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: t
     paged_attention_kernel[grid](
         q, k_cache, v_cache, out, part_out, part_lse,
         launch.tile_seq, launch.tile_q, launch.query_start, launch.seq_lens,
-        launch.block_tables, scale * _LOG2E,
+        launch.block_tables, scale * _LOG2E * k_scale, float(v_scale),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         launch.block_tables.stride(0),
