@@ -88,19 +88,32 @@ def write_decoded(w8a8: Path, out: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     state = _state(w8a8)
     decoded = {}
+    config = json.loads((w8a8 / "config.json").read_text())
+    block = _block(config["quantization_config"])
     for name, value in state.items():
-        if name.endswith((".weight_scale", ".input_scale")):
+        if name.endswith((".weight_scale", ".weight_scale_inv", ".input_scale")):
             continue
         if value.dtype in (torch.int8, torch.float8_e4m3fn):
-            scale = state[name + "_scale"].float()
-            decoded[name] = value.float() * scale.reshape(-1, 1)
+            scale = state.get(name + "_scale_inv", state.get(name + "_scale")).float()
+            if block:  # [ceil(out / bn), ceil(in / bk)]: each block's scale over its block
+                rows, cols = value.shape
+                scale = scale.repeat_interleave(block[0], 0)[:rows].repeat_interleave(
+                    block[1], 1)[:, :cols]
+            decoded[name] = value.float() * (scale if block else scale.reshape(-1, 1))
         else:
             decoded[name] = value.float()
     save_file(decoded, str(out / "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads((w8a8 / "config.json").read_text())
     config.pop("quantization_config")
     (out / "config.json").write_text(json.dumps(config, indent=1))
     for f in w8a8.iterdir():
         if f.suffix != ".safetensors" and f.name != "config.json" and f.is_file():
             shutil.copy(f, out / f.name)
     return out
+
+
+def _block(qc: dict) -> list | None:
+    """A block-wise fp8 config's [rows, columns] of its scale blocks, else None."""
+    if qc.get("weight_block_size"):
+        return qc["weight_block_size"]
+    weights = next(iter((qc.get("config_groups") or {}).values()), {}).get("weights") or {}
+    return weights.get("block_structure") if weights.get("strategy") == "block" else None

@@ -69,6 +69,44 @@ def test_fp8_kernels_match_the_decoded_products(kernels, dtype):
         kernels.set_fp8_kernel(default)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_block_wise_fp8_kernels_match_the_decoded_products(kernels, dtype):
+    """A scale per (block of rows, run of columns): K not a multiple of the run (a short
+    last run), N not a multiple of 16, row counts through every tile size."""
+    from engine.quant.fp8 import vector_block_scales
+    from tests.fp8_helpers import quantize_fp8_blocks
+    default = kernels.fp8_kernel()
+    try:
+        for n, k, block in [(40, 200, (16, 64)), (96, 130, (32, 32)), (16, 64, (128, 128))]:
+            torch.manual_seed(n + k)
+            w, grid = quantize_fp8_blocks(torch.randn(n, k) * torch.rand(1, k) * 4, block)
+            rows = grid.repeat_interleave(block[0], 0)[:n]
+            decoded = w.double() * rows.double().repeat_interleave(block[1], 1)[:, :k]
+            packed = kernels.fp8_pack(w)
+            blocks = vector_block_scales(rows, block[1])
+            for m in (1, 3, 9, 17):
+                x = torch.randn(m, k).to(dtype)
+                want = (x.double() @ decoded.t()).float()
+                for kind in kernels.fp8_kernels():
+                    assert kernels.set_fp8_kernel(kind)
+                    got = kernels.fp8_linear(x, packed, torch.ones(n), None, n, False, blocks,
+                                             block[1])
+                    err = (got.float() - want).abs().max() / want.abs().max()
+                    assert err < (1e-5 if dtype == torch.float32 else 8e-3), (kind, n, k, m)
+        with pytest.raises(RuntimeError, match="block scales"):
+            kernels.fp8_linear(x, packed, torch.ones(n), None, n, False, blocks, 0)
+    finally:
+        kernels.set_fp8_kernel(default)
+
+
+def test_block_scales_that_split_a_vector_are_refused():
+    from engine.quant.fp8 import vector_block_scales
+    rows = torch.arange(4.0).repeat_interleave(8)[:, None]  # blocks of 8 rows
+    with pytest.raises(UnsupportedQuantizationError, match="multiple of 16 rows"):
+        vector_block_scales(rows, 128)
+    assert torch.equal(vector_block_scales(rows[:16].fill_(2.0), 128), torch.full((1, 1), 2.0))
+
+
 def test_fp8_kernel_names_and_refusals(kernels):
     kinds = kernels.fp8_kernels()
     assert kinds[-1] == "plain" and kernels.fp8_kernel() == kinds[0]
@@ -178,6 +216,56 @@ def test_other_fp8_layouts_match_the_decoded_weights(tiny_hf, tmp_path, fmt, per
                   tolerance=1e-3, tie=1e-3, exact_share=1.0)
 
 
+@pytest.mark.parametrize("fmt, block, stack", [
+    ("fp8", (32, 16), "1"),                  # vLLM's weight_block_size, weight_scale_inv
+    ("fp8", (16, 32), "0"),
+    ("compressed-tensors", (32, 32), "1"),   # llm-compressor's FP8_BLOCK
+    ("fp8", (128, 128), "1"),                # DeepSeek's and Qwen's: one partial block
+])
+def test_block_wise_fp8_matches_the_decoded_weights(tiny_hf, tmp_path, monkeypatch, fmt, block,
+                                                    stack):
+    """Block scales held as stored (a scale per 16-row vector and run of columns), on the
+    decoder stack and the module path, through chunked prefill."""
+    monkeypatch.setenv("FLOTILLA_DECODER_STACK", stack)
+    path = write_fp8(tiny_hf, tmp_path / "ckpt", fmt, block=block)
+    llm = LLM(str(path), dtype="float32", block_size=8, max_num_batched_tokens=16)
+    runner = llm.llm_engine.engine_core.runner
+    qkv = runner.model.layers[0].self_attn.qkv_proj
+    assert qkv.packing() == "fp8" and qkv.quant.block_k == block[1]
+    assert (runner.model.stack is not None) == (stack == "1")
+    check_against(llm, _reference(path), [list(range(200, 220)), list(range(40, 49))],
+                  tolerance=1e-3, tie=1e-3, exact_share=1.0)
+
+
+def test_block_wise_fp8_refusals(tiny_hf, tmp_path):
+    """Blocks that split the kernel's 16-row vectors, tensor parallelism, static
+    activations over blocks: each refused by name."""
+    with pytest.raises(UnsupportedQuantizationError, match="multiple of 16 rows"):
+        LLM(str(write_fp8(tiny_hf, tmp_path / "b8", block=(8, 32))), dtype="float32")
+    path = write_fp8(tiny_hf, tmp_path / "b32", block=(32, 32))
+    with pytest.raises(UnsupportedQuantizationError, match="tensor parallelism"):
+        LLM(str(path), dtype="float32", tensor_parallel_size=2)
+    static = _with_config(path, tmp_path / "static",
+                          lambda q: q.update(activation_scheme="static"))
+    with pytest.raises(UnsupportedQuantizationError, match="block-wise weights and "
+                                                           "activation_scheme 'static'"):
+        LLM(str(static), dtype="float32")
+
+
+def test_on_the_triton_backend_block_wise_fp8_is_decoded_and_logged(tiny_hf, tmp_path, caplog):
+    from engine.model.triton_kernels import availability
+    if availability(torch.device("cpu")) is not None:
+        pytest.skip(f"Triton kernels: {availability(torch.device('cpu'))}")
+    path = write_fp8(tiny_hf, tmp_path / "ckpt", block=(32, 32))
+    with caplog.at_level(logging.WARNING, logger="engine.quant.holding"):
+        llm = LLM(str(path), dtype="float32", attention_backend="triton", device="cpu",
+                  block_size=8)
+    assert "block-wise fp8 weights decoded" in caplog.text
+    assert llm.llm_engine.engine_core.runner.model.layers[0].self_attn.qkv_proj.packing() is None
+    check_against(llm, _reference(path), [list(range(200, 220))], tolerance=1e-3, tie=1e-3,
+                  exact_share=1.0)
+
+
 def test_fp8_under_tensor_parallelism_equals_one_rank(tiny_hf, tmp_path):
     """Each rank reads its rows (q/k/v, gate/up) with their scales, or its columns."""
     check_tp2_equals_one_rank(write_fp8(tiny_hf, tmp_path / "ct", "compressed-tensors", True))
@@ -233,14 +321,16 @@ def _with_config(src, dst, change):
 
 
 @pytest.mark.parametrize("fmt, change, named", [
-    ("fp8", lambda q: q.update(weight_block_size=[128, 128]), "block-wise scales"),
+    ("fp8", lambda q: q.update(weight_block_size=[128]), "weight_block_size \\[128\\]"),
     ("fp8", lambda q: q.update(fmt="e5m2"), "fmt 'e5m2'"),
     ("compressed-tensors", lambda q: q["config_groups"]["group_0"]["input_activations"].update(
         type="int"), "int activations over float weights"),
     ("compressed-tensors", lambda q: q.update(format="int-quantized"),
      "8-bit float weights in format 'int-quantized'"),
     ("compressed-tensors", lambda q: q["config_groups"]["group_0"]["weights"].update(
-        strategy="block"), "weights by 'block'"),
+        strategy="block"), "weights by block with block_structure None"),
+    ("compressed-tensors", lambda q: q["config_groups"]["group_0"]["weights"].update(
+        strategy="group"), "weights by 'group'"),
 ])
 def test_fp8_schemes_not_served_are_refused_by_name(tiny_hf, tmp_path, fmt, change, named):
     path = _with_config(write_fp8(tiny_hf, tmp_path / "src", fmt), tmp_path / "other", change)

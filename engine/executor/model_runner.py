@@ -44,7 +44,7 @@ from engine.model.layers.linear import Linear, can_pack, pack_linears
 from engine.model.layers.rotary import RotaryEmbedding
 from engine.model.llama import LlamaForCausalLM, ModelShape
 from engine.model.loader import is_gguf_checkpoint, iter_weights
-from engine.quant import checkpoint_quantization, int4_scheme
+from engine.quant import checkpoint_quantization, fp8_block_size, int4_scheme
 from engine.quant.dummy import dummy_weights
 from engine.quant.int4_groups import iter_int4_weights
 from engine.model.stack import build_stack
@@ -246,7 +246,8 @@ class ModelRunner:
                 weights = iter_weights(self.checkpoint)
             if scheme is not None:  # AWQ / GPTQ: their groups read as Q4_1 blocks
                 weights = iter_int4_weights(weights, scheme)
-            held = model.load_weights(weights, quant_kernels=self._quant_kernels())
+            held = model.load_weights(weights, quant_kernels=self._quant_kernels(),
+                                      fp8_block=fp8_block_size(self.hf_config))
             if held == 0 and fmt in ("fp8", "compressed-tensors"):
                 raise UnsupportedQuantizationError(
                     f"model {str(self.checkpoint)!r} declares {fmt!r} quantization, but none "

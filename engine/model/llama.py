@@ -323,14 +323,15 @@ class LlamaForCausalLM(nn.Module):
             return None
         return logits[:, :self.shape.vocab_size].float()
 
-    def load_weights(self, weights: Iterable[tuple[str, Any]], quant_kernels=None) -> int:
+    def load_weights(self, weights: Iterable[tuple[str, Any]], quant_kernels=None,
+                     fp8_block: tuple[int, int] | None = None) -> int:
         """Copy this rank's slice of each checkpoint tensor (HF names) into the fused
         parameters. weights yields (name, t) where t is a tensor, a lazy safetensors
         slice or GGUF blocks (engine.quant.gguf_weights); only the sliced rows/columns
         are read. quant_kernels: the native kernel module that multiplies quantized
         weights (GGUF blocks, int8 W8A8) as they are; the linears and the embedding then
         keep them (their dense weights are released), and without it they are decoded to
-        floats.
+        floats. fp8_block: (rows, columns) of a block-wise fp8 checkpoint's scale blocks.
 
         Returns how many of the parameters came quantized (int8 or e4m3 weights; GGUF
         blocks where a kernel holds them). Raises UnsupportedModelError naming any
@@ -338,7 +339,7 @@ class LlamaForCausalLM(nn.Module):
         """
         params = dict(self.named_parameters())
         loaded: set[str] = set()
-        quantized = QuantizedPieces(quant_kernels, self.tp is not None)
+        quantized = QuantizedPieces(quant_kernels, self.tp is not None, fp8_block)
         rules = _shard_rules(self.shape, self.plan)
         for name, tensor in weights:
             if "rotary_emb" in name:

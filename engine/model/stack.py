@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 
+import torch
 from torch import nn
 
 from engine.model.layers.linear import Linear
@@ -32,7 +33,9 @@ def _linear_spec(layer: Linear) -> tuple | None:
     if isinstance(q, Int8Weight):
         return [("int8", q.packed, "", q.rows, [q.comp, q.scales], q.input_scale)], layer.bias, False
     if isinstance(q, Fp8Weight):
-        return [("fp8", q.packed, "", q.rows, [q.scales], 0.0)], layer.bias, False
+        extras = [q.scales] if q.block_scales is None else \
+            [q.scales, q.block_scales, torch.tensor([q.block_k])]
+        return [("fp8", q.packed, "", q.rows, extras, 0.0)], layer.bias, False
     if q is not None:
         segments = [("gguf_regrouped" if s.regrouped else "gguf", s.data, s.format, s.rows,
                      [], 0.0) for s in q.segments]

@@ -18,7 +18,9 @@ The entries:
   engine/model/kernels/int8_linear.cpp) and its FP8 ones (engine/quant/fp8.py), checked
   by engine/quant/compressed_tensors.py.
 - fp8: vLLM's own fp8 checkpoints, e4m3 weights with a scale per channel or tensor
-  (engine/quant/fp8.py: fp8_linear.cpp widens them on CPU, torch._scaled_mm on CUDA).
+  (engine/quant/fp8.py: fp8_linear.cpp widens them on CPU, torch._scaled_mm on CUDA),
+  or per block (DeepSeek's and Qwen's weight_block_size: fp8_linear.cpp on CPU, decoded
+  on CUDA).
 - awq, gptq: int4 weights in groups (engine/quant/int4_groups.py), read into Q4_1 blocks
   and served as a GGUF file's are.
 Where those kernels do not run (CUDA, FLOTILLA_NATIVE_KERNELS=0) the weights are decoded
@@ -56,10 +58,10 @@ register(QuantFormat("awq", ("4-bit, groups of a multiple of 32, GEMM layout",))
 register(QuantFormat("gptq", ("4-bit, groups of a multiple of 32, with or without act-order",)))
 register(QuantFormat("compressed-tensors", ("int8 W8A8: weights per channel or tensor, "
                                             "activations per token or static",
-                                            "FP8: e4m3 weights per channel or tensor, "
+                                            "FP8: e4m3 weights per channel, tensor or block, "
                                             "activations dynamic, static or none")))
-register(QuantFormat("fp8", ("e4m3 weights per channel or tensor, activations dynamic or "
-                             "static",)))
+register(QuantFormat("fp8", ("e4m3 weights per channel, tensor or block (weight_block_size), "
+                             "activations dynamic or static",)))
 
 
 def supported_summary() -> str:
@@ -100,6 +102,21 @@ def check_checkpoint(hf_config: Any, model: str) -> None:
 
 def _as_dict(qc: Any) -> dict:
     return qc if isinstance(qc, dict) else qc.to_dict()
+
+
+def fp8_block_size(hf_config: Any) -> tuple[int, int] | None:
+    """(rows, columns) of a block-wise fp8 checkpoint's scale blocks (vLLM fp8's
+    weight_block_size, compressed-tensors' block_structure), else None."""
+    method = checkpoint_quantization(hf_config)
+    if method not in ("fp8", "compressed-tensors"):
+        return None
+    qc = _as_dict(hf_config.quantization_config)
+    if method == "fp8":
+        block = qc.get("weight_block_size")
+    else:
+        from engine.quant.compressed_tensors import block_structure
+        block = block_structure(qc)
+    return (int(block[0]), int(block[1])) if block else None
 
 
 def int4_scheme(hf_config: Any, model: str):

@@ -6,7 +6,8 @@ Served: 8-bit symmetric weights, one scale per output channel or per tensor,
 - int8 (format int-quantized or naive-quantized) with int8 activations per token
   (dynamic) or per tensor (static): W8A8, engine/quant/int8_w8a8.py;
 - fp8 e4m3 (format float-quantized or naive-quantized) with fp8 activations per token or
-  per tensor, or none (weight-only): engine/quant/fp8.py.
+  per tensor, or none (weight-only): engine/quant/fp8.py; or per block of weights
+  (FP8_BLOCK: block_structure, activations dynamic per token or group).
 What the weights need past the scheme (static input scales, the modules left in float)
 the checkpoint's tensors say: an `input_scale` beside a weight, a quantized weight or a
 float one. A kv_cache_scheme of static fp8 per tensor is served too: its k_scale /
@@ -19,7 +20,7 @@ from engine.errors import UnsupportedQuantizationError
 SERVED = ("int8 W8A8: int8 symmetric weights per channel or per tensor, with int8 symmetric "
           "activations per token (dynamic) or per tensor (static); FP8: e4m3 weights per "
           "channel or per tensor, with fp8 activations per token or per tensor, or "
-          "weight-only")
+          "weight-only; or per block, with dynamic activations per token or group")
 _FORMATS = {"int": ("int-quantized", "naive-quantized"),
             "float": ("float-quantized", "naive-quantized")}
 
@@ -38,6 +39,14 @@ def kv_scheme_difference(kv: dict) -> str | None:
     if kv.get("dynamic") or not kv.get("symmetric", True):
         return "dynamic" if kv.get("dynamic") else "asymmetric values"
     return None
+
+
+def block_structure(qc: dict) -> list | None:
+    """The [rows, columns] of a block-wise FP8 scheme's scale blocks (llm-compressor's
+    FP8_BLOCK), else None."""
+    groups = qc.get("config_groups") or {}
+    weights = next(iter(groups.values()), {}).get("weights") or {}
+    return weights.get("block_structure") if weights.get("strategy") == "block" else None
 
 
 def check_scheme(qc: dict, model: str) -> str:
@@ -59,9 +68,15 @@ def check_scheme(qc: dict, model: str) -> str:
     kind = w.get("type", "int")
     if w.get("num_bits") != 8 or kind not in _FORMATS or fmt not in _FORMATS[kind]:
         raise refuse(f"{w.get('num_bits')}-bit {kind} weights in format {fmt!r}")
-    if not w.get("symmetric", True) or w.get("strategy") not in ("channel", "tensor"):
+    block = kind == "float" and w.get("strategy") == "block"
+    if not w.get("symmetric", True) or (w.get("strategy") not in ("channel", "tensor")
+                                        and not block):
         raise refuse(f"{'asymmetric ' if not w.get('symmetric', True) else ''}weights by "
                      f"{w.get('strategy')!r}")
+    structure = w.get("block_structure")
+    if block and (not isinstance(structure, (list, tuple)) or len(structure) != 2
+                  or not all(isinstance(b, int) and b > 0 for b in structure)):
+        raise refuse(f"float weights by block with block_structure {structure!r}")
     if not a:
         if kind == "int":
             raise refuse("weight-only int8 (no input_activations)")
@@ -72,7 +87,9 @@ def check_scheme(qc: dict, model: str) -> str:
                          f"{'asymmetric ' if not a.get('symmetric', True) else ''}"
                          f"{a.get('type')} activations over {kind} weights")
         dynamic = bool(a.get("dynamic"))
-        if (a.get("strategy"), dynamic) not in (("token", True), ("tensor", False)):
+        served = (("token", True), ("group", True)) if block else \
+            (("token", True), ("tensor", False))
+        if (a.get("strategy"), dynamic) not in served:
             raise refuse(f"{'dynamic' if dynamic else 'static'} activations by "
                          f"{a.get('strategy')!r}")
     if group.get("output_activations"):
@@ -88,4 +105,4 @@ def check_scheme(qc: dict, model: str) -> str:
     return kind
 
 
-__all__ = ["KV_SERVED", "SERVED", "check_scheme", "kv_scheme_difference"]
+__all__ = ["KV_SERVED", "SERVED", "block_structure", "check_scheme", "kv_scheme_difference"]

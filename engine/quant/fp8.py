@@ -1,5 +1,6 @@
-"""FP8 weights (e4m3, one float scale per output channel or per tensor): vLLM's `fp8`
-checkpoints and compressed-tensors' FP8 schemes (engine/quant/compressed_tensors.py).
+"""FP8 weights (e4m3, one float scale per output channel, per tensor or per block of
+rows x columns): vLLM's `fp8` checkpoints and compressed-tensors' FP8 schemes
+(engine/quant/compressed_tensors.py).
 
 Two ways to multiply them, neither a decode at load:
 - CPU (Fp8Weight): engine/model/kernels/fp8_linear.cpp widens the bytes to float in
@@ -7,7 +8,8 @@ Two ways to multiply them, neither a decode at load:
   arithmetic: the cost is the weight read, one byte a weight against bf16's two).
 - CUDA (Fp8ScaledMM, the Triton backend): torch._scaled_mm, fp8 x fp8 on the tensor
   cores, x quantized to e4m3 per token at each call (dynamic) or at the checkpoint's
-  static input scale, the weight scale per output column.
+  static input scale, the weight scale per output column. Block-wise weights are decoded
+  there (the loader logs it): _scaled_mm's row-wise scaling cannot hold them.
 """
 from __future__ import annotations
 
@@ -22,42 +24,61 @@ E4M3_MAX = 448.0  # the largest finite e4m3 value
 
 def check_fp8_config(qc: dict, model: str) -> None:
     """Refuse a vLLM `fp8` quantization_config this module does not serve, naming the
-    part: block-wise scales (DeepSeek's and Qwen's 128 x 128 `weight_scale_inv`), e5m2."""
+    part: e5m2, block sizes that are not two positive integers, static activations over
+    block-wise weights (vLLM's block fp8 is dynamic)."""
     def refuse(what: str) -> UnsupportedQuantizationError:
         return UnsupportedQuantizationError(
             f"model {model!r} is fp8 with {what}; Flotilla serves fp8 checkpoints of e4m3 "
-            "weights with one scale per output channel or per tensor, activations dynamic "
-            "or static")
+            "weights with one scale per output channel, per tensor or per block "
+            "(weight_block_size), activations dynamic or (not over blocks) static")
 
-    if qc.get("weight_block_size"):
-        raise refuse(f"block-wise scales (weight_block_size {qc['weight_block_size']})")
+    block = qc.get("weight_block_size")
+    if block is not None:
+        if (not isinstance(block, (list, tuple)) or len(block) != 2
+                or not all(isinstance(b, int) and b > 0 for b in block)):
+            raise refuse(f"weight_block_size {block!r}")
+        if qc.get("activation_scheme", "dynamic") != "dynamic":
+            raise refuse(f"block-wise weights and activation_scheme "
+                         f"{qc.get('activation_scheme')!r}")
     if qc.get("activation_scheme", "dynamic") not in ("dynamic", "static"):
         raise refuse(f"activation_scheme {qc.get('activation_scheme')!r}")
     if qc.get("fmt", "e4m3") != "e4m3":
         raise refuse(f"fmt {qc.get('fmt')!r}")
 
 
+VECTOR_ROWS = 16  # fp8_linear.cpp's vectors: output rows that share a block scale
+
+
 @dataclass
 class Fp8Weight:
-    """A [rows, columns] e4m3 weight with a float32 scale per row, packed for
+    """A [rows, columns] e4m3 weight with a float32 scale per row, or per block (a scale
+    per 16-row vector and run of block_k columns), packed for
     engine/model/kernels/fp8_linear.cpp."""
 
     packed: torch.Tensor
-    scales: torch.Tensor  # float32 [rows]
+    scales: torch.Tensor  # float32 [rows] (ones for block-wise weights)
     rows: int
     columns: int
     kernels: object
+    block_scales: torch.Tensor | None = None  # float32 [vectors, ceil(columns / block_k)]
+    block_k: int = 0
 
     @classmethod
     def of(cls, weight, kernels) -> "Fp8Weight":
         """From a ScaledWeight (engine.quant.scaled_pieces) of e4m3 values; its static input
-        scale is not used (x is not rounded to fp8 on CPU)."""
-        return cls(kernels.fp8_pack(weight.weight), weight.scales.float().contiguous(),
-                   weight.weight.shape[0], weight.weight.shape[1], kernels)
+        scale is not used (x is not rounded to fp8 on CPU). Raises
+        UnsupportedQuantizationError for block scales that change within a 16-row vector."""
+        rows, columns = weight.weight.shape
+        packed = kernels.fp8_pack(weight.weight)
+        if not weight.block_k:
+            return cls(packed, weight.scales.float().contiguous(), rows, columns, kernels)
+        return cls(packed, torch.ones(rows), rows, columns, kernels,
+                   vector_block_scales(weight.scales, weight.block_k), weight.block_k)
 
     @property
     def nbytes(self) -> int:
-        return self.packed.numel() + self.scales.numel() * 4
+        extra = 0 if self.block_scales is None else self.block_scales.numel() * 4
+        return self.packed.numel() + self.scales.numel() * 4 + extra
 
     def describe(self) -> str:
         return "fp8"
@@ -68,7 +89,28 @@ class Fp8Weight:
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None, float_out: bool = False,
                dense_rows: int | None = None) -> torch.Tensor:
         """x @ (W * scales).T (+ bias); dense_rows is GGUF's and has no meaning here."""
-        return self.kernels.fp8_linear(x, self.packed, self.scales, bias, self.rows, float_out)
+        return self.kernels.fp8_linear(x, self.packed, self.scales, bias, self.rows, float_out,
+                                       self.block_scales, self.block_k)
+
+
+def vector_block_scales(row_scales: torch.Tensor, block_k: int) -> torch.Tensor:
+    """[rows, runs] block scales (each row its block's) as the kernel reads them: one row
+    per 16-row vector (padding rows past the last take its scale: their weights are
+    zero). Raises UnsupportedQuantizationError where
+    a vector's rows differ (blocks of rows not a multiple of 16, or fused pieces whose
+    blocks do not start on a vector)."""
+    rows, runs = row_scales.shape
+    vectors = -(-rows // VECTOR_ROWS)
+    padded = torch.zeros(vectors * VECTOR_ROWS, runs)
+    padded[:rows] = row_scales
+    padded[rows:] = row_scales[-1]  # the last vector's padding rows are never read
+    grouped = padded.view(vectors, VECTOR_ROWS, runs)
+    if not torch.equal(grouped, grouped[:, :1].expand_as(grouped)):
+        raise UnsupportedQuantizationError(
+            f"block-wise fp8 weight ({rows} rows, columns in runs of {block_k}): its scale "
+            f"blocks change within a run of {VECTOR_ROWS} output rows; Flotilla's CPU kernel "
+            f"serves blocks of a multiple of {VECTOR_ROWS} rows")
+    return grouped[:, 0].contiguous()
 
 
 @dataclass
@@ -85,9 +127,10 @@ class Fp8ScaledMM:
     @classmethod
     def of(cls, weight, device: torch.device) -> "Fp8ScaledMM | None":
         """From a ScaledWeight of e4m3 values; None where _scaled_mm cannot take its shape
-        (both sides a multiple of 16): the loader then decodes it."""
+        (both sides a multiple of 16) or its scales (block-wise): the loader then decodes
+        it."""
         rows, columns = weight.weight.shape
-        if rows % 16 or columns % 16:
+        if rows % 16 or columns % 16 or weight.block_k:
             return None
         return cls(weight.weight.to(device).t(), weight.scales.float().reshape(1, -1).to(device),
                    rows, columns, weight.input_scale)
@@ -121,4 +164,5 @@ class Fp8ScaledMM:
         return y.reshape(*shape[:-1], self.rows)
 
 
-__all__ = ["E4M3_MAX", "Fp8ScaledMM", "Fp8Weight", "check_fp8_config"]
+__all__ = ["E4M3_MAX", "Fp8ScaledMM", "Fp8Weight", "VECTOR_ROWS", "check_fp8_config",
+           "vector_block_scales"]

@@ -11,6 +11,7 @@ floats, which the runner logs).
 """
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -25,17 +26,24 @@ from engine.quant.fp8 import Fp8ScaledMM, Fp8Weight
 from engine.quant.int8_w8a8 import Int8Weight
 from engine.quant.scaled_pieces import SIDECARS, STORAGE, ScaledPieces, ScaledWeight
 
+logger = logging.getLogger(__name__)
+
 
 class QuantizedPieces:
     """One load's quantized pieces. kernels: the native kernel module, a holder with
     `holds_blocks` (Triton), or None."""
 
-    def __init__(self, kernels: Any, tensor_parallel: bool) -> None:
+    def __init__(self, kernels: Any, tensor_parallel: bool,
+                 fp8_block: tuple[int, int] | None = None) -> None:
+        """fp8_block: (rows, columns) of a block-wise fp8 checkpoint's scale blocks."""
+        if fp8_block is not None and tensor_parallel:
+            raise UnsupportedQuantizationError(
+                "block-wise fp8 (weight_block_size) is not served under tensor parallelism")
         self.kernels = kernels
         self.triton = bool(getattr(kernels, "holds_blocks", False))
         self.tensor_parallel = tensor_parallel
         self.blocks: dict[str, list[tuple[int, GGUFBlocks]]] = {}
-        self.scaled = ScaledPieces()  # int8 and fp8 weights with their scales
+        self.scaled = ScaledPieces(fp8_block)  # int8 and fp8 weights with their scales
         self.orders: dict[str, list[torch.Tensor]] = {}  # GPTQ act-order: input orders
 
     def take_sidecar(self, kind: str, target: str, offset: int | None, src, tensor: Any,
@@ -83,13 +91,19 @@ class QuantizedPieces:
     def finish(self, model: nn.Module, params: dict, tied_embeddings: bool) -> None:
         """Hold (or decode) every kept piece in `model`, whose parameters are `params`."""
         shapes = {t: params[t].shape for t in self.scaled.targets()}
+        decoded_blocks = 0
         for target, weight in self.scaled.weights(shapes).items():
             held = self._hold_scaled(weight)
             if held is None:  # no kernel: decoded (the runner says so)
                 with torch.no_grad():
                     params[target].copy_(weight.decoded())
+                decoded_blocks += int(self.kernels is not None and weight.block_k > 0)
             else:
                 model.get_submodule(target.rsplit(".", 1)[0]).set_quantized(held)
+        if decoded_blocks:
+            logger.warning("%d block-wise fp8 weights decoded to floats: torch._scaled_mm's "
+                           "row-wise scaling cannot hold their block scales (the CPU kernel "
+                           "reads them as stored)", decoded_blocks)
         for target, pieces in self.blocks.items():
             module = model.get_submodule(target.rsplit(".", 1)[0])
             rows = params[target].shape[0]

@@ -45,7 +45,8 @@ std::string int8_kernel();
 bool set_int8_kernel(const std::string& name);
 torch::Tensor fp8_pack(torch::Tensor weight);
 torch::Tensor fp8_linear(torch::Tensor input, torch::Tensor packed, torch::Tensor scales,
-                         c10::optional<torch::Tensor> bias, int64_t n, bool float_out);
+                         c10::optional<torch::Tensor> bias, int64_t n, bool float_out,
+                         c10::optional<torch::Tensor> block_scales, int64_t block_k);
 std::vector<std::string> fp8_kernels();
 std::string fp8_kernel();
 bool set_fp8_kernel(const std::string& name);
@@ -129,8 +130,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the layout fp8_linear reads", py::arg("weight"));
   m.def("fp8_linear", &fp8_linear, "x @ W.T * scales (+ bias) on an e4m3 weight from fp8_pack, "
         "widened in registers (x is not rounded to fp8); float_out: float32 output holding "
-        "x-dtype-rounded values", py::arg("x"), py::arg("packed"), py::arg("scales"),
-        py::arg("bias"), py::arg("n"), py::arg("float_out") = false);
+        "x-dtype-rounded values; block_scales [16-column vectors, K / block_k runs]: "
+        "block-wise weights' scales", py::arg("x"), py::arg("packed"), py::arg("scales"),
+        py::arg("bias"), py::arg("n"), py::arg("float_out") = false,
+        py::arg("block_scales") = py::none(), py::arg("block_k") = 0);
   m.def("fp8_kernels", &fp8_kernels, "the fp8 linear kernels this build runs, the default "
         "first: avx512, plain");
   m.def("fp8_kernel", &fp8_kernel, "the fp8 linear kernel in use");

@@ -34,7 +34,8 @@ torch::Tensor int8_linear(torch::Tensor input, torch::Tensor packed, torch::Tens
                           torch::Tensor scales, c10::optional<torch::Tensor> bias, int64_t n,
                           double input_scale, bool float_out);
 torch::Tensor fp8_linear(torch::Tensor input, torch::Tensor packed, torch::Tensor scales,
-                         c10::optional<torch::Tensor> bias, int64_t n, bool float_out);
+                         c10::optional<torch::Tensor> bias, int64_t n, bool float_out,
+                         c10::optional<torch::Tensor> block_scales, int64_t block_k);
 
 namespace {
 
@@ -42,13 +43,15 @@ namespace {
 // side by side), GGUF blocks in the file's layout ("gguf") or regrouped
 // ("gguf_regrouped"), in row segments of one format each (a fused q/k/v may mix them), or
 // int8 W8A8 ("int8": extras are int8_linear's comp and scales, input_scale its own), or
-// fp8 weights ("fp8": extras are fp8_linear's scales).
+// fp8 weights ("fp8": extras are fp8_linear's scales, then for block-wise weights its
+// block scales and a one-element int64 tensor holding block_k, read once here).
 struct Segment {
   std::string kind, format;
   torch::Tensor weight;
   int64_t rows;
   std::vector<torch::Tensor> extras;
   double input_scale;
+  int64_t block_k = 0;
 };
 
 struct LinearSpec {
@@ -63,7 +66,11 @@ struct LinearSpec {
     if (s.kind == "gguf") return gguf_linear(x, s.weight, s.format, bias, false, dense_rows);
     if (s.kind == "int8")
       return int8_linear(x, s.weight, s.extras[0], s.extras[1], bias, s.rows, s.input_scale, false);
-    if (s.kind == "fp8") return fp8_linear(x, s.weight, s.extras[0], bias, s.rows, false);
+    if (s.kind == "fp8") {
+      c10::optional<torch::Tensor> blocks;
+      if (s.block_k) blocks = s.extras[1];
+      return fp8_linear(x, s.weight, s.extras[0], bias, s.rows, false, blocks, s.block_k);
+    }
     return gguf_regrouped_linear(x, s.weight, s.format, s.rows, bias, false, dense_rows);
   }
 
@@ -98,9 +105,10 @@ LinearSpec spec_of(const LinearArgs& args) {
   for (const auto& [kind, weight, format, rows, extras, input_scale] : segments) {
     TORCH_CHECK(kind == "native" || kind == "gguf" || kind == "gguf_regrouped" ||
                     (kind == "int8" && extras.size() == 2) ||
-                    (kind == "fp8" && extras.size() == 1),
+                    (kind == "fp8" && (extras.size() == 1 || extras.size() == 3)),
                 "DecoderStack: no linear of kind ", kind);
-    spec.segments.push_back(Segment{kind, format, weight, rows, extras, input_scale});
+    const int64_t block_k = kind == "fp8" && extras.size() == 3 ? extras[2].item<int64_t>() : 0;
+    spec.segments.push_back(Segment{kind, format, weight, rows, extras, input_scale, block_k});
   }
   return spec;
 }

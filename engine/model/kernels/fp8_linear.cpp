@@ -10,6 +10,11 @@
 //
 // Layout (fp8_pack): the columns in vectors of 16, each vector contiguous over K as
 // [K][16] bytes, one 128-bit load a k. Columns past N are zero.
+//
+// Block-wise scales (DeepSeek's and Qwen's weight_block_size, e.g. 128 x 128): a scale
+// per (16-column vector, run of block_k along K), given as block_scales [vectors, K
+// runs]; the widened weight vector is multiplied by its run's scale before the FMAs
+// (hoisted per run, one multiply a vector and k), and the per-column scale is then 1.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -36,6 +41,7 @@ constexpr int64_t kC = 16;        // columns of a vector
 constexpr int kNR = 3;            // vectors a work item multiplies
 constexpr int kMR = 8;            // rows a tile holds (8 x 3 float sums in registers)
 
+
 // Where a tile's float sums go: row r, column c0.. of the item, times the column scale.
 struct Out {
   void* y;
@@ -60,16 +66,34 @@ struct Out {
   }
 };
 
+// The block-wise scales of a work item's vectors: s[j * runs + k / block_k] is vector j's
+// scale over k's run (s null: none, the whole of K is one run).
+struct KScales {
+  const float* s;
+  int64_t runs, block_k;
+
+  int64_t run_end(int64_t k0, int64_t k) const {
+    return s ? std::min(k, (k0 / block_k + 1) * block_k) : k;
+  }
+  float at(int j, int64_t k0) const { return s ? s[j * runs + k0 / block_k] : 1.f; }
+};
+
 // ---- plain loops (any CPU) ------------------------------------------------------------
 void plain_item(const float* x, int64_t ldx, int64_t rows, const uint8_t* w, int64_t k,
-                int vectors, const Out& out) {
+                int vectors, const Out& out, const KScales& ks) {
   for (int j = 0; j < vectors; ++j) {
     const uint8_t* b = w + j * k * kC;
     for (int64_t r = 0; r < rows; ++r) {
       const float* xr = x + r * ldx;
       float acc[kC] = {};
-      for (int64_t i = 0; i < k; ++i)
-        for (int64_t c = 0; c < kC; ++c) acc[c] += xr[i] * flotilla::e4m3_to_float(b[i * kC + c]);
+      for (int64_t k0 = 0; k0 < k;) {
+        const int64_t k1 = ks.run_end(k0, k);
+        const float scale = ks.at(j, k0);
+        for (int64_t i = k0; i < k1; ++i)
+          for (int64_t c = 0; c < kC; ++c)
+            acc[c] += xr[i] * (flotilla::e4m3_to_float(b[i * kC + c]) * scale);
+        k0 = k1;
+      }
       out.emit(r, j * kC, acc);
     }
   }
@@ -79,9 +103,9 @@ void plain_item(const float* x, int64_t ldx, int64_t rows, const uint8_t* w, int
 // ---- AVX-512 ------------------------------------------------------------------------------
 using flotilla::widen_e4m3;
 
-template <int R, int W>
+template <int R, int W, bool SCALED>
 void avx512_tile(const float* x, int64_t ldx, const uint8_t* w, int64_t k, const Out& out,
-                 int64_t r0, int64_t c0) {
+                 int64_t r0, int64_t c0, const KScales& ks) {
   // one row (a sequence's decode): two sums a vector, even and odd k, so the adds of
   // successive k do not wait on each other
   constexpr int P = R == 1 ? 2 : 1;
@@ -89,6 +113,19 @@ void avx512_tile(const float* x, int64_t ldx, const uint8_t* w, int64_t k, const
   for (int p = 0; p < P; ++p)
     for (int i = 0; i < R; ++i)
       for (int j = 0; j < W; ++j) acc[p][i][j] = _mm512_setzero_ps();
+  // block scales: sc[j] is vector j's over the run that holds k index `s`; reloaded where
+  // the next run starts (one loop over K as unscaled: a loop per run kept GCC from
+  // unrolling the tile into registers, 2.3x slower)
+  __m512 sc[W];
+  int64_t next_run = 0;
+  auto enter_run = [&](int64_t at) {
+    if constexpr (SCALED) {
+      if (at == next_run) {
+        for (int j = 0; j < W; ++j) sc[j] = _mm512_set1_ps(ks.at(j, at));
+        next_run = ks.run_end(at, k);
+      }
+    }
+  };
   int64_t s = 0;
   for (; s + P <= k; s += P) {
     // one row: 64 k ahead in each vector's stream (the hardware prefetcher alone left a
@@ -98,20 +135,27 @@ void avx512_tile(const float* x, int64_t ldx, const uint8_t* w, int64_t k, const
       for (int j = 0; j < W; ++j)
         _mm_prefetch(reinterpret_cast<const char*>(w + (j * k + s) * kC + 64 * kC), _MM_HINT_T0);
     for (int p = 0; p < P; ++p) {
+      enter_run(s + p);
       __m512 b[W];
-      for (int j = 0; j < W; ++j) b[j] = widen_e4m3(w + (j * k + s + p) * kC);
+      for (int j = 0; j < W; ++j) {
+        b[j] = widen_e4m3(w + (j * k + s + p) * kC);
+        if constexpr (SCALED) b[j] = _mm512_mul_ps(b[j], sc[j]);
+      }
       for (int i = 0; i < R; ++i) {
         const __m512 a = _mm512_set1_ps(x[i * ldx + s + p]);
         for (int j = 0; j < W; ++j) acc[p][i][j] = _mm512_fmadd_ps(a, b[j], acc[p][i][j]);
       }
     }
   }
-  for (; s < k; ++s)
+  for (; s < k; ++s) {
+    enter_run(s);
     for (int j = 0; j < W; ++j) {
-      const __m512 b = widen_e4m3(w + (j * k + s) * kC);
+      __m512 b = widen_e4m3(w + (j * k + s) * kC);
+      if constexpr (SCALED) b = _mm512_mul_ps(b, sc[j]);
       for (int i = 0; i < R; ++i)
         acc[0][i][j] = _mm512_fmadd_ps(_mm512_set1_ps(x[i * ldx + s]), b, acc[0][i][j]);
     }
+  }
   alignas(64) float sums[kC];
   for (int i = 0; i < R; ++i)
     for (int j = 0; j < W; ++j) {
@@ -122,23 +166,30 @@ void avx512_tile(const float* x, int64_t ldx, const uint8_t* w, int64_t k, const
     }
 }
 
-template <int W, int R = kMR>
+template <int W, bool SCALED, int R = kMR>
 void avx512_rows(const float* x, int64_t ldx, int64_t rows, const uint8_t* w, int64_t k,
-                 const Out& out, int64_t r0) {
+                 const Out& out, int64_t r0, const KScales& ks) {
   if constexpr (R > 0) {
     while (rows >= R) {
-      avx512_tile<R, W>(x, ldx, w, k, out, r0, 0);
+      avx512_tile<R, W, SCALED>(x, ldx, w, k, out, r0, 0, ks);
       x += R * ldx, rows -= R, r0 += R;
     }
-    if (rows > 0) avx512_rows<W, R - 1>(x, ldx, rows, w, k, out, r0);
+    if (rows > 0) avx512_rows<W, SCALED, R - 1>(x, ldx, rows, w, k, out, r0, ks);
   }
 }
 
+template <bool SCALED>
+void avx512_vectors(const float* x, int64_t ldx, int64_t rows, const uint8_t* w, int64_t k,
+                    int vectors, const Out& out, const KScales& ks) {
+  if (vectors == 3) return avx512_rows<3, SCALED>(x, ldx, rows, w, k, out, 0, ks);
+  if (vectors == 2) return avx512_rows<2, SCALED>(x, ldx, rows, w, k, out, 0, ks);
+  avx512_rows<1, SCALED>(x, ldx, rows, w, k, out, 0, ks);
+}
+
 void avx512_item(const float* x, int64_t ldx, int64_t rows, const uint8_t* w, int64_t k,
-                 int vectors, const Out& out) {
-  if (vectors == 3) return avx512_rows<3>(x, ldx, rows, w, k, out, 0);
-  if (vectors == 2) return avx512_rows<2>(x, ldx, rows, w, k, out, 0);
-  avx512_rows<1>(x, ldx, rows, w, k, out, 0);
+                 int vectors, const Out& out, const KScales& ks) {
+  if (ks.s) return avx512_vectors<true>(x, ldx, rows, w, k, vectors, out, ks);
+  avx512_vectors<false>(x, ldx, rows, w, k, vectors, out, ks);
 }
 #endif
 
@@ -166,7 +217,8 @@ torch::Tensor fp8_pack(torch::Tensor weight) {
 }
 
 torch::Tensor fp8_linear(torch::Tensor input, torch::Tensor packed, torch::Tensor scales,
-                         c10::optional<torch::Tensor> bias, int64_t n, bool float_out) {
+                         c10::optional<torch::Tensor> bias, int64_t n, bool float_out,
+                         c10::optional<torch::Tensor> block_scales, int64_t block_k) {
   const auto dtype = input.scalar_type();
   TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16,
               "fp8_linear: float32 or bfloat16 input, not ", dtype);
@@ -176,6 +228,18 @@ torch::Tensor fp8_linear(torch::Tensor input, torch::Tensor packed, torch::Tenso
   const int64_t k = input.size(-1), vectors = (n + kC - 1) / kC;
   TORCH_CHECK(packed.numel() == vectors * kC * k, "fp8_linear: the packed weight does not hold ",
               n, " x ", k);
+  torch::Tensor ks_t;
+  int64_t runs = 0;
+  if (block_scales && block_scales->defined()) {
+    runs = block_k > 0 ? (k + block_k - 1) / block_k : 0;
+    TORCH_CHECK(block_k > 0 && block_scales->scalar_type() == torch::kFloat32 &&
+                    block_scales->dim() == 2 && block_scales->size(0) == vectors &&
+                    block_scales->size(1) == runs,
+                "fp8_linear: block scales [", vectors, " vectors, ", runs,
+                " runs of block_k] float32, block_k > 0; got block_k ", block_k, " and ",
+                block_scales->sizes());
+    ks_t = block_scales->contiguous();
+  }
   const torch::Tensor x = input.reshape({-1, k}).to(torch::kFloat32).contiguous();
   const int64_t m = x.size(0);
   std::vector<int64_t> shape(input.sizes().begin(), input.sizes().end());
@@ -216,13 +280,15 @@ torch::Tensor fp8_linear(torch::Tensor input, torch::Tensor packed, torch::Tenso
               swp + c0, widened, bp ? bp + c0 : nullptr};
       const float* a = xp + r0 * k;
       const uint8_t* w = wp + c0 * k;
+      const KScales ks{ks_t.defined() ? ks_t.data_ptr<float>() + (c0 / kC) * runs : nullptr,
+                       runs, block_k};
 #if FLOTILLA_F8_AVX512
       if (simd) {
-        avx512_item(a, k, rows, w, k, nv, out);
+        avx512_item(a, k, rows, w, k, nv, out, ks);
         continue;
       }
 #endif
-      plain_item(a, k, rows, w, k, nv, out);
+      plain_item(a, k, rows, w, k, nv, out, ks);
     }
   });
   return y.reshape(shape);
