@@ -44,12 +44,24 @@ def test_every_e4m3_byte_widens_exactly(kernels):
         kernels.set_fp8_kernel(default)
 
 
+@pytest.fixture(params=["fma", "dense"])
+def dense_rows(kernels, request):
+    """The products past 16 rows by the kernel's FMA tiles (no decoded weight) or by the
+    decoded weight (w x scale in x's dtype) through at::matmul, the default past 96."""
+    before = kernels.set_fp8_dense_rows(1 << 30 if request.param == "fma" else 16)
+    assert before == 96  # the default
+    yield request.param
+    kernels.set_fp8_dense_rows(before)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fp8_kernels_match_the_decoded_products(kernels, dtype):
-    """bf16 x is widened to float32 like the weight: no bf16 arithmetic is needed."""
+def test_fp8_kernels_match_the_decoded_products(kernels, dtype, dense_rows):
+    """bf16 x is widened to float32 like the weight: no bf16 arithmetic is needed (or,
+    past the dense rows, the weight is decoded to bf16, w x scale rounded once, and
+    oneDNN multiplies)."""
     default = kernels.fp8_kernel()
     try:
-        for n, k in [(37, 70), (160, 256), (48, 64)]:
+        for n, k in [(37, 70), (160, 256), (48, 64), (300, 32)]:
             torch.manual_seed(n)
             w, scale = quantize_fp8(torch.randn(n, k), per_channel=True)
             bias = torch.randn(n)
@@ -70,21 +82,22 @@ def test_fp8_kernels_match_the_decoded_products(kernels, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_block_wise_fp8_kernels_match_the_decoded_products(kernels, dtype):
+def test_block_wise_fp8_kernels_match_the_decoded_products(kernels, dtype, dense_rows):
     """A scale per (block of rows, run of columns): K not a multiple of the run (a short
     last run), N not a multiple of 16, row counts through every tile size."""
     from engine.quant.fp8 import vector_block_scales
     from tests.fp8_helpers import quantize_fp8_blocks
     default = kernels.fp8_kernel()
     try:
-        for n, k, block in [(40, 200, (16, 64)), (96, 130, (32, 32)), (16, 64, (128, 128))]:
+        for n, k, block in [(40, 200, (16, 64)), (96, 130, (32, 32)), (16, 64, (128, 128)),
+                            (300, 64, (32, 32))]:  # 300: past one decoded panel's columns
             torch.manual_seed(n + k)
             w, grid = quantize_fp8_blocks(torch.randn(n, k) * torch.rand(1, k) * 4, block)
             rows = grid.repeat_interleave(block[0], 0)[:n]
             decoded = w.double() * rows.double().repeat_interleave(block[1], 1)[:, :k]
             packed = kernels.fp8_pack(w)
             blocks = vector_block_scales(rows, block[1])
-            for m in (1, 3, 9, 17):
+            for m in (1, 3, 9, 17, 40):
                 x = torch.randn(m, k).to(dtype)
                 want = (x.double() @ decoded.t()).float()
                 for kind in kernels.fp8_kernels():
@@ -116,6 +129,9 @@ def test_fp8_kernel_names_and_refusals(kernels):
     packed = kernels.fp8_pack(torch.zeros(16, 64, dtype=torch.float8_e4m3fn))
     with pytest.raises(RuntimeError, match="does not hold"):
         kernels.fp8_linear(torch.zeros(2, 128), packed, torch.ones(16), None, 16)
+    for rows in (2, 40):  # the FMA tiles and the decoded panels
+        with pytest.raises(RuntimeError, match="a bias of 3 for 16"):
+            kernels.fp8_linear(torch.zeros(rows, 64), packed, torch.ones(16), torch.zeros(3), 16)
 
 
 def _round_e4m3(x: torch.Tensor, static_scale: float = 0.0) -> torch.Tensor:

@@ -50,6 +50,7 @@ torch::Tensor fp8_linear(torch::Tensor input, torch::Tensor packed, torch::Tenso
 std::vector<std::string> fp8_kernels();
 std::string fp8_kernel();
 bool set_fp8_kernel(const std::string& name);
+int64_t set_fp8_dense_rows(int64_t rows);
 void bind_decoder_stack(pybind11::module& m);
 void rotary_inplace(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
                     int64_t num_rotated_heads, int64_t head_dim);
@@ -139,6 +140,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fp8_kernel", &fp8_kernel, "the fp8 linear kernel in use");
   m.def("set_fp8_kernel", &set_fp8_kernel, "force avx512 or plain for fp8 linears (False "
         "where it cannot run)");
+  m.def("set_fp8_dense_rows", &set_fp8_dense_rows, "rows of x past which fp8 products decode "
+        "the weight a panel at a time (w x scale in x's dtype) for at::matmul; returns the "
+        "previous value", py::arg("rows"));
   bind_decoder_stack(m);
   m.attr("isa") = flotilla::vec::kIsa;  // the vector path built: avx512, avx2, neon, sse2
   m.attr("lanes") = flotilla::vec::L;
