@@ -2,6 +2,7 @@
 
   python bench/gpu.py [--models 1b,8b] [--batches 1,16,64,256] [--context 512]
                       [--backends triton,flex] [--quantization none,fp8,awq]
+                      [--kv-cache-dtype auto,fp8]
 
 1. Ceilings, measured here: HBM bandwidth (a device-to-device copy, bytes read + written
    over its time) and the bf16 matmul rate (8192^3 on random data).
@@ -11,7 +12,8 @@
    8B shapes in bf16 (load_format dummy), for each attention backend, against the HBM
    bound: weights + the KV bytes the step reads, over the measured bandwidth. With
    --quantization fp8 / awq the dummy weights are that format's bytes (issue 42: FP8
-   and AWQ decode steps against the bound of their own bytes).
+   and AWQ decode steps against the bound of their own bytes); with --kv-cache-dtype
+   fp8 the cache is e4m3 and the bound counts its bytes.
 4. Prefill tokens/s at 2,048-token prompts (8,192-token steps) against the matmul rate.
 Prints one table per part; needs a CUDA device.
 """
@@ -144,14 +146,17 @@ class ForwardTimer:
 
 def model_tables(name: str, batches: list[int], context: int, bandwidth: float,
                  peak: float, decode_steps: int, backend: str,
-                 quantization: str = "none", prefill: bool = True) -> tuple[list, tuple | None]:
+                 quantization: str = "none", prefill: bool = True,
+                 kv_cache_dtype: str = "auto") -> tuple[list, tuple | None]:
     config = EngineConfig(model=_model_dir(name, quantization), load_format="dummy",
                           dtype="bfloat16",
                           device="cuda", max_num_seqs=max(batches), log_stats_interval_s=0,
-                          enable_prefix_caching=False, attention_backend=backend)
+                          enable_prefix_caching=False, attention_backend=backend,
+                          kv_cache_dtype=kv_cache_dtype)
     start = time.perf_counter()
     core = EngineCore(config)
-    name = f"{name}{'' if quantization == 'none' else '-' + quantization}/{backend}"
+    name = (f"{name}{'' if quantization == 'none' else '-' + quantization}"
+            f"{'' if kv_cache_dtype == 'auto' else '-kv' + kv_cache_dtype}/{backend}")
     print(f"{name}: engine up in {time.perf_counter() - start:.1f}s, "
           f"{core.num_blocks} KV blocks", flush=True)
     runner = core.runner
@@ -222,6 +227,9 @@ def main() -> None:
     ap.add_argument("--skip-prefill", action="store_true", help="decode steps only")
     ap.add_argument("--quantization", default="none",
                     help="weight formats to run: none (bf16), fp8, awq (comma-separated)")
+    ap.add_argument("--kv-cache-dtype", default="auto",
+                    help="KV cache types to run: auto (bf16), fp8 (comma-separated); the "
+                         "bound counts the cache's own bytes")
     args = ap.parse_args()
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     bandwidth, peak = ceilings()
@@ -232,15 +240,17 @@ def main() -> None:
     for name in args.models.split(","):
         for backend in args.backends.split(","):
             for quantization in args.quantization.split(","):
-                rows, pre = model_tables(name, batches, args.context, bandwidth, peak,
-                                         args.decode_steps, backend, quantization,
-                                         not args.skip_prefill)
-                decode += rows
-                if pre is not None:
-                    prefill.append(pre)
-                for r in rows:  # as each finishes: a timeout keeps what was measured
-                    print(f"  {r[0]} batch {r[1]}: step {r[2]:.2f} ms, forward {r[3]:.2f} "
-                          f"ms, bound {r[4]:.2f} ms, {r[2] / r[4]:.2f}x", flush=True)
+                for kv_dtype in args.kv_cache_dtype.split(","):
+                    rows, pre = model_tables(name, batches, args.context, bandwidth, peak,
+                                             args.decode_steps, backend, quantization,
+                                             not args.skip_prefill, kv_dtype)
+                    decode += rows
+                    if pre is not None:
+                        prefill.append(pre)
+                    for r in rows:  # as each finishes: a timeout keeps what was measured
+                        print(f"  {r[0]} batch {r[1]}: step {r[2]:.2f} ms, forward "
+                              f"{r[3]:.2f} ms, bound {r[4]:.2f} ms, {r[2] / r[4]:.2f}x",
+                              flush=True)
     print(f"\ndecode step, bf16 activations, {args.context}-token prompts (HBM bound: "
           f"weights as held + KV read / {bandwidth / 1e12:.2f} TB/s)")
     print(f"{'model':<16}{'batch':>6}{'step ms':>10}{'forward ms':>12}{'bound ms':>10}"

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU session's one script (device tool), run first whenever a GPU is lent. In order,
-# each part under its own timeout, the whole within 10 minutes (~4 in session 32):
+# each part under its own timeout (680 s in all, past a call's 600: a slow run loses part 6
+# first; the whole took ~4 minutes in session 32):
 #   1. tests  (TEST_S=150)    the Triton kernels compiled on the GPU (bf16 too) and the
 #                             CUDA engine tests on both backends (tests/test_triton_kernels.py,
 #                             tests/test_triton_int4.py, tests/test_cuda.py)
@@ -13,7 +14,9 @@
 #   4. profile (PROFILE_S=50) bench/gpu_profile.py: one decode step's kernels, 1B batch 64
 #   5. quant  (QUANT_S=120)   bench/gpu.py --quantization fp8,awq: 8B decode steps at batch
 #                             64 with FP8 / AWQ weights against the bound of their own bytes
-# Logs land in $OUT (tests.log, kernels.log, bench.log, profile.log, quant.log).
+#   6. kv     (KV_S=90)       bench/gpu.py --kv-cache-dtype auto,fp8: 1B decode steps at
+#                             batch 64 over 2,048-token contexts, bf16 against fp8 KV cache
+# Logs land in $OUT (tests.log, kernels.log, bench.log, profile.log, quant.log, kv.log).
 #
 # What it carries: .gpu/ beside the checkout (ignored by git), made here with
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
@@ -62,3 +65,6 @@ timeout "${PROFILE_S:-50}" python3 bench/gpu_profile.py --model 1b --batch 64 \
 echo "== 5. quant"
 timeout "${QUANT_S:-120}" python3 bench/gpu.py --models 8b --batches 64 --backends triton \
   --quantization fp8,awq --skip-prefill 2>&1 | tee "$OUT/quant.log" | tail -12
+echo "== 6. kv"
+timeout "${KV_S:-90}" python3 bench/gpu.py --models 1b --batches 64 --context 2048 \
+  --backends triton --kv-cache-dtype auto,fp8 --skip-prefill 2>&1 | tee "$OUT/kv.log" | tail -12
