@@ -96,6 +96,36 @@ def test_cuda_bf16_logprobs_close_to_hf_fp32(tiny_llama, backend):
             assert abs(lp.logprob - want) < 0.05 + 0.02 * abs(want)  # bf16: ~3 significant digits
 
 
+def test_cuda_fp8_kv_cache_on_the_triton_kernels(tiny_llama):
+    """The Triton kernels on an e4m3 cache, compiled: four times float32's blocks in the
+    same bytes; decodes replayed from graphs give the eager engine's tokens and
+    logprobs; against the float cache, within fp8's rounding (the CPU tests hold the
+    kernels to the native kernel's fp8 engine within summation order), through chunked
+    prefill and a prefix hit."""
+    from tests.test_kv_cache_fp8 import _agree, _run
+    prompts = _prompts([40, 5, 33])
+    budget = 1 << 24
+    fp8 = dict(attention_backend="triton", kv_cache_dtype="fp8", kv_cache_memory_bytes=budget,
+               max_num_batched_tokens=24)
+    llm = _llm(tiny_llama, **fp8)
+    eager = _llm(tiny_llama, enforce_eager=True, **fp8)
+    plain = _llm(tiny_llama, attention_backend="triton", kv_cache_memory_bytes=budget)
+    runner = _core(llm).runner
+    assert runner.kv_caches.dtype == torch.float8_e4m3fn and runner.graphs is not None
+    assert runner.bytes_per_block() * 4 == _core(plain).runner.bytes_per_block()
+    outs = _run(llm, prompts)
+    for got, want in zip(outs, _run(eager, prompts)):
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        for a, b in zip(got.outputs[0].logprobs, want.outputs[0].logprobs):
+            token = next(iter(a))
+            assert abs(a[token].logprob - b[token].logprob) < 1e-4
+    _agree(outs, plain, prompts, tolerance=0.5)
+    hit = [prompts[0][:32] + [7, 8, 9]]
+    out = _run(llm, hit)
+    assert out[0].num_cached_tokens > 0
+    _agree(out, plain, hit, tolerance=0.5)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_cuda_sleep_levels_free_and_restore_gpu_memory(tiny_llama, backend):
     prompts = _prompts([20, 7])
