@@ -241,6 +241,10 @@ def main() -> None:
         for backend in args.backends.split(","):
             for quantization in args.quantization.split(","):
                 for kv_dtype in args.kv_cache_dtype.split(","):
+                    if backend == "flex" and kv_dtype != "auto":
+                        print(f"  {name}/flex: no {kv_dtype} KV cache (FlexAttention reads "
+                              "the activation dtype only); skipped", flush=True)
+                        continue
                     rows, pre = model_tables(name, batches, args.context, bandwidth, peak,
                                              args.decode_steps, backend, quantization,
                                              not args.skip_prefill, kv_dtype)

@@ -28,7 +28,7 @@
 #     einops tabulate ninja                              # the yardstick, ~22 MB; optional
 #   .venv/bin/python -c "from engine.model.loader import load_tokenizer, resolve_model; \
 #     load_tokenizer(resolve_model('default')).save_pretrained('.gpu/tokenizer')"
-# then run it with carry [".gpu"] and timeout_s 500:  bash bench/gpu_check.sh
+# then run it with carry [".gpu"] and timeout_s 600 (a call's most):  bash bench/gpu_check.sh
 # FlashInfer compiles its kernels on first use with the machine's nvcc: if it does not
 # import, or nvcc is missing, the kernel table says why and times the rest.
 set -u

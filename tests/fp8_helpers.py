@@ -109,7 +109,8 @@ def write_fp8(src: Path, out: Path, fmt: str = "fp8", per_channel: bool = False,
                    "strategy": "channel" if per_channel else "tensor"}
         if block:
             weights.update(strategy="block", block_structure=list(block))
-            acts.update(strategy="group", group_size=128)
+            if acts is not None:
+                acts.update(strategy="group", group_size=128)
         config["quantization_config"] = {
             "quant_method": "compressed-tensors", "format": "float-quantized",
             "quantization_status": "compressed",

@@ -220,6 +220,17 @@ def test_the_torch_and_triton_paths_read_the_fp8_cache_as_the_native_kernel(scal
     _agree(hit, native, [PROMPTS[0][:32] + [7, 8, 9]])
 
 
+def test_the_triton_kernels_refuse_an_fp8_cache_before_compute_capability_8_9():
+    """Triton has e4m3 from Ada / Hopper on: an A100 (8.0) or A10 (8.6) is refused up front
+    with the way out, not at the first kernel compile."""
+    from engine.model.triton_kernels import fp8_cache_refusal
+    gpu = torch.device("cuda")
+    assert "8.0" in fp8_cache_refusal(gpu, (8, 0)) and "attention_backend torch" in \
+        fp8_cache_refusal(gpu, (8, 6))
+    assert fp8_cache_refusal(gpu, (8, 9)) is None and fp8_cache_refusal(gpu, (9, 0)) is None
+    assert fp8_cache_refusal(torch.device("cpu")) is None  # the interpreter
+
+
 def test_what_is_not_served_is_refused(tiny):
     with pytest.raises(InvalidRequestError, match="kv_cache_dtype must be one of"):
         LLM(str(tiny), dtype="float32", kv_cache_dtype="fp8_e5m2")

@@ -61,7 +61,7 @@ def test_fp8_kernels_match_the_decoded_products(kernels, dtype, dense_rows):
     oneDNN multiplies)."""
     default = kernels.fp8_kernel()
     try:
-        for n, k in [(37, 70), (160, 256), (48, 64), (300, 32)]:
+        for n, k in [(37, 70), (160, 256), (48, 64), (1100, 32)]:  # 1100: two decoded panels
             torch.manual_seed(n)
             w, scale = quantize_fp8(torch.randn(n, k), per_channel=True)
             bias = torch.randn(n)
@@ -90,7 +90,7 @@ def test_block_wise_fp8_kernels_match_the_decoded_products(kernels, dtype, dense
     default = kernels.fp8_kernel()
     try:
         for n, k, block in [(40, 200, (16, 64)), (96, 130, (32, 32)), (16, 64, (128, 128)),
-                            (300, 64, (32, 32))]:  # 300: past one decoded panel's columns
+                            (1060, 48, (32, 16))]:  # 1060: past one decoded panel
             torch.manual_seed(n + k)
             w, grid = quantize_fp8_blocks(torch.randn(n, k) * torch.rand(1, k) * 4, block)
             rows = grid.repeat_interleave(block[0], 0)[:n]

@@ -184,6 +184,12 @@ class ModelRunner:
                 f"kv_cache_dtype {self.config.kv_cache_dtype!r} is not read by attention "
                 "backend 'flex'; the native (CPU), triton and torch backends read it (use "
                 "attention_backend triton, or kv_cache_dtype auto)")
+        if self.backend == "triton":
+            from engine.model.triton_kernels import fp8_cache_refusal
+            reason = fp8_cache_refusal(self.device)
+            if reason is not None:
+                raise InvalidRequestError(f"kv_cache_dtype {self.config.kv_cache_dtype!r}: "
+                                          f"{reason}")
         return torch.float8_e4m3fn
 
     def _triton_backend(self):

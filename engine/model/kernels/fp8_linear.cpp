@@ -20,6 +20,8 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -55,8 +57,10 @@ struct Out {
     const int64_t lanes = std::min<int64_t>(kC, ncols - c0);
     for (int64_t l = 0; l < lanes; ++l) {
       const int64_t c = c0 + l;
-      float v = acc[l] * (sw[c] * widened);
-      if (bias) v += bias[c];
+      // an explicit fma: left to contraction, the bf16 and float outputs' loops were
+      // compiled differently and a float_out call rounded 1 in 44,000 sums another way
+      const float scale = sw[c] * widened;
+      const float v = bias ? std::fma(acc[l], scale, bias[c]) : acc[l] * scale;
       if (bf16_out) {
         static_cast<c10::BFloat16*>(y)[r * ldy + c] = c10::BFloat16(v);
       } else {
@@ -193,15 +197,18 @@ void avx512_item(const float* x, int64_t ldx, int64_t rows, const uint8_t* w, in
 }
 #endif
 
-bool g_plain = false;  // set_fp8_kernel("plain"): the table loops even where AVX-512 runs
+// set_fp8_kernel("plain"): the table loops even where AVX-512 runs
+std::atomic<bool> g_plain{false};
 // Rows of x past which a product decodes the weight (w x scale in x's dtype) and
 // multiplies it with at::matmul (oneDNN: bf16 dot products, where the kernel above pays
 // float32 FMAs and widens again for every 8 rows). Measured on Zen 4, a layer's four
 // linears of the default model: 64 rows 2.7-2.9 ms either way, 128 rows 3.9-4.0 ms
 // decoded against 5.4 (bf16: 2.2); 16-32 rows the FMA tiles win 2x. set_fp8_dense_rows.
-int64_t g_dense_rows = 96;
+std::atomic<int64_t> g_dense_rows{96};
+// Columns a decoded panel holds: its buffer is k x 1024 in x's dtype (8 MiB at k 4096 in
+// bf16), not the whole weight's k x n (235 MB for an 8B model's gate/up in bf16).
+constexpr int64_t kPanelVectors = 64;
 
-// Columns [v0 * 16, v1 * 16) of the weight times their scales, as panel [k, ld] in T.
 // Columns [v0 * 16, v1 * 16) of the weight (n columns) times their scales, as panel
 // [k, ld] in T; AVX-512: 16 at once (a scalar loop made the decode cost more than the
 // matmul at 64 rows).
@@ -237,19 +244,34 @@ void decode_panel(const uint8_t* packed, int64_t k, int64_t n, int64_t v0, int64
   });
 }
 
-// The whole weight decoded at once, one matmul (panels of 256 columns, a matmul each,
-// measured no faster).
+// The weight decoded a panel of kPanelVectors vectors at a time, a matmul each (panels of
+// 256 columns measured within noise of one whole-weight matmul, 1024 bound the buffer).
 torch::Tensor dense_product(const torch::Tensor& x, const uint8_t* packed, int64_t n,
                             const float* sw, const KScales& ks, bool simd) {
-  const int64_t k = x.size(1), vectors = (n + kC - 1) / kC;
-  torch::Tensor panel = torch::empty({k, vectors * kC}, x.options());
-  if (x.scalar_type() == torch::kFloat32) {
-    decode_panel(packed, k, n, 0, vectors, sw, ks, panel.data_ptr<float>(), panel.size(1), simd);
-  } else {
-    decode_panel(packed, k, n, 0, vectors, sw, ks, panel.data_ptr<c10::BFloat16>(),
-                 panel.size(1), simd);
+  const int64_t m = x.size(0), k = x.size(1), vectors = (n + kC - 1) / kC;
+  const int64_t width = std::min(vectors, kPanelVectors) * kC;
+  torch::Tensor panel = torch::empty({k, width}, x.options());
+  if (vectors <= kPanelVectors) {  // one panel: the matmul's output is y
+    if (x.scalar_type() == torch::kFloat32) {
+      decode_panel(packed, k, n, 0, vectors, sw, ks, panel.data_ptr<float>(), width, simd);
+    } else {
+      decode_panel(packed, k, n, 0, vectors, sw, ks, panel.data_ptr<c10::BFloat16>(), width,
+                   simd);
+    }
+    return at::matmul(x, panel.narrow(1, 0, n));
   }
-  return at::matmul(x, panel.narrow(1, 0, n));
+  torch::Tensor y = torch::empty({m, n}, x.options());
+  for (int64_t v0 = 0; v0 < vectors; v0 += kPanelVectors) {
+    const int64_t v1 = std::min(vectors, v0 + kPanelVectors);
+    if (x.scalar_type() == torch::kFloat32) {
+      decode_panel(packed, k, n, v0, v1, sw, ks, panel.data_ptr<float>(), width, simd);
+    } else {
+      decode_panel(packed, k, n, v0, v1, sw, ks, panel.data_ptr<c10::BFloat16>(), width, simd);
+    }
+    const int64_t c0 = v0 * kC, cols = std::min(n, v1 * kC) - c0;
+    y.narrow(1, c0, cols).copy_(at::matmul(x, panel.narrow(1, 0, cols)));
+  }
+  return y;
 }
 
 }  // namespace
@@ -375,11 +397,7 @@ std::vector<std::string> fp8_kernels() {
 
 std::string fp8_kernel() { return FLOTILLA_F8_AVX512 && !g_plain ? "avx512" : "plain"; }
 
-int64_t set_fp8_dense_rows(int64_t rows) {
-  const int64_t before = g_dense_rows;
-  g_dense_rows = rows;
-  return before;
-}
+int64_t set_fp8_dense_rows(int64_t rows) { return g_dense_rows.exchange(rows); }
 
 bool set_fp8_kernel(const std::string& name) {
   if (name == "plain") { g_plain = true; return true; }

@@ -124,7 +124,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if k_cache.dtype == torch.float8_e4m3fn:
         # every key and value attended is the cache's (fresh ones too, as the kernels
         # read them back): e4m3 widens exactly to q's dtype, and the scales fold into
-        # the score scale and the output
+        # the score scale and the output (in bf16 / fp16 the output is rounded before
+        # v_scale multiplies it, where the kernels scale it in float32: a last-bit
+        # difference)
         k, v = to_fp8(k, k_scale), to_fp8(v, v_scale)
         out = _torch_attention(q, k, v, k_cache, v_cache, meta, scale * k_scale)
         return out.mul_(v_scale) if v_scale != 1.0 else out

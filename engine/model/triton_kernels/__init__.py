@@ -38,3 +38,17 @@ def availability(device: torch.device) -> str | None:
                     "TRITON_INTERPRET=1 before starting (slow; for tests)")
         return None
     return f"no Triton kernels for device {device}"
+
+
+def fp8_cache_refusal(device: torch.device, capability: tuple[int, int] | None = None) -> str | None:
+    """Why the Triton kernels cannot read an e4m3 KV cache on device, or None: Triton
+    has e4m3 (fp8e4nv) on NVIDIA GPUs of compute capability 8.9 and later (Ada, Hopper)
+    only; the interpreter has it everywhere. capability: the device's (default: read)."""
+    if device.type != "cuda":
+        return None
+    major, minor = capability or torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        return (f"the Triton kernels read an fp8 KV cache on GPUs of compute capability 8.9 "
+                f"or later (Ada, Hopper), and this one is {major}.{minor}; use "
+                "attention_backend torch with kv_cache_dtype fp8, or kv_cache_dtype auto")
+    return None

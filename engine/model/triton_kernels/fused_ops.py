@@ -74,7 +74,9 @@ def _e4m3_grid(y):
 def _cache_value(x, scale, FP8: tl.constexpr, cache_type: tl.constexpr):
     """x as the cache stores it: unchanged in its dtype, or x / scale saturated in e4m3."""
     if FP8:
-        y = tl.minimum(tl.maximum(x.to(tl.float32) / scale, -FP8_MAX), FP8_MAX)
+        # div_rn: the correctly rounded quotient (a GPU's `/` is approximate), so the
+        # bytes are torch's on every device
+        y = tl.minimum(tl.maximum(tl.math.div_rn(x.to(tl.float32), scale), -FP8_MAX), FP8_MAX)
         return _e4m3_grid(y).to(cache_type)
     return x.to(cache_type)
 
