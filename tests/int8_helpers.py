@@ -113,7 +113,5 @@ def write_decoded(w8a8: Path, out: Path) -> Path:
 
 def _block(qc: dict) -> list | None:
     """A block-wise fp8 config's [rows, columns] of its scale blocks, else None."""
-    if qc.get("weight_block_size"):
-        return qc["weight_block_size"]
-    weights = next(iter((qc.get("config_groups") or {}).values()), {}).get("weights") or {}
-    return weights.get("block_structure") if weights.get("strategy") == "block" else None
+    from engine.quant.compressed_tensors import block_structure
+    return qc.get("weight_block_size") or block_structure(qc)

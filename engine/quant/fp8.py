@@ -22,6 +22,12 @@ from engine.errors import UnsupportedQuantizationError
 E4M3_MAX = 448.0  # the largest finite e4m3 value
 
 
+def to_e4m3(x: torch.Tensor, scale: float | torch.Tensor) -> torch.Tensor:
+    """x / scale saturated at +-448, in e4m3 (the bare conversion would make values past
+    448 NaN): _scaled_mm's inputs, an fp8 KV cache's keys and values."""
+    return (x.float() / scale).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+
+
 def check_fp8_config(qc: dict, model: str) -> None:
     """Refuse a vLLM `fp8` quantization_config this module does not serve, naming the
     part: e5m2, block sizes that are not two positive integers, static activations over
@@ -154,7 +160,7 @@ class Fp8ScaledMM:
             sx = torch.full((x2.shape[0], 1), self.input_scale, device=x.device)
         else:
             sx = xf.abs().amax(-1, keepdim=True).clamp_min(1e-12) / E4M3_MAX
-        q = (xf / sx).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+        q = to_e4m3(xf, sx)
         # row-wise scaling takes a bf16 output (CUDA's only one for it)
         y = torch._scaled_mm(q, self.weight_t, scale_a=sx, scale_b=self.scales,
                              out_dtype=torch.bfloat16)
@@ -165,4 +171,5 @@ class Fp8ScaledMM:
 
 
 __all__ = ["E4M3_MAX", "Fp8ScaledMM", "Fp8Weight", "VECTOR_ROWS", "check_fp8_config",
+           "to_e4m3",
            "vector_block_scales"]

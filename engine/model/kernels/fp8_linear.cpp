@@ -251,25 +251,19 @@ torch::Tensor dense_product(const torch::Tensor& x, const uint8_t* packed, int64
   const int64_t m = x.size(0), k = x.size(1), vectors = (n + kC - 1) / kC;
   const int64_t width = std::min(vectors, kPanelVectors) * kC;
   torch::Tensor panel = torch::empty({k, width}, x.options());
-  if (vectors <= kPanelVectors) {  // one panel: the matmul's output is y
-    if (x.scalar_type() == torch::kFloat32) {
-      decode_panel(packed, k, n, 0, vectors, sw, ks, panel.data_ptr<float>(), width, simd);
-    } else {
-      decode_panel(packed, k, n, 0, vectors, sw, ks, panel.data_ptr<c10::BFloat16>(), width,
-                   simd);
-    }
-    return at::matmul(x, panel.narrow(1, 0, n));
-  }
-  torch::Tensor y = torch::empty({m, n}, x.options());
-  for (int64_t v0 = 0; v0 < vectors; v0 += kPanelVectors) {
-    const int64_t v1 = std::min(vectors, v0 + kPanelVectors);
+  auto product = [&](int64_t v0, int64_t v1) {  // vectors [v0, v1) decoded and multiplied
     if (x.scalar_type() == torch::kFloat32) {
       decode_panel(packed, k, n, v0, v1, sw, ks, panel.data_ptr<float>(), width, simd);
     } else {
       decode_panel(packed, k, n, v0, v1, sw, ks, panel.data_ptr<c10::BFloat16>(), width, simd);
     }
-    const int64_t c0 = v0 * kC, cols = std::min(n, v1 * kC) - c0;
-    y.narrow(1, c0, cols).copy_(at::matmul(x, panel.narrow(1, 0, cols)));
+    return at::matmul(x, panel.narrow(1, 0, std::min(n, v1 * kC) - v0 * kC));
+  };
+  if (vectors <= kPanelVectors) return product(0, vectors);  // one panel: its output is y
+  torch::Tensor y = torch::empty({m, n}, x.options());
+  for (int64_t v0 = 0; v0 < vectors; v0 += kPanelVectors) {
+    const int64_t v1 = std::min(vectors, v0 + kPanelVectors);
+    y.narrow(1, v0 * kC, std::min(n, v1 * kC) - v0 * kC).copy_(product(v0, v1));
   }
   return y;
 }
@@ -320,6 +314,8 @@ torch::Tensor fp8_linear(torch::Tensor input, torch::Tensor packed, torch::Tenso
     ks_t = block_scales->contiguous();
   }
   const int64_t m = input.numel() / std::max<int64_t>(k, 1);
+  std::vector<int64_t> shape(input.sizes().begin(), input.sizes().end());
+  shape.back() = n;
   if (m > g_dense_rows && n > 0) {  // compute-bound: decoded panels, oneDNN multiplies
     torch::Tensor xd = input.reshape({-1, k}).contiguous();
     const KScales ks{ks_t.defined() ? ks_t.data_ptr<float>() : nullptr, runs, block_k};
@@ -331,13 +327,9 @@ torch::Tensor fp8_linear(torch::Tensor input, torch::Tensor packed, torch::Tenso
                   " outputs");
       y.add_(bias->to(dtype));
     }
-    std::vector<int64_t> out_shape(input.sizes().begin(), input.sizes().end());
-    out_shape.back() = n;
-    return (float_out ? y.to(torch::kFloat32) : y).reshape(out_shape);
+    return (float_out ? y.to(torch::kFloat32) : y).reshape(shape);
   }
   const torch::Tensor x = input.reshape({-1, k}).to(torch::kFloat32).contiguous();
-  std::vector<int64_t> shape(input.sizes().begin(), input.sizes().end());
-  shape.back() = n;
   const bool bf16 = dtype == torch::kBFloat16;
   torch::Tensor y = torch::empty({m, n}, input.options().dtype(float_out ? torch::kFloat32 : dtype));
   if (m == 0 || n == 0) return y.reshape(shape);

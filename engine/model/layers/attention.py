@@ -41,8 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.model.layers import flex_paged
-
-FP8_MAX = 448.0  # e4m3's largest finite value
+from engine.quant.fp8 import to_e4m3
 
 
 @dataclass
@@ -127,16 +126,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         # the score scale and the output (in bf16 / fp16 the output is rounded before
         # v_scale multiplies it, where the kernels scale it in float32: a last-bit
         # difference)
-        k, v = to_fp8(k, k_scale), to_fp8(v, v_scale)
+        k, v = to_e4m3(k, k_scale), to_e4m3(v, v_scale)
         out = _torch_attention(q, k, v, k_cache, v_cache, meta, scale * k_scale)
         return out.mul_(v_scale) if v_scale != 1.0 else out
     return _torch_attention(q, k, v, k_cache, v_cache, meta, scale)
-
-
-def to_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
-    """x as an fp8 cache holds it: x / scale saturated at e4m3's +-448, in e4m3 (the
-    bare conversion would make values past 448 NaN)."""
-    return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
 
 
 def _torch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
