@@ -168,7 +168,7 @@ class AppArgs(BaseModel):
             return
         from engine.errors import FlotillaError
         from engine.executor.parallel import check_divisible
-        from engine.model.llama import ModelShape
+        from engine.model.shape import ModelShape
         from engine.model.loader import load_hf_config, resolve_model
         try:
             shape = ModelShape.from_hf_config(load_hf_config(resolve_model(self.engine.model)))

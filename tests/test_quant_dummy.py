@@ -72,7 +72,7 @@ def test_a_dummy_awq_load_takes_the_configs_group_size(tmp_path, group_size):
 
 
 def test_dummy_tensors_are_the_formats_own():
-    from engine.model.llama import ModelShape
+    from engine.model.shape import ModelShape
     cfg = LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=256,
                       num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
                       tie_word_embeddings=True)

@@ -38,5 +38,5 @@ def test_building_and_running_an_engine_does_not_import_torch_dynamo(tiny_llama)
                          timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     modules = set(out.stdout.split())
-    assert "torch" in modules and "engine.model.llama" in modules
+    assert "torch" in modules and "engine.model.families.llama" in modules
     assert "torch._dynamo" not in modules

@@ -33,9 +33,9 @@ from engine.lora.manager import LoRAManager
 from engine.lora.request import LoRARequest, adapter_id
 from engine.lora.roots import lora_roots, path_within
 from engine.model.kernels import cpu_kernels
-from engine.model.llama import ModelShape
+from engine.model.shape import ModelShape
 from engine.model.loader import is_gguf_checkpoint, load_hf_config, resolve_model
-from engine.quant import checkpoint_quantization, resolve_quantization
+from engine.quant import check_quantized_family, checkpoint_quantization, resolve_quantization
 from engine.pooling import Pooler, pooling_method
 from engine.request_checks import check_params, check_prompt
 from engine.request_limits import RequestLimits
@@ -69,6 +69,7 @@ class EngineCore:
             config.quantization, "gguf" if is_gguf_checkpoint(self.checkpoint)
             else checkpoint_quantization(hf_config), config.model)
         self.shape = ModelShape.from_hf_config(hf_config)
+        check_quantized_family(self.quantization, self.shape, config.model)
         self.device = config.torch_device()
         self.dtype = config.torch_dtype(self.device)
         if self.device.type == "cpu":

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 import torch
+from torch import nn
 
 from engine.config import CPU_DEFAULT_KV_CACHE_BYTES, EngineConfig
 from engine.core.scheduler import SchedulerOutput
@@ -42,7 +43,8 @@ from engine.model.layers.attention import AttentionMetadata, PrefillGroup, cache
 from engine.model.layers.flex_paged import FlexPagedAttention, build_group
 from engine.model.layers.linear import Linear, can_pack, pack_linears
 from engine.model.layers.rotary import RotaryEmbedding
-from engine.model.llama import LlamaForCausalLM, ModelShape
+from engine.model.registry import model_class
+from engine.model.shape import ModelShape
 from engine.model.loader import is_gguf_checkpoint, iter_weights
 from engine.quant import checkpoint_quantization, fp8_block_size, int4_scheme
 from engine.quant.dummy import dummy_weights
@@ -206,7 +208,15 @@ class ModelRunner:
         together) rules them out."""
         return (self.device.type == "cuda" and self.backend in ("flex", "triton")
                 and not self.config.enforce_eager and self.lora_slots is None
-                and self.tp is None)
+                and self.tp is None and self._experts_capturable())
+
+    def _experts_capturable(self) -> bool:
+        """An MoE model's experts in a graph need the grouped matmul (its offsets stay on
+        the device; the per-expert fallback reads them on the host)."""
+        if self.shape.moe is None:
+            return True
+        from engine.model.layers.moe import grouped_mm_available
+        return grouped_mm_available(self.device, self.dtype)
 
     def _capture_graphs(self) -> None:
         if self._use_graphs() and self.model is not None and self.kv_caches is not None:
@@ -225,7 +235,7 @@ class ModelRunner:
             self.graphs = None
             torch.cuda.empty_cache()
 
-    def _load_model(self) -> LlamaForCausalLM:
+    def _load_model(self) -> nn.Module:
         start = time.perf_counter()
         regions = anonymous_regions() if self.device.type == "cpu" else set()
         layer_ops = self.kernels  # the layers' fused element-wise ops
@@ -233,8 +243,8 @@ class ModelRunner:
             from engine.model.triton_kernels.fused_ops import TritonLayerOps
             layer_ops = TritonLayerOps()
         with torch.device("meta"):
-            model = LlamaForCausalLM(self.shape, self.hf_config, self.max_model_len, layer_ops,
-                                     self.plan, self.tp)
+            model = model_class(self.shape.architecture)(
+                self.shape, self.hf_config, self.max_model_len, layer_ops, self.plan, self.tp)
         model = model.to_empty(device=self.device)
         # Buffers (the RoPE table) are not in the checkpoint: rebuild them for real.
         model.rotary = RotaryEmbedding(self.hf_config, self.shape.head_dim,

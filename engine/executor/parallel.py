@@ -18,10 +18,11 @@ from engine.errors import InvalidRequestError
 
 @dataclass(frozen=True)
 class ShardPlan:
-    """One rank's share of a Llama-family model under tensor parallelism.
+    """One rank's share of a model under tensor parallelism.
 
-    Query heads and MLP columns are split evenly. KV heads are split when there are
-    at least as many as ranks, else each is replicated on size // num_kv_heads ranks.
+    Query heads and MLP columns (every expert's too) are split evenly. KV heads are
+    split when there are at least as many as ranks, else each is replicated on
+    size // num_kv_heads ranks.
     The vocabulary is split in equal padded slices (the last one may hold padding
     rows, whose logits are dropped).
     """
@@ -33,6 +34,7 @@ class ShardPlan:
     kv_head_start: int  # first kv head of the checkpoint this rank holds
     intermediate_size: int
     vocab_per_rank: int
+    expert_intermediate_size: int = 0  # each expert's columns on this rank (MoE models)
 
     @classmethod
     def build(cls, shape, rank: int, size: int) -> "ShardPlan":
@@ -47,7 +49,9 @@ class ShardPlan:
         return cls(rank=rank, size=size, num_heads=shape.num_heads // size,
                    num_kv_heads=local_kv, kv_head_start=kv_start,
                    intermediate_size=shape.intermediate_size // size,
-                   vocab_per_rank=-(-shape.vocab_size // size))
+                   vocab_per_rank=-(-shape.vocab_size // size),
+                   expert_intermediate_size=(shape.moe.intermediate_size // size
+                                             if shape.moe is not None else 0))
 
     @property
     def head_start(self) -> int:
@@ -70,6 +74,9 @@ def check_divisible(shape, size: int) -> None:
         problems.append(f"{kv} kv heads (need a multiple or a divisor of the TP size)")
     if shape.intermediate_size % size:
         problems.append(f"MLP width {shape.intermediate_size}")
+    moe = getattr(shape, "moe", None)
+    if moe is not None and moe.intermediate_size % size:
+        problems.append(f"expert width {moe.intermediate_size}")
     if problems:
         raise InvalidRequestError(
             f"tensor_parallel_size={size} does not divide the model: {', '.join(problems)}")

@@ -16,7 +16,7 @@ from engine.config import EngineConfig
 from engine.executor.model_runner import ModelRunner
 from engine.executor.parallel import ShardPlan, TPGroup
 from engine.executor.tp_executor import WorkerArgs, serve_commands
-from engine.model.llama import ModelShape
+from engine.model.shape import ModelShape
 from engine.model.loader import load_hf_config, resolve_model
 
 logger = logging.getLogger(__name__)

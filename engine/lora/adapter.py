@@ -26,6 +26,7 @@ _TARGETS = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qk
             "o_proj": ("o_proj", 0), "gate_proj": ("gate_up_proj", 0),
             "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", 0)}
 FUSED_SUBS = {"qkv_proj": 3, "o_proj": 1, "gate_up_proj": 2, "down_proj": 1}
+_MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
 _KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 
 
@@ -107,6 +108,10 @@ def _load(name: str, path: str | Path, shape, plan, max_rank: int,
             if layer >= shape.num_layers:
                 raise LoRAError(f"adapter tensor {key!r} names layer {layer}; the model has "
                                 f"{shape.num_layers}")
+            if module in _MLP_TARGETS and shape.is_sparse(layer):
+                raise LoRAError(f"adapter tensor {key!r} targets layer {layer}'s MLP, which is "
+                                "a mixture of experts; adapters are served on attention "
+                                "(q_proj, k_proj, v_proj, o_proj) and dense MLPs")
             pieces[(layer, module, which)] = f.get_slice(key)
         if bad:
             raise LoRAError("adapter targets modules this engine does not support: "

@@ -52,7 +52,7 @@ def build_stack(model: nn.Module, kernels) -> object | None:
     if kernels is None or not stack_enabled() or model.tp is not None:
         return None
     shape = model.shape
-    if shape.qk_norm:
+    if shape.qk_norm or shape.moe is not None:  # q/k norm and experts: the modules run them
         return None
     first = model.layers[0].self_attn
     stack = kernels.DecoderStack(first.num_heads, first.num_kv_heads, first.head_dim,

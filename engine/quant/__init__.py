@@ -147,6 +147,17 @@ def resolve_quantization(requested: str | None, checkpoint_format: str | None,
         "; leave quantization unset to serve the checkpoint as it is")
 
 
+def check_quantized_family(fmt: str | None, shape: Any, model: str) -> None:
+    """Refuse a quantized mixture-of-experts checkpoint before its weights are read: the
+    experts' grouped matmuls take floats (engine.model.layers.moe), and a silent
+    dequantize of every expert would hide the format's memory from its user."""
+    if fmt is not None and getattr(shape, "moe", None) is not None:
+        raise UnsupportedQuantizationError(
+            f"model {model!r} is a mixture-of-experts model ({shape.architecture}) quantized "
+            f"as {fmt!r}; quantized experts are not served yet: serve its float16, bfloat16 "
+            "or float32 checkpoint")
+
+
 def check_gguf_types(types: Iterable[str], model: str) -> None:
     """Refuse a GGUF file holding tensor types no block decoder reads (IQ*, TQ*, the
     K-quants other than Q4_K and Q6_K, ...), before any conversion starts."""
@@ -159,5 +170,5 @@ def check_gguf_types(types: Iterable[str], model: str) -> None:
 
 
 __all__ = ["QUANT_FORMATS", "QuantFormat", "UnsupportedQuantizationError", "check_checkpoint",
-           "check_gguf_types", "checkpoint_quantization", "int4_scheme", "register", "resolve_quantization",
-           "supported_summary"]
+           "check_gguf_types", "check_quantized_family", "checkpoint_quantization",
+           "int4_scheme", "register", "resolve_quantization", "supported_summary"]

@@ -13,7 +13,6 @@ vocabulary rows. The loader reads only this rank's slice of each tensor.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Iterable
 
 import torch
@@ -27,75 +26,10 @@ from engine.model.layers.attention import AttentionMetadata, paged_attention
 from engine.model.layers.linear import Linear
 from engine.model.layers.norm import RMSNorm
 from engine.model.layers.rotary import Rope, RotaryEmbedding, apply_rotary
+from engine.model.shape import ModelShape
 from engine.quant.gguf_linear import DECODE_DENSE_ROWS, DENSE_ROWS
 from engine.quant.gguf_weights import GGUFBlocks
 from engine.quant.holding import QuantizedPieces
-
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                           "Qwen3ForCausalLM")
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """The numbers of a checkpoint that the engine needs, read once from its config."""
-
-    architecture: str
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    rms_norm_eps: float
-    qkv_bias: bool
-    o_bias: bool
-    mlp_bias: bool
-    qk_norm: bool
-    tie_word_embeddings: bool
-    max_position_embeddings: int
-    sliding_window: int | None
-
-    @classmethod
-    def from_hf_config(cls, cfg: PretrainedConfig) -> "ModelShape":
-        archs = list(getattr(cfg, "architectures", None) or [])
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if arch is None:
-            fallback = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                        "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-            arch = fallback.get(getattr(cfg, "model_type", ""))
-        if arch is None:
-            raise UnsupportedModelError(
-                f"architecture {archs or cfg.model_type!r} is not supported; "
-                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-        heads = cfg.num_attention_heads
-        attention_bias = bool(getattr(cfg, "attention_bias", False))
-        is_qwen2 = arch == "Qwen2ForCausalLM"
-        window = getattr(cfg, "sliding_window", None)
-        if is_qwen2 and not getattr(cfg, "use_sliding_window", False):
-            window = None
-        act = getattr(cfg, "hidden_act", "silu")
-        if act != "silu":
-            raise UnsupportedModelError(f"hidden_act {act!r} is not supported (only silu)")
-        return cls(
-            architecture=arch,
-            vocab_size=cfg.vocab_size,
-            hidden_size=cfg.hidden_size,
-            num_layers=cfg.num_hidden_layers,
-            num_heads=heads,
-            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
-            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
-            intermediate_size=cfg.intermediate_size,
-            rms_norm_eps=cfg.rms_norm_eps,
-            qkv_bias=is_qwen2 or attention_bias,
-            o_bias=attention_bias and not is_qwen2,
-            mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
-            tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
-            max_position_embeddings=cfg.max_position_embeddings,
-            sliding_window=window,
-        )
-
 
 class LlamaAttention(nn.Module):
     lora = None  # LoRASlots once LoRA is enabled (attach_lora), with layer_index
@@ -206,13 +140,14 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, shape: ModelShape, plan: ShardPlan, tp: TPGroup | None,
-                 kernels=None) -> None:
+                 kernels=None, mlp: nn.Module | None = None) -> None:
+        """mlp: the layer's MLP where a family replaces the dense one (experts)."""
         super().__init__()
         eps = shape.rms_norm_eps
         self.input_layernorm = RMSNorm(shape.hidden_size, eps, kernels)
         self.self_attn = LlamaAttention(shape, plan, tp, kernels)
         self.post_attention_layernorm = RMSNorm(shape.hidden_size, eps, kernels)
-        self.mlp = LlamaMLP(shape, plan, tp, kernels)
+        self.mlp = mlp if mlp is not None else LlamaMLP(shape, plan, tp, kernels)
 
     def forward(self, rope: Rope, x: torch.Tensor, residual: torch.Tensor | None,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
@@ -246,12 +181,17 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(plan.vocab_per_rank, shape.hidden_size,
                                          _weight=torch.empty(plan.vocab_per_rank,
                                                              shape.hidden_size))
-        self.layers = nn.ModuleList(LlamaDecoderLayer(shape, plan, self.tp, kernels)
-                                    for _ in range(shape.num_layers))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(shape, plan, self.tp, kernels, self.make_mlp(i, kernels))
+            for i in range(shape.num_layers))
         self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, kernels)
         self.lm_head = Linear(shape.hidden_size, plan.vocab_per_rank, bias=False)
         if shape.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+
+    def make_mlp(self, layer: int, kernels) -> nn.Module | None:
+        """A layer's MLP where the family's differs from the dense one (None: dense)."""
+        return None
 
     # engine.model.stack's DecoderStack where the runner built one: the layers as one
     # native call for the steps it can run (native attention, no LoRA)
@@ -348,6 +288,9 @@ class LlamaForCausalLM(nn.Module):
                 name = name[len("model."):]
             if name == "lm_head.weight" and self.shape.tie_word_embeddings:
                 continue
+            name = self.checkpoint_name(name)
+            if self.load_family_tensor(name, tensor, loaded):
+                continue
             parts = name.split(".")
             module, kind = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", name)
             if kind == "output_scale" and module in ("k_proj", "v_proj"):
@@ -388,12 +331,25 @@ class LlamaForCausalLM(nn.Module):
                         f"expected {tuple(dst.shape)}")
                 dst.copy_(piece)
             loaded.add(f"{target}:{offset}")
-        expected = {f"{n}:{o}" for n in params for o in _offsets(n, rules)}
+        expected = self.expected_loads(params, rules)
         missing = sorted(expected - loaded)
         if missing:
             raise UnsupportedModelError(f"checkpoint is missing tensors for {missing[:5]}")
         quantized.finish(self, params, self.shape.tie_word_embeddings)
         return quantized.count()
+
+    def checkpoint_name(self, name: str) -> str:
+        """A checkpoint tensor's name (without "model.") in this module's terms."""
+        return name
+
+    def load_family_tensor(self, name: str, tensor, loaded: set[str]) -> bool:
+        """Load a tensor the family lays out its own way, noting it in loaded; False for
+        the ones the shared rules load."""
+        return False
+
+    def expected_loads(self, params: dict, rules: dict) -> set[str]:
+        """The keys load_weights must have noted once every tensor is in."""
+        return {f"{n}:{o}" for n in params for o in _offsets(n, rules)}
 
 
 Slice = tuple[int, int, int]  # (dim, start, length) of the checkpoint tensor
@@ -439,3 +395,8 @@ def _offsets(param_name: str, rules: dict) -> list:
     """The row offsets a parameter is filled at (several for fused ones)."""
     fused = param_name.split(".")[-2] if "." in param_name else ""
     return [offset for target, offset, _ in rules.values() if target == fused] or [None]
+
+
+# the architectures this family serves (engine.model.registry names the same ones)
+ARCHITECTURES = {name: LlamaForCausalLM for name in (
+    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")}

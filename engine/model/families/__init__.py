@@ -1,0 +1,1 @@
+"""One module per model family; engine.model.registry maps architectures to them."""

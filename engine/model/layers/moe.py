@@ -1,0 +1,132 @@
+"""A mixture-of-experts MLP: a top-k router and the experts as one grouped computation.
+
+Why grouped: a token's k experts differ from its neighbours', so a per-token loop would
+call 2k small matmuls per token. Instead the (token, expert) pairs are sorted by expert;
+each expert then multiplies one contiguous run of rows, and torch's grouped matmul
+(`torch._grouped_mm`, offsets kept on the device, so a CUDA graph can hold it) does all
+of the experts in one call. Where it cannot run (a device or dtype it lacks) the same
+runs go through one matmul per expert that has rows. No step ever loops over tokens.
+
+Under tensor parallelism every rank holds a column slice of every expert (gate and up
+by output rows, down by input columns, like the dense MLP) and the block's output is
+all-reduced; the router is replicated.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.model.layers.linear import Linear
+
+logger = logging.getLogger(__name__)
+
+_GROUPED: dict[tuple[str, torch.dtype], bool] = {}  # (device type, dtype) -> usable
+
+
+def grouped_mm_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether torch's grouped matmul runs for a device and dtype (probed once, on a
+    tiny problem, and checked against a plain matmul). The runner captures CUDA graphs
+    of an MoE model only where it does: the fallback reads the offsets on the host."""
+    key = (device.type, dtype)
+    if key not in _GROUPED:
+        ok = False
+        if hasattr(torch, "_grouped_mm"):
+            try:
+                a = torch.ones(32, 16, dtype=dtype, device=device)
+                b = torch.ones(2, 16, 16, dtype=dtype, device=device)
+                offs = torch.tensor([16, 32], dtype=torch.int32, device=device)
+                out = torch._grouped_mm(a, b.transpose(1, 2), offs=offs)
+                ok = bool(torch.equal(out, a @ b[0].T))
+            except (RuntimeError, NotImplementedError, TypeError):
+                ok = False
+        if not ok:
+            logger.info("grouped matmul unavailable on %s %s: experts run one matmul each",
+                        device.type, dtype)
+        _GROUPED[key] = ok
+    return _GROUPED[key]
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Rows offsets[e-1]:offsets[e] of x times weight[e].T, for every expert e.
+
+    x: [N, K], sorted by expert; weight: [E, M, K]; offsets: [E] int32 cumulative ends."""
+    if grouped_mm_available(x.device, x.dtype):
+        return torch._grouped_mm(x, weight.transpose(1, 2), offs=offsets)
+    out = x.new_empty(x.shape[0], weight.shape[1])
+    start = 0
+    for e, end in enumerate(offsets.tolist()):
+        if end > start:
+            torch.matmul(x[start:end], weight[e].T, out=out[start:end])
+        start = end
+    return out
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] in float32, expert ids [T, k]): softmax over all experts in
+    float32, the k largest, renormalised to sum to one where the family does."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+class FusedExperts(nn.Module):
+    """Every expert's weights as two stacked tensors: w13 [E, 2I, H] holds gate then up
+    rows (SwiGLU), w2 [E, H, I] the down projection; I is this rank's slice."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate: int) -> None:
+        super().__init__()
+        self.intermediate = intermediate
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden_size),
+                                requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate),
+                               requires_grad=False)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                kernels=None) -> torch.Tensor:
+        t, k = ids.shape
+        num_experts = self.w13.shape[0]
+        flat = ids.reshape(-1)
+        sorted_ids, order = torch.sort(flat, stable=True)
+        token = order // k  # the token of each (token, expert) pair, in expert order
+        offsets = torch.searchsorted(
+            sorted_ids, torch.arange(num_experts, device=x.device), right=True
+        ).to(torch.int32)
+        gate_up = grouped_linear(x.index_select(0, token), self.w13, offsets)
+        if kernels is not None:
+            act = kernels.silu_and_mul(gate_up)
+        else:
+            gate, up = gate_up.split(self.intermediate, dim=-1)
+            act = F.silu(gate) * up
+        down = grouped_linear(act, self.w2, offsets)
+        down = down * weights.reshape(-1)[order].unsqueeze(-1).to(down.dtype)
+        return torch.zeros_like(x).index_add_(0, token, down)
+
+
+class SparseMoeBlock(nn.Module):
+    """The router (`gate`, a linear to one logit per expert) and the experts."""
+
+    lora = None  # attach_lora sets these on every MLP; adapters never reach the experts
+    layer_index = 0
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate: int,
+                 renormalize: bool, tp=None, kernels=None) -> None:
+        super().__init__()
+        self.top_k, self.renormalize = top_k, renormalize
+        self.tp, self.kernels = tp, kernels
+        self.gate = Linear(hidden_size, num_experts, bias=False)
+        self.experts = FusedExperts(num_experts, hidden_size, intermediate)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
+        out = self.experts(x, weights, ids, self.kernels)
+        return self.tp.all_reduce(out) if self.tp is not None else out
+
+
+__all__ = ["FusedExperts", "SparseMoeBlock", "grouped_linear", "grouped_mm_available",
+           "route"]

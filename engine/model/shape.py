@@ -1,0 +1,106 @@
+"""The numbers of a checkpoint that the engine needs, read once from its Hugging Face config.
+
+Every family reads into the same ModelShape: the KV cache, the scheduler, tensor
+parallelism and the loaders need the attention and MLP sizes whatever the family; a
+mixture-of-experts model adds its MoEShape. Reading it needs no torch (the registry
+names the family by strings), so configuration-only processes can check a model.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from engine.errors import UnsupportedModelError
+from engine.model.registry import resolve_architecture
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    """A mixture-of-experts MLP: num_experts experts of width intermediate_size, top_k
+    of them per token, their weights softmax probabilities renormalised over the chosen
+    ones when `renormalize` (Mixtral always; Qwen3-MoE when norm_topk_prob). Layers in
+    dense_layers keep an ordinary MLP of the model's intermediate_size."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    renormalize: bool
+    dense_layers: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    sliding_window: int | None
+    moe: MoEShape | None = None
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether a layer's MLP is the mixture of experts."""
+        return self.moe is not None and layer not in self.moe.dense_layers
+
+    @classmethod
+    def from_hf_config(cls, cfg: Any) -> "ModelShape":
+        """Raises UnsupportedModelError for an architecture or activation no family serves."""
+        arch = resolve_architecture(cfg)
+        heads = cfg.num_attention_heads
+        attention_bias = bool(getattr(cfg, "attention_bias", False))
+        is_qwen2 = arch == "Qwen2ForCausalLM"
+        window = getattr(cfg, "sliding_window", None)
+        if not getattr(cfg, "use_sliding_window", True):  # Qwen's switch
+            window = None
+        act = getattr(cfg, "hidden_act", "silu")
+        if act != "silu":
+            raise UnsupportedModelError(f"hidden_act {act!r} is not supported (only silu)")
+        return cls(
+            architecture=arch,
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.hidden_size,
+            num_layers=cfg.num_hidden_layers,
+            num_heads=heads,
+            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+            intermediate_size=cfg.intermediate_size,
+            rms_norm_eps=cfg.rms_norm_eps,
+            qkv_bias=is_qwen2 or attention_bias,
+            o_bias=attention_bias and not is_qwen2,
+            mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+            tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+            max_position_embeddings=cfg.max_position_embeddings,
+            sliding_window=window,
+            moe=_moe_shape(arch, cfg),
+        )
+
+
+def _moe_shape(arch: str, cfg: Any) -> MoEShape | None:
+    """The experts of a mixture-of-experts config, in each family's own field names."""
+    if arch == "MixtralForCausalLM":
+        return MoEShape(num_experts=cfg.num_local_experts, top_k=cfg.num_experts_per_tok,
+                        intermediate_size=cfg.intermediate_size, renormalize=True)
+    if arch == "Qwen3MoeForCausalLM":
+        step = getattr(cfg, "decoder_sparse_step", 1) or 1
+        only_mlp = set(getattr(cfg, "mlp_only_layers", None) or ())
+        dense = tuple(i for i in range(cfg.num_hidden_layers)
+                      if i in only_mlp or cfg.num_experts == 0 or (i + 1) % step)
+        return MoEShape(num_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok,
+                        intermediate_size=cfg.moe_intermediate_size,
+                        renormalize=bool(getattr(cfg, "norm_topk_prob", False)),
+                        dense_layers=dense)
+    return None
+
+
+__all__ = ["ModelShape", "MoEShape"]

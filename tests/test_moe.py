@@ -1,0 +1,220 @@
+"""Mixture-of-experts models (issue 43): Mixtral and Qwen3-MoE against transformers on
+tiny random-weight checkpoints, the router and the grouped expert matmul against their
+references, tensor parallelism, LoRA on a MoE base, and the refusals.
+
+The tiny models have more experts than a step's tokens pick at once and top-2 routing,
+so every step mixes experts with several, one or no rows; Qwen3-MoE's layer 1 is dense
+(mlp_only_layers)."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from engine import LLM, LoRARequest, SamplingParams
+from engine.errors import InvalidRequestError, UnsupportedModelError
+from tests.conftest import build_tiny_model, hf_greedy
+from tests.test_parity import _prompts
+
+NEW_TOKENS = 16
+MOE_CONFIGS = {
+    "mixtral": dict(num_local_experts=6, num_experts_per_tok=2),
+    "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                      norm_topk_prob=True, mlp_only_layers=[1]),
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory, tiny_tokenizer_dir) -> dict:
+    root = tmp_path_factory.mktemp("moe")
+    return {arch: build_tiny_model(root / arch, arch, tiny_tokenizer_dir, **kwargs)
+            for arch, kwargs in MOE_CONFIGS.items()}
+
+
+def _greedy(llm, prompts, n=NEW_TOKENS, **kwargs):
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    return [o.outputs[0].token_ids
+            for o in llm.generate(prompts, params, use_tqdm=False, **kwargs)]
+
+
+def _hf_logprobs(model_dir, sequences) -> list[list[float]]:
+    """Each token's logprob (from the second on) under transformers, fp32."""
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    out = []
+    for ids in sequences:
+        with torch.no_grad():
+            lp = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), -1)
+        out.append([lp[i, t].item() for i, t in enumerate(ids[1:])])
+    return out
+
+
+def _prompt_logprobs(llm, sequences) -> list[list[float]]:
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    return [[e[t].logprob for t, e in zip(o.prompt_token_ids[1:], o.prompt_logprobs[1:])]
+            for o in llm.generate(sequences, params, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("arch", list(MOE_CONFIGS))
+def test_moe_matches_hf_through_chunked_prefill_and_a_prefix_hit(tiny_moe, arch):
+    """Greedy tokens equal transformers', and teacher-forced every position's logprob
+    agrees within fp32 rounding: prompts longer than a step's token budget run in chunks,
+    and the last two share a cached prefix."""
+    model = tiny_moe[arch]
+    prompts = _prompts([3, 17, 70, 9])
+    prompts += [prompts[2][:48] + p for p in _prompts([5, 12], seed=1)]
+    llm = LLM(str(model), dtype="float32", max_num_batched_tokens=24, block_size=8,
+              enable_prefix_caching=True)
+    try:
+        got = _greedy(llm, prompts)
+        assert got == hf_greedy(model, prompts, NEW_TOKENS)
+        sequences = [p + g for p, g in zip(prompts, got)]
+        for mine, ref in zip(_prompt_logprobs(llm, sequences), _hf_logprobs(model, sequences)):
+            assert mine == pytest.approx(ref, abs=1e-4)
+        assert llm.llm_engine.engine_core.runner.model.stack is None  # the modules run it
+    finally:
+        llm.shutdown()
+
+
+def test_moe_in_the_cpus_default_dtype_stays_near_fp32(tiny_moe):
+    """The auto dtype (bf16 where the CPU has it) through the packed router and the
+    grouped experts, teacher-forced on its own greedy tokens against fp32 transformers.
+    bf16 moves a dense tiny model's logprobs by up to ~0.1 here; a router whose top two
+    are closer than bf16's rounding picks another expert for that token (as any bf16
+    engine would), which moves its logprob further. So: most positions within 0.1, and
+    none off by a broken kernel's margin."""
+    model = tiny_moe["mixtral"]
+    prompts = _prompts([20, 45, 33], seed=2)
+    llm = LLM(str(model), max_num_batched_tokens=32)
+    try:
+        got = _greedy(llm, prompts, 8)
+        sequences = [p + g for p, g in zip(prompts, got)]
+        diffs = [abs(a - b) for m, r in zip(_prompt_logprobs(llm, sequences),
+                                            _hf_logprobs(model, sequences))
+                 for a, b in zip(m, r)]
+        assert sum(d < 0.1 for d in diffs) >= 0.8 * len(diffs), sorted(diffs)[-10:]
+        assert max(diffs) < 3.0, sorted(diffs)[-10:]
+    finally:
+        llm.shutdown()
+
+
+def test_moe_tp2_matches_tp1(tiny_moe):
+    """Every rank holds half of every expert's columns: the same greedy tokens and
+    logprobs as one rank, and half the expert bytes."""
+    from tests.test_tensor_parallel import _tp_vs_single
+    usage, whole = _tp_vs_single(tiny_moe["qwen3_moe"], 2, max_num_batched_tokens=32,
+                                 block_size=8)
+    assert all(0.4 * whole < b < 0.6 * whole for b in usage["per_rank_weights_bytes"])
+
+
+def test_route_matches_the_families_routers():
+    from transformers import MixtralConfig, Qwen3MoeConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+    from engine.model.layers.moe import route
+    torch.manual_seed(0)
+    x = torch.randn(7, 16)
+    for router, renormalize in (
+            (MixtralTopKRouter(MixtralConfig(hidden_size=16, num_local_experts=5,
+                                             num_experts_per_tok=2)), True),
+            (Qwen3MoeTopKRouter(Qwen3MoeConfig(hidden_size=16, num_experts=6,
+                                               num_experts_per_tok=3,
+                                               norm_topk_prob=False)), False)):
+        torch.nn.init.normal_(router.weight)
+        _, want_weights, want_ids = router(x)
+        weights, ids = route(x @ router.weight.T, router.top_k, renormalize)
+        assert torch.equal(ids, want_ids)
+        assert torch.allclose(weights, want_weights.float(), atol=1e-6)
+
+
+def test_grouped_experts_equal_a_loop_over_experts_on_either_path(monkeypatch):
+    """The experts' product against a per-token reference, with torch's grouped matmul
+    and with the per-expert fallback; experts with no rows included."""
+    import engine.model.layers.moe as moe
+    torch.manual_seed(1)
+    experts = moe.FusedExperts(num_experts=5, hidden_size=12, intermediate=8)
+    torch.nn.init.normal_(experts.w13)
+    torch.nn.init.normal_(experts.w2)
+    x = torch.randn(9, 12)
+    ids = torch.tensor([[0, 2]] * 4 + [[2, 4]] * 5)  # experts 1 and 3 get nothing
+    weights = torch.rand(9, 2)
+    want = torch.zeros_like(x)
+    for t in range(9):
+        for j in range(2):
+            gate, up = (experts.w13[ids[t, j]] @ x[t]).split(8)
+            want[t] += weights[t, j] * (experts.w2[ids[t, j]] @ (torch.nn.functional.silu(gate)
+                                                                  * up))
+    assert torch.allclose(experts(x, weights, ids), want, atol=1e-5)
+    monkeypatch.setitem(moe._GROUPED, ("cpu", torch.float32), False)
+    assert torch.allclose(experts(x, weights, ids), want, atol=1e-5)
+
+
+def test_lora_on_a_moe_base_adds_to_attention_and_refuses_the_experts(tiny_moe, tmp_path):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from tests.test_lora import peft_greedy
+    model = tiny_moe["mixtral"]
+    torch.manual_seed(3)
+    base = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32)
+    peft = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                           init_lora_weights=False))
+    peft.save_pretrained(tmp_path / "attn")
+    prompts = _prompts([5, 19])
+    llm = LLM(str(model), dtype="float32", enable_lora=True, max_lora_rank=8)
+    try:
+        got = _greedy(llm, prompts, 8, lora_request=LoRARequest("attn", 1, str(tmp_path / "attn")))
+        assert got == peft_greedy(peft, prompts)  # which makes 8 tokens too
+        # an adapter on a sparse layer's MLP (as if it had a dense one) is refused by name
+        bad = tmp_path / "mlp"
+        bad.mkdir()
+        (bad / "adapter_config.json").write_text(json.dumps(
+            {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["gate_proj"]}))
+        prefix = "base_model.model.model.layers.0.mlp.gate_proj"
+        save_file({f"{prefix}.lora_A.weight": torch.ones(4, 64),
+                   f"{prefix}.lora_B.weight": torch.ones(128, 4)},
+                  bad / "adapter_model.safetensors")
+        with pytest.raises(InvalidRequestError, match="mixture of experts"):
+            _greedy(llm, prompts[:1], 2, lora_request=LoRARequest("mlp", 2, str(bad)))
+        assert len(_greedy(llm, prompts[:1], 2)) == 1  # and the engine serves on
+    finally:
+        llm.shutdown()
+
+
+def test_quantized_experts_and_unknown_architectures_are_refused_by_name(tiny_moe, tmp_path):
+    from engine.errors import UnsupportedQuantizationError
+    src = tiny_moe["qwen3_moe"]
+    quantized = tmp_path / "fp8"
+    quantized.mkdir()
+    for f in src.iterdir():
+        (quantized / f.name).symlink_to(f)
+    config = json.loads((src / "config.json").read_text())
+    (quantized / "config.json").unlink()
+    (quantized / "config.json").write_text(json.dumps(
+        {**config, "quantization_config": {"quant_method": "fp8",
+                                           "activation_scheme": "dynamic"}}))
+    with pytest.raises(UnsupportedQuantizationError, match="mixture-of-experts.*'fp8'"):
+        LLM(str(quantized), dtype="float32")
+    other = tmp_path / "gpt2"
+    other.mkdir()
+    for f in src.iterdir():
+        if f.name != "config.json":
+            (other / f.name).symlink_to(f)
+    (other / "config.json").write_text(json.dumps(
+        {**config, "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    with pytest.raises(UnsupportedModelError,
+                       match="GPT2LMHeadModel.*supported: .*MixtralForCausalLM"):
+        LLM(str(other), dtype="float32")
+
+
+def test_the_registry_and_the_family_modules_name_the_same_architectures():
+    import importlib
+
+    from engine.model import registry
+    declared = {}
+    for family in set(registry.ARCHITECTURES.values()):
+        module = importlib.import_module(f"engine.model.families.{family}")
+        declared.update({arch: family for arch in module.ARCHITECTURES})
+    assert declared == registry.ARCHITECTURES
+    assert set(registry.MODEL_TYPES.values()) <= set(registry.ARCHITECTURES)
