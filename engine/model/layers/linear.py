@@ -150,4 +150,6 @@ def pack_linears(model: nn.Module, keep_dense: set[int] | None = None, kernels=N
         if isinstance(module, Linear) and module.packed_weight is None and module.quant is None:
             module.pack(keep_dense=id(module.weight) in keep_dense, kernels=kernels)
             count += 1
+        elif not isinstance(module, Linear) and hasattr(module, "pack_weights"):
+            module.pack_weights(kernels)  # a layer with matrices of its own (MoE experts)
     return count
