@@ -86,6 +86,24 @@ def test_moe_matches_hf_through_chunked_prefill_and_a_prefix_hit(tiny_moe, arch,
         llm.shutdown()
 
 
+@pytest.mark.parametrize("arch", list(MOE_CONFIGS))
+def test_moe_with_n2_and_under_preemption_matches_hf(tiny_moe, arch):
+    """n=2 greedy samples are both HF's tokens; 24 blocks of 8 cannot hold these six
+    sequences at once, so some are preempted and recomputed, and still match."""
+    model = tiny_moe[arch]
+    prompts = _prompts([30, 31, 29, 40, 12, 25])
+    llm = LLM(str(model), dtype="float32", block_size=8, num_gpu_blocks_override=24)
+    try:
+        want = hf_greedy(model, prompts, 40)
+        assert _greedy(llm, prompts, 40) == want
+        assert llm.llm_engine.engine_core.scheduler.num_preemptions > 0
+        params = SamplingParams(n=2, temperature=0.0, max_tokens=12, ignore_eos=True)
+        for out, ref in zip(llm.generate(prompts[:2], params, use_tqdm=False), want):
+            assert [list(c.token_ids) for c in out.outputs] == [ref[:12]] * 2
+    finally:
+        llm.shutdown()
+
+
 def test_moe_in_the_cpus_default_dtype_stays_near_fp32(tiny_moe):
     """The auto dtype (bf16 where the CPU has it) through the packed router and the
     grouped experts, teacher-forced on its own greedy tokens against fp32 transformers.
@@ -235,3 +253,35 @@ def test_the_registry_and_the_family_modules_name_the_same_architectures():
         declared.update({arch: family for arch in module.ARCHITECTURES})
     assert declared == registry.ARCHITECTURES
     assert set(registry.MODEL_TYPES.values()) <= set(registry.ARCHITECTURES)
+
+
+def test_a_moe_model_served_over_the_openai_api_answers_as_offline(tiny_moe):
+    """`flotilla serve`'s path: the engine-core server and the OpenAI app over it; a chat
+    completion, templated by the checkpoint's tokenizer, equals LLM.chat's greedy text."""
+    from engine.config import EngineConfig
+    from engine.core.engine_core import EngineCore
+    from engine.model.loader import load_tokenizer
+    from engine.wire.core_server import EngineCoreServer
+    from tests.test_core_client import free_address
+    from tests.test_openai_app import MODEL, _Real, serve
+    model = tiny_moe["qwen3_moe"]
+    messages = [{"role": "user", "content": "Name a colour."}]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    llm = LLM(str(model), dtype="float32")
+    try:
+        offline = llm.chat(messages, params, use_tqdm=False)[0].outputs[0].text
+    finally:
+        llm.shutdown()
+    core = EngineCore(EngineConfig(model=str(model), dtype="float32"))
+    address = free_address()
+    server = EngineCoreServer(core, address).start()
+    try:
+        async def chat(http, oai):
+            return await oai.chat.completions.create(
+                model=MODEL, messages=messages, max_tokens=10, temperature=0.0,
+                extra_body={"ignore_eos": True})
+        reply = serve(_Real(address, load_tokenizer(model)), chat)
+    finally:
+        server.shutdown()
+    assert reply.choices[0].message.content == offline
+    assert reply.usage.completion_tokens == 10
