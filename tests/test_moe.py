@@ -13,10 +13,11 @@ from safetensors.torch import save_file
 
 from engine import LLM, LoRARequest, SamplingParams
 from engine.errors import InvalidRequestError, UnsupportedModelError
-from tests.conftest import build_tiny_model, hf_greedy
+from tests.conftest import build_tiny_model
+from tests.family_checks import (check_chunked_prefill_and_prefix_hit, check_n2_and_preemption,
+                                 greedy, hf_logprobs, prompt_logprobs)
 from tests.test_parity import _prompts
 
-NEW_TOKENS = 16
 MOE_CONFIGS = {
     "mixtral": dict(num_local_experts=6, num_experts_per_tok=2),
     "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
@@ -31,77 +32,24 @@ def tiny_moe(tmp_path_factory, tiny_tokenizer_dir) -> dict:
             for arch, kwargs in MOE_CONFIGS.items()}
 
 
-def _greedy(llm, prompts, n=NEW_TOKENS, **kwargs):
-    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-    return [o.outputs[0].token_ids
-            for o in llm.generate(prompts, params, use_tqdm=False, **kwargs)]
-
-
-def _hf_logprobs(model_dir, sequences) -> list[list[float]]:
-    """Each token's logprob (from the second on) under transformers, fp32."""
-    from transformers import AutoModelForCausalLM
-    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    out = []
-    for ids in sequences:
-        with torch.no_grad():
-            lp = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), -1)
-        out.append([lp[i, t].item() for i, t in enumerate(ids[1:])])
-    return out
-
-
-def _prompt_logprobs(llm, sequences) -> list[list[float]]:
-    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
-    return [[e[t].logprob for t, e in zip(o.prompt_token_ids[1:], o.prompt_logprobs[1:])]
-            for o in llm.generate(sequences, params, use_tqdm=False)]
-
-
 @pytest.mark.parametrize("arch,ops", [("mixtral", "native"), ("qwen3_moe", "native"),
                                       ("qwen3_moe", "torch")])
 def test_moe_matches_hf_through_chunked_prefill_and_a_prefix_hit(tiny_moe, arch, ops,
                                                                    monkeypatch):
-    """Greedy tokens equal transformers', and teacher-forced every position's logprob
-    agrees within fp32 rounding: prompts longer than a step's token budget run in chunks,
-    and the last two share a cached prefix. ops: the experts packed for the native CPU
-    kernels, or torch's grouped matmul (as on CUDA, or FLOTILLA_NATIVE_KERNELS=0)."""
+    """ops: the experts packed for the native CPU kernels, or torch's grouped matmul (as
+    on CUDA, or FLOTILLA_NATIVE_KERNELS=0)."""
     if ops == "torch":
         import engine.executor.model_runner
         monkeypatch.setattr(engine.executor.model_runner, "cpu_kernels", lambda: None)
         monkeypatch.setattr(engine.executor.model_runner, "native_enabled", lambda: False)
-    model = tiny_moe[arch]
-    prompts = _prompts([3, 17, 70, 9])
-    prompts += [prompts[2][:48] + p for p in _prompts([5, 12], seed=1)]
-    llm = LLM(str(model), dtype="float32", max_num_batched_tokens=24, block_size=8,
-              enable_prefix_caching=True)
-    try:
-        got = _greedy(llm, prompts)
-        assert got == hf_greedy(model, prompts, NEW_TOKENS)
-        sequences = [p + g for p, g in zip(prompts, got)]
-        for mine, ref in zip(_prompt_logprobs(llm, sequences), _hf_logprobs(model, sequences)):
-            assert mine == pytest.approx(ref, abs=1e-4)
-        model_module = llm.llm_engine.engine_core.runner.model
-        assert model_module.stack is None  # the modules run it
-        packed = model_module.layers[0].mlp.experts.w13 is None
-        assert packed == (ops == "native")
-    finally:
-        llm.shutdown()
+    model_module = check_chunked_prefill_and_prefix_hit(tiny_moe[arch])
+    assert model_module.stack is None  # the modules run it
+    assert (model_module.layers[0].mlp.experts.w13 is None) == (ops == "native")  # packed
 
 
 @pytest.mark.parametrize("arch", list(MOE_CONFIGS))
 def test_moe_with_n2_and_under_preemption_matches_hf(tiny_moe, arch):
-    """n=2 greedy samples are both HF's tokens; 24 blocks of 8 cannot hold these six
-    sequences at once, so some are preempted and recomputed, and still match."""
-    model = tiny_moe[arch]
-    prompts = _prompts([30, 31, 29, 40, 12, 25])
-    llm = LLM(str(model), dtype="float32", block_size=8, num_gpu_blocks_override=24)
-    try:
-        want = hf_greedy(model, prompts, 40)
-        assert _greedy(llm, prompts, 40) == want
-        assert llm.llm_engine.engine_core.scheduler.num_preemptions > 0
-        params = SamplingParams(n=2, temperature=0.0, max_tokens=12, ignore_eos=True)
-        for out, ref in zip(llm.generate(prompts[:2], params, use_tqdm=False), want):
-            assert [list(c.token_ids) for c in out.outputs] == [ref[:12]] * 2
-    finally:
-        llm.shutdown()
+    check_n2_and_preemption(tiny_moe[arch])
 
 
 def test_moe_in_the_cpus_default_dtype_stays_near_fp32(tiny_moe):
@@ -115,10 +63,10 @@ def test_moe_in_the_cpus_default_dtype_stays_near_fp32(tiny_moe):
     prompts = _prompts([20, 45, 33], seed=2)
     llm = LLM(str(model), max_num_batched_tokens=32)
     try:
-        got = _greedy(llm, prompts, 8)
+        got = greedy(llm, prompts, 8)
         sequences = [p + g for p, g in zip(prompts, got)]
-        diffs = [abs(a - b) for m, r in zip(_prompt_logprobs(llm, sequences),
-                                            _hf_logprobs(model, sequences))
+        diffs = [abs(a - b) for m, r in zip(prompt_logprobs(llm, sequences),
+                                            hf_logprobs(model, sequences))
                  for a, b in zip(m, r)]
         assert sum(d < 0.1 for d in diffs) >= 0.8 * len(diffs), sorted(diffs)[-10:]
         assert max(diffs) < 3.0, sorted(diffs)[-10:]
@@ -199,7 +147,8 @@ def test_lora_on_a_moe_base_adds_to_attention_and_refuses_the_experts(tiny_moe, 
     prompts = _prompts([5, 19])
     llm = LLM(str(model), dtype="float32", enable_lora=True, max_lora_rank=8)
     try:
-        got = _greedy(llm, prompts, 8, lora_request=LoRARequest("attn", 1, str(tmp_path / "attn")))
+        attn = LoRARequest("attn", 1, str(tmp_path / "attn"))
+        got = greedy(llm, prompts, 8, lora_request=attn)
         assert got == peft_greedy(peft, prompts)  # which makes 8 tokens too
         # an adapter on a sparse layer's MLP (as if it had a dense one) is refused by name
         bad = tmp_path / "mlp"
@@ -211,8 +160,8 @@ def test_lora_on_a_moe_base_adds_to_attention_and_refuses_the_experts(tiny_moe, 
                    f"{prefix}.lora_B.weight": torch.ones(128, 4)},
                   bad / "adapter_model.safetensors")
         with pytest.raises(InvalidRequestError, match="mixture of experts"):
-            _greedy(llm, prompts[:1], 2, lora_request=LoRARequest("mlp", 2, str(bad)))
-        assert len(_greedy(llm, prompts[:1], 2)) == 1  # and the engine serves on
+            greedy(llm, prompts[:1], 2, lora_request=LoRARequest("mlp", 2, str(bad)))
+        assert len(greedy(llm, prompts[:1], 2)) == 1  # and the engine serves on
     finally:
         llm.shutdown()
 

@@ -22,6 +22,7 @@ ARCHITECTURES: dict[str, str] = {
     "Qwen3ForCausalLM": "llama",
     "MixtralForCausalLM": "moe",
     "Qwen3MoeForCausalLM": "moe",
+    "Phi3ForCausalLM": "phi3",
 }
 
 # a config's model_type -> its architecture, for configs that name no architectures
@@ -32,6 +33,7 @@ MODEL_TYPES: dict[str, str] = {
     "qwen3": "Qwen3ForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 
 

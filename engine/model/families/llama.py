@@ -70,23 +70,26 @@ class LlamaAttention(nn.Module):
                                     self.num_heads, self.num_kv_heads, self.head_dim,
                                     self.scale, self.k_scale, self.v_scale)
             return self._project(o)
-        native_rope = self.kernels is not None and self.q_norm is None
+        native_rope = self.kernels is not None
         if native_rope:  # rotate q and k heads in place inside the fused qkv rows
+            if self.q_norm is not None:
+                qkv = self._norm_qk(qkv)
             self.kernels.rotary_inplace(qkv, rope.positions, rope.cos_table, rope.sin_table,
                                         self.num_heads + self.num_kv_heads, self.head_dim)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
         if not native_rope:
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rotary(q, k, rope.cos, rope.sin)
         return self._project(paged_attention(q, k, v, kv_cache, meta, self.scale, self.k_scale,
                                              self.v_scale).reshape(t, self.q_size))
 
     def _norm_qk(self, qkv: torch.Tensor) -> torch.Tensor:
-        """Qwen3: q and k heads normalised before the rotary, as a new fused qkv."""
+        """Qwen3: q and k heads normalised before the rotary, as a new fused qkv (which the
+        Triton kernels and the native rotary then take as any model's)."""
         t = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim)).reshape(t, -1)

@@ -1,8 +1,8 @@
 """Rotary position embedding with a precomputed cos/sin table.
 
 The inverse frequencies come from transformers' own RoPE functions for the
-scaled variants (linear, llama3, yarn, ...), so parity with HF holds for every
-static scaling type; dynamic NTK changes with sequence length and is refused.
+scaled variants (linear, llama3, yarn, longrope, ...), so parity with HF holds for
+every static scaling type; dynamic NTK changes with sequence length and is refused.
 """
 from __future__ import annotations
 
@@ -14,13 +14,24 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from engine.errors import UnsupportedModelError
 
-_SEQ_LEN_DEPENDENT = {"dynamic", "longrope"}
+_SEQ_LEN_DEPENDENT = {"dynamic"}
 
 
-def rope_inv_freq(hf_config: PretrainedConfig, head_dim: int) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies and the cos/sin scale of the model's RoPE variant."""
+def rope_inv_freq(hf_config: PretrainedConfig, head_dim: int,
+                  max_positions: int | None = None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and the cos/sin scale of the model's RoPE variant.
+
+    LongRoPE (Phi-3) has two sets of factors, the short ones for contexts within the
+    original training length and the long ones past it. Transformers switches per
+    forward by the sequence's length, which a KV cache cannot follow (the keys were
+    rotated when written), so the engine picks once, as vLLM does: the long factors
+    when max_positions (max_model_len) passes the original length, else the short."""
     params = dict(getattr(hf_config, "rope_parameters", None) or {})
     rope_type = params.get("rope_type", params.get("type", "default"))
+    if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise UnsupportedModelError(
+            f"partial_rotary_factor {params['partial_rotary_factor']} is not supported "
+            "(RoPE rotates whole heads here)")
     if rope_type == "default":
         base = float(params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
         inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu")
@@ -28,6 +39,13 @@ def rope_inv_freq(hf_config: PretrainedConfig, head_dim: int) -> tuple[torch.Ten
         return inv.float(), 1.0
     if rope_type in _SEQ_LEN_DEPENDENT or rope_type not in ROPE_INIT_FUNCTIONS:
         raise UnsupportedModelError(f"rope_type {rope_type!r} is not supported")
+    if rope_type == "longrope":
+        original = int(params.get("original_max_position_embeddings")
+                       or getattr(hf_config, "original_max_position_embeddings", 0) or 0)
+        long = max_positions is not None and max_positions > original
+        inv, scale = ROPE_INIT_FUNCTIONS[rope_type](
+            hf_config, torch.device("cpu"), seq_len=max_positions if long else None)
+        return inv.float(), float(scale)
     inv, scale = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
     return inv.float(), float(scale)
 
@@ -40,7 +58,7 @@ class RotaryEmbedding(torch.nn.Module):
         # on the CPU whatever device is current: the model is first built on the meta
         # device, where arange runs through torch's Python references, whose first call
         # imports torch._dynamo and inductor (1.7 s of every engine start)
-        inv_freq, scale = rope_inv_freq(hf_config, head_dim)
+        inv_freq, scale = rope_inv_freq(hf_config, head_dim, max_positions)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float, device="cpu"),
                             inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
