@@ -4,7 +4,8 @@ The checkpoint is random-weight, made once with transformers' own Qwen3MoeConfig
 saved (bf16 safetensors) under the cache, so every engine loads the same file: hidden
 1024, 8 layers, 16 query heads over 4 KV heads of 64, 32 experts of width 512, top-4
 (normalised, as Qwen3-MoE ships), the default model's tokenizer (vocabulary 49,152).
-That is 0.50 B parameters, 0.06 B of them active per token besides the embeddings.
+That is 0.52 B parameters; a token runs 0.07 B of them in its layers, plus the
+50 M of the LM head.
 
 W1's shape (bench/throughput.py): 64 prompts x 64 token ids, 128 greedy tokens each,
 ignore_eos; output tokens / wall time. Flotilla alternates with HF transformers

@@ -96,6 +96,29 @@ def test_cuda_bf16_logprobs_close_to_hf_fp32(tiny_llama, backend):
             assert abs(lp.logprob - want) < 0.05 + 0.02 * abs(want)  # bf16: ~3 significant digits
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cuda_moe_matches_hf_and_its_graphs_match_eager(tmp_path_factory, tiny_tokenizer_dir,
+                                                        backend):
+    """Qwen3-MoE on the GPU: in float32 the experts run one matmul each (torch's grouped
+    matmul takes bf16 on CUDA), eagerly, and equal HF; in bf16 the grouped matmul keeps
+    its offsets on the device, so decode steps replay graphs, which equal eager steps."""
+    from engine.model.layers.moe import grouped_mm_available
+    from tests.conftest import build_tiny_model
+    from tests.test_moe import MOE_CONFIGS
+    model = build_tiny_model(tmp_path_factory.mktemp("moe") / "qwen3_moe", "qwen3_moe",
+                             tiny_tokenizer_dir, **MOE_CONFIGS["qwen3_moe"])
+    prompts = _prompts([3, 17, 40, 64, 9])
+    llm = _llm(model, attention_backend=backend)
+    assert _greedy(llm, prompts) == hf_greedy(model, prompts, N)
+    graphs = _llm(model, dtype="bfloat16", attention_backend=backend)
+    grouped = grouped_mm_available(torch.device("cuda"), torch.bfloat16)
+    assert (_core(graphs).runner.graphs is not None) == grouped
+    if not grouped:
+        pytest.skip("torch's grouped matmul does not run on this GPU: no MoE graphs")
+    eager = _llm(model, dtype="bfloat16", enforce_eager=True, attention_backend=backend)
+    assert _greedy(graphs, prompts, 12) == _greedy(eager, prompts, 12)
+
+
 def test_cuda_fp8_kv_cache_on_the_triton_kernels(tiny_llama):
     """The Triton kernels on an e4m3 cache, compiled: four times float32's blocks in the
     same bytes; decodes replayed from graphs give the eager engine's tokens and

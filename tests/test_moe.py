@@ -108,6 +108,7 @@ def test_grouped_experts_equal_a_loop_over_experts_on_either_path(monkeypatch):
     """The experts' product against a per-token reference, with torch's grouped matmul
     and with the per-expert fallback; experts with no rows included."""
     import engine.model.layers.moe as moe
+    assert moe.grouped_mm_available(torch.device("cpu"), torch.float32)
     torch.manual_seed(1)
     experts = moe.FusedExperts(num_experts=5, hidden_size=12, intermediate=8)
     torch.nn.init.normal_(experts.w13)
@@ -150,18 +151,25 @@ def test_lora_on_a_moe_base_adds_to_attention_and_refuses_the_experts(tiny_moe, 
         attn = LoRARequest("attn", 1, str(tmp_path / "attn"))
         got = greedy(llm, prompts, 8, lora_request=attn)
         assert got == peft_greedy(peft, prompts)  # which makes 8 tokens too
-        # an adapter on a sparse layer's MLP (as if it had a dense one) is refused by name
-        bad = tmp_path / "mlp"
-        bad.mkdir()
-        (bad / "adapter_config.json").write_text(json.dumps(
-            {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["gate_proj"]}))
-        prefix = "base_model.model.model.layers.0.mlp.gate_proj"
-        save_file({f"{prefix}.lora_A.weight": torch.ones(4, 64),
-                   f"{prefix}.lora_B.weight": torch.ones(128, 4)},
-                  bad / "adapter_model.safetensors")
-        with pytest.raises(InvalidRequestError, match="mixture of experts"):
-            greedy(llm, prompts[:1], 2, lora_request=LoRARequest("mlp", 2, str(bad)))
+        # adapters on the experts (as hub adapters name them: per expert, Mixtral's w1,
+        # or a sparse layer's MLP as if it were dense) are refused by what they target
+        for i, (module, out) in enumerate((("mlp.experts.0.gate_proj", 128),
+                                           ("block_sparse_moe.experts.3.w1", 128),
+                                           ("mlp.gate_proj", 128)), 2):
+            bad = tmp_path / f"mlp{i}"
+            bad.mkdir()
+            (bad / "adapter_config.json").write_text(json.dumps(
+                {"peft_type": "LORA", "r": 4, "lora_alpha": 8,
+                 "target_modules": [module.split(".")[-1]]}))
+            prefix = f"base_model.model.model.layers.0.{module}"
+            save_file({f"{prefix}.lora_A.weight": torch.ones(4, 64),
+                       f"{prefix}.lora_B.weight": torch.ones(out, 4)},
+                      bad / "adapter_model.safetensors")
+            with pytest.raises(InvalidRequestError, match="mixture of experts"):
+                greedy(llm, prompts[:1], 2, lora_request=LoRARequest(module, i, str(bad)))
         assert len(greedy(llm, prompts[:1], 2)) == 1  # and the engine serves on
+        slots = llm.llm_engine.engine_core.runner.lora_slots
+        assert (0, "qkv_proj") in slots.a and (0, "gate_up_proj") not in slots.a
     finally:
         llm.shutdown()
 
@@ -178,7 +186,8 @@ def test_quantized_experts_and_unknown_architectures_are_refused_by_name(tiny_mo
     (quantized / "config.json").write_text(json.dumps(
         {**config, "quantization_config": {"quant_method": "fp8",
                                            "activation_scheme": "dynamic"}}))
-    with pytest.raises(UnsupportedQuantizationError, match="mixture-of-experts.*'fp8'"):
+    with pytest.raises(UnsupportedQuantizationError,
+                       match="mixture-of-experts.*quantized as 'fp8'"):
         LLM(str(quantized), dtype="float32")
     other = tmp_path / "gpt2"
     other.mkdir()

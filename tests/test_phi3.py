@@ -8,7 +8,9 @@ import torch
 from engine import LLM
 from engine.errors import UnsupportedModelError
 from tests.conftest import build_tiny_model
-from tests.family_checks import check_chunked_prefill_and_prefix_hit, check_n2_and_preemption
+from tests.family_checks import (check_chunked_prefill_and_prefix_hit, check_n2_and_preemption,
+                                 hf_logprobs, prompt_logprobs)
+from tests.test_parity import _prompts
 
 HEAD_DIM = 16  # TINY: hidden 64 over 4 heads
 
@@ -67,21 +69,59 @@ def test_longrope_past_the_original_context_takes_the_long_factors(tiny_phi3):
         angles = torch.outer(torch.arange(max_len).float(), inv.float())
         want = torch.cat((angles, angles), -1).cos() * scale
         assert torch.allclose(rope.cos, want, atol=1e-5)
+    # past the original context transformers switches to the long factors for the
+    # whole forward: a 300-token sequence, teacher-forced, agrees with them
+    sequence = _prompts([300], seed=4)
     llm = LLM(str(tiny_phi3["longrope"]), dtype="float32", max_model_len=512)
     try:
         assert llm.llm_engine.engine_core.runner.model.rotary.cos.shape[0] == 512
+        mine = prompt_logprobs(llm, sequence)[0]
     finally:
         llm.shutdown()
+    assert mine == pytest.approx(hf_logprobs(tiny_phi3["longrope"], sequence)[0], abs=1e-4)
 
 
-def test_partial_rotary_is_refused_by_name(tiny_phi3, tmp_path):
-    src = tiny_phi3["plain"]
+def _with_config(src, folder, **changes):
+    """A copy of a checkpoint (its files linked) whose config.json has changes."""
+    folder.mkdir()
     for f in src.iterdir():
         if f.name != "config.json":
-            (tmp_path / f.name).symlink_to(f)
+            (folder / f.name).symlink_to(f)
     config = json.loads((src / "config.json").read_text())
-    config["partial_rotary_factor"] = 0.75
-    config.setdefault("rope_parameters", {})["partial_rotary_factor"] = 0.75
-    (tmp_path / "config.json").write_text(json.dumps(config))
+    (folder / "config.json").write_text(json.dumps({**config, **changes}))
+    return folder
+
+
+def test_partial_rotary_and_quantized_checkpoints_are_refused_by_name(tiny_phi3, tmp_path):
+    from engine.errors import UnsupportedQuantizationError
+    src = tiny_phi3["plain"]
+    rope = json.loads((src / "config.json").read_text()).get("rope_parameters") or {}
+    partial = _with_config(src, tmp_path / "partial", partial_rotary_factor=0.75,
+                           rope_parameters={**rope, "partial_rotary_factor": 0.75})
     with pytest.raises(UnsupportedModelError, match="partial_rotary_factor 0.75"):
-        LLM(str(tmp_path), dtype="float32")
+        LLM(str(partial), dtype="float32")
+    fp8 = _with_config(src, tmp_path / "fp8", quantization_config={
+        "quant_method": "fp8", "activation_scheme": "dynamic"})
+    with pytest.raises(UnsupportedQuantizationError, match="Phi-3.*quantized as 'fp8'"):
+        LLM(str(fp8), dtype="float32")
+
+
+def test_an_adapter_on_the_fused_projections_is_refused_by_name(tiny_phi3, tmp_path):
+    """PEFT's Phi-3 adapters target qkv_proj / gate_up_proj, which LoRA here does not
+    reach yet: refused saying so, and the engine serves on."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from engine import LoRARequest
+    from engine.errors import InvalidRequestError
+    from tests.family_checks import greedy
+    base = AutoModelForCausalLM.from_pretrained(str(tiny_phi3["plain"]), dtype=torch.float32)
+    get_peft_model(base, LoraConfig(r=4, target_modules=["qkv_proj"])).save_pretrained(
+        tmp_path / "qkv")
+    llm = LLM(str(tiny_phi3["plain"]), dtype="float32", enable_lora=True, max_lora_rank=8)
+    try:
+        with pytest.raises(InvalidRequestError, match="fused projection.*qkv_proj"):
+            greedy(llm, [[5, 6, 7]], 2, lora_request=LoRARequest("qkv", 1, str(tmp_path / "qkv")))
+        assert len(greedy(llm, [[5, 6, 7]], 2)) == 1
+    finally:
+        llm.shutdown()

@@ -215,8 +215,9 @@ class ModelRunner:
         the device; the per-expert fallback reads them on the host)."""
         if self.shape.moe is None:
             return True
-        from engine.model.layers.moe import grouped_mm_available
-        return grouped_mm_available(self.device, self.dtype)
+        from engine.model.layers.moe import grouped_mm_available, grouped_shapes_ok
+        return (grouped_mm_available(self.device, self.dtype)
+                and grouped_shapes_ok(self.shape.hidden_size, self.plan.expert_intermediate_size))
 
     def _capture_graphs(self) -> None:
         if self._use_graphs() and self.model is not None and self.kv_caches is not None:
@@ -304,8 +305,9 @@ class ModelRunner:
 
     def _quant_kernels(self):
         """The kernels that multiply a quantized checkpoint's weights (GGUF blocks, AWQ and
-        GPTQ read as such, int8 W8A8, fp8) as stored, or None: they are then decoded to the activation dtype (said in
-        the log, not silently; int8's activations are then not quantized either)."""
+        GPTQ read as such, int8 W8A8, fp8) as stored, or None: they are then decoded to
+        the activation dtype (said in the log, not silently; int8's activations are then
+        not quantized either)."""
         fmt = "gguf" if is_gguf_checkpoint(self.checkpoint) \
             else checkpoint_quantization(self.hf_config)
         if fmt is None:

@@ -48,6 +48,19 @@ class LoRAAdapter:
                    for a, b in self.weights.values())
 
 
+def _refuse_unserved_layout(key: str) -> None:
+    """Adapters on a mixture of experts' experts, or on a checkpoint's fused projections
+    (Phi-3's qkv_proj / gate_up_proj), refused by what they are, not key by key."""
+    if ".experts." in key or ".block_sparse_moe." in key:
+        raise LoRAError(f"adapter tensor {key!r} targets a mixture of experts' experts; "
+                        "adapters are served on attention (q_proj, k_proj, v_proj, o_proj) "
+                        "and dense MLPs")
+    if re.search(r"\.(qkv_proj|gate_up_proj)\.lora_", key):
+        raise LoRAError(f"adapter tensor {key!r} targets a fused projection (Phi-3's "
+                        "qkv_proj / gate_up_proj), which adapters are not served on yet; "
+                        "supported: " + ", ".join(_TARGETS))
+
+
 def read_config(path: str | Path, max_rank: int) -> dict:
     """adapter_config.json, checked: a plain LoRA of rank <= max_rank on supported
     modules. Raises LoRAError saying what is wrong."""
@@ -100,6 +113,7 @@ def _load(name: str, path: str | Path, shape, plan, max_rank: int,
     bad: set[str] = set()
     with safe_open(str(Path(path) / "adapter_model.safetensors"), framework="pt") as f:
         for key in f.keys():
+            _refuse_unserved_layout(key)
             match = _KEY.search(key)
             if match is None or match.group(2) not in _TARGETS:
                 bad.add(match.group(2) if match else key)

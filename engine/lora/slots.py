@@ -24,6 +24,8 @@ class LoRASlots:
         self.b: dict[tuple[int, str], torch.Tensor] = {}
         for layer in range(shape.num_layers):
             for fused, subs in FUSED_SUBS.items():
+                if fused in ("gate_up_proj", "down_proj") and shape.is_sparse(layer):
+                    continue  # a mixture of experts: adapters never reach it
                 width = subs * max_rank
                 self.a[(layer, fused)] = torch.zeros(
                     max_loras, layout.in_size(fused), width, dtype=dtype, device=device)

@@ -148,14 +148,22 @@ def resolve_quantization(requested: str | None, checkpoint_format: str | None,
 
 
 def check_quantized_family(fmt: str | None, shape: Any, model: str) -> None:
-    """Refuse a quantized mixture-of-experts checkpoint before its weights are read: the
-    experts' grouped matmuls take floats (engine.model.layers.moe), and a silent
-    dequantize of every expert would hide the format's memory from its user."""
-    if fmt is not None and getattr(shape, "moe", None) is not None:
-        raise UnsupportedQuantizationError(
-            f"model {model!r} is a mixture-of-experts model ({shape.architecture}) quantized "
-            f"as {fmt!r}; quantized experts are not served yet: serve its float16, bfloat16 "
-            "or float32 checkpoint")
+    """Refuse a quantized checkpoint of a family whose loader reads floats only, before
+    its weights are read: a mixture of experts (the experts' products take floats,
+    engine.model.layers.moe; a silent dequantize of every expert would hide the format's
+    memory from its user) and Phi-3 (its fused qkv / gate_up tensors are split at load,
+    which the quantized formats' per-tensor pieces are not)."""
+    if fmt is None:
+        return
+    if getattr(shape, "moe", None) is not None:
+        what = f"a mixture-of-experts model ({shape.architecture})"
+    elif shape.architecture == "Phi3ForCausalLM":
+        what = "a Phi-3 model (fused qkv_proj / gate_up_proj)"
+    else:
+        return
+    raise UnsupportedQuantizationError(
+        f"model {model!r} is {what} quantized as {fmt!r}; quantized checkpoints of it are "
+        "not served yet: serve its float16, bfloat16 or float32 checkpoint")
 
 
 def check_gguf_types(types: Iterable[str], model: str) -> None:

@@ -2,10 +2,12 @@
 
 Why grouped: a token's k experts differ from its neighbours', so a per-token loop would
 call 2k small matmuls per token. Instead the (token, expert) pairs are sorted by expert;
-each expert then multiplies one contiguous run of rows, and torch's grouped matmul
-(`torch._grouped_mm`, offsets kept on the device, so a CUDA graph can hold it) does all
-of the experts in one call. Where it cannot run (a device or dtype it lacks) the same
-runs go through one matmul per expert that has rows. No step ever loops over tokens.
+each expert then multiplies one contiguous run of rows. On CPU each expert's matrices
+are packed for the native kernels and each run is one call (FusedExperts.pack_weights);
+elsewhere torch's grouped matmul (`torch._grouped_mm`, offsets kept on the device, so a
+CUDA graph can hold it) does all of the experts in one call, and where it cannot run (a
+device, dtype or shape it lacks) each expert with rows runs one matmul. No step ever
+loops over tokens.
 
 Under tensor parallelism every rank holds a column slice of every expert (gate and up
 by output rows, down by input columns, like the dense MLP) and the block's output is
@@ -34,12 +36,14 @@ def grouped_mm_available(device: torch.device, dtype: torch.dtype) -> bool:
     if key not in _GROUPED:
         ok = False
         if hasattr(torch, "_grouped_mm"):
-            try:
-                a = torch.ones(32, 16, dtype=dtype, device=device)
-                b = torch.ones(2, 16, 16, dtype=dtype, device=device)
-                offs = torch.tensor([16, 32], dtype=torch.int32, device=device)
+            try:  # small integers: exact in every dtype, distinct per group
+                a = torch.arange(48 * 16, device=device).remainder(7).to(dtype).view(48, 16)
+                b = torch.arange(3 * 16 * 16, device=device).remainder(5).to(dtype)
+                b = b.view(3, 16, 16)
+                offs = torch.tensor([16, 16, 48], dtype=torch.int32, device=device)
                 out = torch._grouped_mm(a, b.transpose(1, 2), offs=offs)
-                ok = bool(torch.equal(out, a @ b[0].T))
+                want = torch.cat([a[:16] @ b[0].T, a[16:] @ b[2].T])
+                ok = bool(torch.equal(out, want))
             except (RuntimeError, NotImplementedError, TypeError):
                 ok = False
         if not ok:
@@ -49,11 +53,17 @@ def grouped_mm_available(device: torch.device, dtype: torch.dtype) -> bool:
     return _GROUPED[key]
 
 
+def grouped_shapes_ok(*dims: int) -> bool:
+    """torch's grouped matmul needs 16-byte aligned rows: every dimension a multiple of 8
+    (bf16; CUDA checks it and raises otherwise)."""
+    return all(d % 8 == 0 for d in dims)
+
+
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """Rows offsets[e-1]:offsets[e] of x times weight[e].T, for every expert e.
 
     x: [N, K], sorted by expert; weight: [E, M, K]; offsets: [E] int32 cumulative ends."""
-    if grouped_mm_available(x.device, x.dtype):
+    if grouped_mm_available(x.device, x.dtype) and grouped_shapes_ok(*weight.shape[1:]):
         return torch._grouped_mm(x, weight.transpose(1, 2), offs=offsets)
     out = x.new_empty(x.shape[0], weight.shape[1])
     start = 0
@@ -96,7 +106,7 @@ class FusedExperts(nn.Module):
 
     def pack_weights(self, kernels) -> None:
         """Pack every expert for the native kernels (where they take this dtype); the
-        stacked tensors are released, so packing costs no memory."""
+        stacked tensors are released once all are packed."""
         if self._native is not None or not native_packs(kernels, self.w13.dtype):
             return
         w13, w2 = self.w13.detach(), self.w2.detach()
@@ -134,8 +144,13 @@ class FusedExperts(nn.Module):
                 gate, up = gate_up.split(self.intermediate, dim=-1)
                 act = F.silu(gate) * up
             down = grouped_linear(act, self.w2, offsets)
-        down = down * weights.reshape(-1)[order].unsqueeze(-1).to(down.dtype)
-        return torch.zeros_like(x).index_add_(0, token, down)
+        # back in (token, k) order, then each token's k products weighted and summed in a
+        # fixed order (an index_add_ would sum them with atomics on CUDA: run to run,
+        # and graph to eager, the order and so the rounding would change)
+        unsorted = torch.empty_like(down)
+        unsorted[order] = down
+        mixed = unsorted.view(t, k, -1).float().mul_(weights.unsqueeze(-1)).sum(dim=1)
+        return mixed.to(x.dtype)
 
     def _native_products(self, rows: torch.Tensor, ends: list[int]) -> torch.Tensor:
         """Each expert's run of rows through its packed gate/up (SiLU x up fused) and down."""
@@ -172,4 +187,4 @@ class SparseMoeBlock(nn.Module):
 
 
 __all__ = ["FusedExperts", "SparseMoeBlock", "grouped_linear", "grouped_mm_available",
-           "route"]
+           "grouped_shapes_ok", "route"]
