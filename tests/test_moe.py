@@ -1,10 +1,10 @@
-"""Mixture-of-experts models (issue 43): Mixtral and Qwen3-MoE against transformers on
+"""Mixture-of-experts models (issue 43): Mixtral, Qwen2-MoE and Qwen3-MoE against transformers on
 tiny random-weight checkpoints, the router and the grouped expert matmul against their
 references, tensor parallelism, LoRA on a MoE base, and the refusals.
 
 The tiny models have more experts than a step's tokens pick at once and top-2 routing,
 so every step mixes experts with several, one or no rows; Qwen3-MoE's layer 1 is dense
-(mlp_only_layers)."""
+(mlp_only_layers); Qwen2-MoE adds its gated shared expert and q/k/v biases."""
 import json
 
 import pytest
@@ -22,6 +22,8 @@ MOE_CONFIGS = {
     "mixtral": dict(num_local_experts=6, num_experts_per_tok=2),
     "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                       norm_topk_prob=True, mlp_only_layers=[1]),
+    "qwen2_moe": dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=48, norm_topk_prob=False),
 }
 
 
@@ -33,7 +35,7 @@ def tiny_moe(tmp_path_factory, tiny_tokenizer_dir) -> dict:
 
 
 @pytest.mark.parametrize("arch,ops", [("mixtral", "native"), ("qwen3_moe", "native"),
-                                      ("qwen3_moe", "torch")])
+                                      ("qwen3_moe", "torch"), ("qwen2_moe", "native")])
 def test_moe_matches_hf_through_chunked_prefill_and_a_prefix_hit(tiny_moe, arch, ops,
                                                                    monkeypatch):
     """ops: the experts packed for the native CPU kernels, or torch's grouped matmul (as
@@ -74,11 +76,12 @@ def test_moe_in_the_cpus_default_dtype_stays_near_fp32(tiny_moe):
         llm.shutdown()
 
 
-def test_moe_tp2_matches_tp1(tiny_moe):
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
+def test_moe_tp2_matches_tp1(tiny_moe, arch):
     """Every rank holds half of every expert's columns: the same greedy tokens and
     logprobs as one rank, and half the expert bytes."""
     from tests.test_tensor_parallel import _tp_vs_single
-    usage, whole = _tp_vs_single(tiny_moe["qwen3_moe"], 2, max_num_batched_tokens=32,
+    usage, whole = _tp_vs_single(tiny_moe[arch], 2, max_num_batched_tokens=32,
                                  block_size=8)
     assert all(0.4 * whole < b < 0.6 * whole for b in usage["per_rank_weights_bytes"])
 

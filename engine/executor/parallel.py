@@ -35,6 +35,7 @@ class ShardPlan:
     intermediate_size: int
     vocab_per_rank: int
     expert_intermediate_size: int = 0  # each expert's columns on this rank (MoE models)
+    shared_intermediate_size: int = 0  # the shared expert's columns on this rank
 
     @classmethod
     def build(cls, shape, rank: int, size: int) -> "ShardPlan":
@@ -51,6 +52,8 @@ class ShardPlan:
                    intermediate_size=shape.intermediate_size // size,
                    vocab_per_rank=-(-shape.vocab_size // size),
                    expert_intermediate_size=(shape.moe.intermediate_size // size
+                                             if shape.moe is not None else 0),
+                   shared_intermediate_size=(shape.moe.shared_intermediate_size // size
                                              if shape.moe is not None else 0))
 
     @property
@@ -77,6 +80,8 @@ def check_divisible(shape, size: int) -> None:
     moe = getattr(shape, "moe", None)
     if moe is not None and moe.intermediate_size % size:
         problems.append(f"expert width {moe.intermediate_size}")
+    if moe is not None and moe.shared_intermediate_size % size:
+        problems.append(f"shared expert width {moe.shared_intermediate_size}")
     if problems:
         raise InvalidRequestError(
             f"tensor_parallel_size={size} does not divide the model: {', '.join(problems)}")

@@ -51,7 +51,7 @@ class LoRAAdapter:
 def _refuse_unserved_layout(key: str) -> None:
     """Adapters on a mixture of experts' experts, or on a checkpoint's fused projections
     (Phi-3's qkv_proj / gate_up_proj), refused by what they are, not key by key."""
-    if ".experts." in key or ".block_sparse_moe." in key:
+    if any(part in key for part in (".experts.", ".block_sparse_moe.", ".shared_expert.")):
         raise LoRAError(f"adapter tensor {key!r} targets a mixture of experts' experts; "
                         "adapters are served on attention (q_proj, k_proj, v_proj, o_proj) "
                         "and dense MLPs")

@@ -21,6 +21,7 @@ ARCHITECTURES: dict[str, str] = {
     "Qwen2ForCausalLM": "llama",
     "Qwen3ForCausalLM": "llama",
     "MixtralForCausalLM": "moe",
+    "Qwen2MoeForCausalLM": "moe",
     "Qwen3MoeForCausalLM": "moe",
     "Phi3ForCausalLM": "phi3",
 }
@@ -32,6 +33,7 @@ MODEL_TYPES: dict[str, str] = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "phi3": "Phi3ForCausalLM",
 }

@@ -18,14 +18,16 @@ from engine.model.registry import resolve_architecture
 class MoEShape:
     """A mixture-of-experts MLP: num_experts experts of width intermediate_size, top_k
     of them per token, their weights softmax probabilities renormalised over the chosen
-    ones when `renormalize` (Mixtral always; Qwen3-MoE when norm_topk_prob). Layers in
-    dense_layers keep an ordinary MLP of the model's intermediate_size."""
+    ones when `renormalize` (Mixtral always; Qwen2/3-MoE when norm_topk_prob). Layers in
+    dense_layers keep an ordinary MLP of the model's intermediate_size. A shared expert
+    (Qwen2-MoE) runs for every token beside the routed ones, scaled by a sigmoid gate."""
 
     num_experts: int
     top_k: int
     intermediate_size: int
     renormalize: bool
     dense_layers: tuple[int, ...] = ()
+    shared_intermediate_size: int = 0  # a shared expert every token runs (Qwen2-MoE)
 
 
 @dataclass(frozen=True)
@@ -75,7 +77,7 @@ class ModelShape:
             head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
             intermediate_size=cfg.intermediate_size,
             rms_norm_eps=cfg.rms_norm_eps,
-            qkv_bias=is_qwen2 or attention_bias,
+            qkv_bias=is_qwen2 or attention_bias or bool(getattr(cfg, "qkv_bias", False)),
             o_bias=attention_bias and not is_qwen2,
             mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
@@ -91,7 +93,7 @@ def _moe_shape(arch: str, cfg: Any) -> MoEShape | None:
     if arch == "MixtralForCausalLM":
         return MoEShape(num_experts=cfg.num_local_experts, top_k=cfg.num_experts_per_tok,
                         intermediate_size=cfg.intermediate_size, renormalize=True)
-    if arch == "Qwen3MoeForCausalLM":
+    if arch in ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"):
         step = getattr(cfg, "decoder_sparse_step", 1) or 1
         only_mlp = set(getattr(cfg, "mlp_only_layers", None) or ())
         dense = tuple(i for i in range(cfg.num_hidden_layers)
@@ -99,7 +101,9 @@ def _moe_shape(arch: str, cfg: Any) -> MoEShape | None:
         return MoEShape(num_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok,
                         intermediate_size=cfg.moe_intermediate_size,
                         renormalize=bool(getattr(cfg, "norm_topk_prob", False)),
-                        dense_layers=dense)
+                        dense_layers=dense,
+                        shared_intermediate_size=int(
+                            getattr(cfg, "shared_expert_intermediate_size", 0) or 0))
     return None
 
 

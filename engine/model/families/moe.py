@@ -1,8 +1,9 @@
-"""Mixture-of-experts decoders: Mixtral and Qwen3-MoE.
+"""Mixture-of-experts decoders: Mixtral, Qwen2-MoE and Qwen3-MoE.
 
-Their attention is the Llama family's (Qwen3-MoE with q/k norm, as Qwen3); the MLP of
-each sparse layer is a router plus experts (engine.model.layers.moe), Qwen3-MoE's
-mlp_only_layers keep a dense MLP. The checkpoints store each expert as separate
+Their attention is the Llama family's (Qwen2-MoE with q/k/v biases, as Qwen2; Qwen3-MoE
+with q/k norm, as Qwen3); the MLP of each sparse layer is a router plus experts
+(engine.model.layers.moe), Qwen2-MoE's with a gated shared expert beside them; the
+Qwen MoEs' mlp_only_layers keep a dense MLP. The checkpoints store each expert as separate
 gate / up / down matrices (Mixtral names them w1 / w3 / w2, under block_sparse_moe);
 the loader writes them into the stacked expert tensors, this rank's slice of each.
 
@@ -22,7 +23,10 @@ from engine.model.layers.moe import SparseMoeBlock
 
 _MIXTRAL_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 _MIXTRAL_EXPERT = re.compile(r"(layers\.\d+)\.block_sparse_moe\.(.*)")
-_EXPERT = re.compile(r"layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(\w+)")
+_EXPERT = re.compile(r"layers\.(\d+)\.mlp\.experts\.(?P<expert>\d+)\."
+                     r"(?P<proj>gate_proj|up_proj|down_proj)\.(?P<kind>\w+)")
+_SHARED = re.compile(r"layers\.(\d+)\.mlp\.shared_expert\."
+                     r"(?P<proj>gate_proj|up_proj|down_proj)\.(?P<kind>\w+)")
 
 
 class MoEForCausalLM(LlamaForCausalLM):
@@ -34,7 +38,7 @@ class MoEForCausalLM(LlamaForCausalLM):
             return None
         return SparseMoeBlock(shape.hidden_size, moe.num_experts, moe.top_k,
                               self.plan.expert_intermediate_size, moe.renormalize,
-                              self.tp, kernels)
+                              self.tp, kernels, self.plan.shared_intermediate_size)
 
     def checkpoint_name(self, name: str) -> str:
         """Mixtral's block_sparse_moe.experts.E.w1 / w3 / w2 as mlp.experts.E.gate_proj /
@@ -48,26 +52,34 @@ class MoEForCausalLM(LlamaForCausalLM):
         return f"{m.group(1)}.mlp.{'.'.join(rest)}"
 
     def load_family_tensor(self, name: str, tensor: Any, loaded: set[str]) -> bool:
-        m = _EXPERT.fullmatch(name)
+        m = _EXPERT.fullmatch(name) or _SHARED.fullmatch(name)
         if m is None:
             return False
-        layer, expert, proj, kind = int(m.group(1)), int(m.group(2)), m.group(3), m.group(4)
+        layer, proj, kind = int(m.group(1)), m.group("proj"), m.group("kind")
+        expert = int(m.group("expert")) if "expert" in m.groupdict() else None
         if kind != "weight" or not _is_float(tensor):
             raise UnsupportedQuantizationError(
                 f"checkpoint tensor {name!r} ({_describe(tensor)}): "
                 "quantized expert weights are not served; mixture-of-experts models are "
                 "served from float16 / bfloat16 / float32 checkpoints")
-        if layer >= len(self.layers) or not self.shape.is_sparse(layer):
+        block = self.layers[layer].mlp if layer < len(self.layers) else None
+        if not isinstance(block, SparseMoeBlock) or (
+                expert is None and block.shared_expert is None) or (
+                expert is not None and expert >= block.experts.num_experts):
             raise UnsupportedModelError(f"unexpected checkpoint tensor {name!r}")
-        experts = self.layers[layer].mlp.experts
-        if expert >= experts.w13.shape[0]:
-            raise UnsupportedModelError(f"unexpected checkpoint tensor {name!r}")
-        width, start = experts.intermediate, self.plan.rank * experts.intermediate
+        if expert is None:  # the shared expert: this rank's columns of its linears
+            shared = block.shared_expert
+            width = shared.intermediate
+            gate_up, down = shared.gate_up_proj.weight, shared.down_proj.weight
+        else:
+            width = block.experts.intermediate
+            gate_up, down = block.experts.w13[expert], block.experts.w2[expert]
+        start = self.plan.rank * width
         if proj == "down_proj":
-            piece, dst = _read_slice(tensor, (1, start, width)), experts.w2[expert]
+            piece, dst = _read_slice(tensor, (1, start, width)), down
         else:
             piece = _read_slice(tensor, (0, start, width))
-            dst = experts.w13[expert].narrow(0, 0 if proj == "gate_proj" else width, width)
+            dst = gate_up.narrow(0, 0 if proj == "gate_proj" else width, width)
         if tuple(piece.shape) != tuple(dst.shape):
             raise UnsupportedModelError(
                 f"checkpoint tensor {name!r} has shape {tuple(piece.shape)}, expected "
@@ -78,13 +90,16 @@ class MoEForCausalLM(LlamaForCausalLM):
         return True
 
     def expected_loads(self, params: dict, rules: dict) -> set[str]:
-        keys = {f"{n}:{o}" for n in params if ".experts." not in n
+        keys = {f"{n}:{o}" for n in params
+                if ".experts." not in n and ".shared_expert." not in n
                 for o in _offsets(n, rules)}
+        moe, projs = self.shape.moe, ("gate_proj", "up_proj", "down_proj")
         for layer in range(self.shape.num_layers):
             if self.shape.is_sparse(layer):
                 keys.update(_expert_key(layer, e, p)
-                            for e in range(self.shape.moe.num_experts)
-                            for p in ("gate_proj", "up_proj", "down_proj"))
+                            for e in range(moe.num_experts) for p in projs)
+                if moe.shared_intermediate_size:
+                    keys.update(_expert_key(layer, None, p) for p in projs)
         return keys
 
 
@@ -104,8 +119,12 @@ def _describe(tensor: Any) -> str:
     return str(dtype) if dtype is not None else type(tensor).__name__
 
 
-def _expert_key(layer: int, expert: int, proj: str) -> str:
+def _expert_key(layer: int, expert: int | None, proj: str) -> str:
+    """What load_weights notes for an expert's (None: the shared expert's) matrix."""
+    if expert is None:
+        return f"layers.{layer}.mlp.shared_expert.{proj}"
     return f"layers.{layer}.mlp.experts.{expert}.{proj}"
 
 
-ARCHITECTURES = {"MixtralForCausalLM": MoEForCausalLM, "Qwen3MoeForCausalLM": MoEForCausalLM}
+ARCHITECTURES = {"MixtralForCausalLM": MoEForCausalLM, "Qwen2MoeForCausalLM": MoEForCausalLM,
+                 "Qwen3MoeForCausalLM": MoEForCausalLM}

@@ -166,25 +166,55 @@ class FusedExperts(nn.Module):
         return out
 
 
+class SharedExpert(nn.Module):
+    """A dense SwiGLU MLP every token runs beside the routed experts (Qwen2-MoE), scaled
+    by sigmoid(shared_expert_gate(x)); this rank's columns of it, summed with the
+    experts' output before the block's one all-reduce."""
+
+    def __init__(self, hidden_size: int, intermediate: int, kernels=None) -> None:
+        super().__init__()
+        self.intermediate, self.kernels = intermediate, kernels
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate, bias=False)
+        self.gate_up_proj.glu_halves = True
+        self.down_proj = Linear(intermediate, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_proj.fuses_glu:
+            return self.down_proj(self.gate_up_proj.forward_glu(x))
+        gate_up = self.gate_up_proj(x)
+        if self.kernels is not None:
+            return self.down_proj(self.kernels.silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
 class SparseMoeBlock(nn.Module):
-    """The router (`gate`, a linear to one logit per expert) and the experts."""
+    """The router (`gate`, a linear to one logit per expert), the experts, and where the
+    family has one the shared expert with its gate."""
 
     lora = None  # attach_lora sets these on every MLP; adapters never reach the experts
     layer_index = 0
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate: int,
-                 renormalize: bool, tp=None, kernels=None) -> None:
+                 renormalize: bool, tp=None, kernels=None, shared_intermediate: int = 0
+                 ) -> None:
         super().__init__()
         self.top_k, self.renormalize = top_k, renormalize
         self.tp, self.kernels = tp, kernels
         self.gate = Linear(hidden_size, num_experts, bias=False)
         self.experts = FusedExperts(num_experts, hidden_size, intermediate)
+        self.shared_expert = self.shared_expert_gate = None
+        if shared_intermediate:
+            self.shared_expert = SharedExpert(hidden_size, shared_intermediate, kernels)
+            self.shared_expert_gate = Linear(hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
         out = self.experts(x, weights, ids, self.kernels)
+        if self.shared_expert is not None:
+            out += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return self.tp.all_reduce(out) if self.tp is not None else out
 
 
-__all__ = ["FusedExperts", "SparseMoeBlock", "grouped_linear", "grouped_mm_available",
-           "grouped_shapes_ok", "route"]
+__all__ = ["FusedExperts", "SharedExpert", "SparseMoeBlock", "grouped_linear",
+           "grouped_mm_available", "grouped_shapes_ok", "route"]
