@@ -137,6 +137,28 @@ def test_grouped_experts_equal_a_loop_over_experts_on_either_path(monkeypatch):
     assert torch.allclose(experts(x, weights, ids), want, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_native_grouped_call_equals_one_call_an_expert(dtype):
+    """kernels.grouped_linear (every expert's rows in one call) writes what one linear
+    call an expert writes, bit for bit, in each dtype the kernels pack; runs of 0, 1, 3,
+    17 and 40 rows."""
+    from engine.model.kernels import cpu_kernels
+    kernels = cpu_kernels()
+    if kernels is None or str(dtype).removeprefix("torch.") not in kernels.linear_dtypes():
+        pytest.skip(f"no native {dtype} linear kernel here")
+    torch.manual_seed(2)
+    sizes = [3, 0, 17, 1, 40]
+    ends = torch.tensor(sizes).cumsum(0).tolist()
+    x = torch.randn(ends[-1], 64).to(dtype)
+    for paired, glu, out in ((True, True, 96), (False, False, 80)):
+        weights = [kernels.pack_linear(torch.randn(out, 64).to(dtype), paired=paired)
+                   for _ in sizes]
+        got = kernels.grouped_linear(x, weights, ends, out, paired=paired, glu=glu)
+        want = [kernels.linear(x[end - n:end], w, None, out, paired=paired, glu=glu)
+                for w, n, end in zip(weights, sizes, ends) if n]
+        assert torch.equal(got, torch.cat(want))
+
+
 def test_lora_on_a_moe_base_adds_to_attention_and_refuses_the_experts(tiny_moe, tmp_path):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM

@@ -21,6 +21,9 @@ std::vector<std::string> linear_bf16_kernels();
 std::string linear_bf16_kernel();
 bool set_linear_bf16_kernel(const std::string& name);
 torch::Tensor pack_linear(torch::Tensor weight, bool paired);
+torch::Tensor grouped_linear(torch::Tensor x, std::vector<torch::Tensor> weights,
+                             std::vector<int64_t> ends, int64_t out_features, bool paired,
+                             bool glu);
 torch::Tensor linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
                      int64_t out_features, bool float_out, bool paired, bool glu);
 torch::Tensor gguf_dequantize(torch::Tensor raw, const std::string& format, int64_t columns,
@@ -92,6 +95,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "was packed paired; glu: write silu(first half) * second half (SwiGLU)",
         py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("out_features"),
         py::arg("float_out") = false, py::arg("paired") = false, py::arg("glu") = false);
+  m.def("grouped_linear", &grouped_linear, "rows [ends[e-1], ends[e]) of x @ weights[e].T "
+        "for every e (weights from pack_linear, one shape; a mixture of experts' experts) in "
+        "one call; paired / glu as linear's",
+        py::arg("x"), py::arg("weights"), py::arg("ends"), py::arg("out_features"),
+        py::arg("paired") = false, py::arg("glu") = false);
   m.def("gguf_dequantize", &gguf_dequantize, "rows of GGUF blocks ([rows, bytes] uint8) "
         "decoded to float32 or bfloat16 [rows, columns]",
         py::arg("raw"), py::arg("format"), py::arg("columns"), py::arg("dtype"));

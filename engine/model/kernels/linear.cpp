@@ -367,9 +367,14 @@ torch::Tensor pack(const torch::Tensor& weight, bool paired) {
 }
 
 // O: the output's element type, K::T or float32 (holding values rounded to K::T).
+// Groups (a mixture of experts' experts): rows [ends[e-1], ends[e]) of the input times
+// weight e, all in one parallel region whose threads prefetch across the weights (one
+// call an expert lost the first panel's latency and a fork-join each); one weight is a
+// single group over every row.
 template <class K, typename O = typename K::T>
-torch::Tensor run(const torch::Tensor& input, const torch::Tensor& packed,
-                  const c10::optional<torch::Tensor>& bias, int64_t n, bool paired, bool glu) {
+torch::Tensor run(const torch::Tensor& input, const std::vector<torch::Tensor>& weights,
+                  const std::vector<int64_t>& ends, const c10::optional<torch::Tensor>& bias,
+                  int64_t n, bool paired, bool glu) {
   using T = typename K::T;
   const int64_t k = input.size(-1);
   TORCH_CHECK(!glu || paired, "linear: glu needs a weight packed paired");
@@ -377,10 +382,14 @@ torch::Tensor run(const torch::Tensor& input, const torch::Tensor& packed,
   const Geometry<K> geo(n, k, paired);
   // The packed size pins K (to the k-step) and N to the vector width: out_features is
   // the caller's (Linear keeps it), the check catches a weight packed for other shapes.
-  TORCH_CHECK(packed.numel() == geo.numel(), "linear: the packed weight does not hold ", n,
-              " x ", k);
+  for (const torch::Tensor& packed : weights)
+    TORCH_CHECK(packed.numel() == geo.numel(), "linear: the packed weight does not hold ", n,
+                " x ", k);
   torch::Tensor x = input.reshape({-1, k}).contiguous();
   const int64_t m = x.size(0), width_out = glu ? geo.half : n;
+  TORCH_CHECK(ends.size() == weights.size() && !ends.empty() && ends.back() == m,
+              "linear: the groups' row ends must close on the input's ", m, " rows");
+  TORCH_CHECK(K::KS == 1 || weights.size() == 1, "linear: AMX tiles take one weight a call");
   // The k-steps a tile runs: all of K (vector kinds), or whole B tiles (AMX: x padded
   // with zeros to them, and its rows to whole 16-row blocks).
   const int64_t steps = K::KS > 1 ? geo.steps : geo.ksteps;
@@ -409,40 +418,48 @@ torch::Tensor run(const torch::Tensor& input, const torch::Tensor& packed,
       std::copy(src, src + n, bias_f.begin());
     }
   }
-  // Work items (row chunk, panel), chunk-major; each thread takes a contiguous run, so
-  // its next item is usually the next panel. Rows are split only when there are fewer
-  // panels than threads, or a chunk would outgrow kMaxChunkRows.
-  const int64_t panels = geo.panels;
-  const int64_t threads = at::get_num_threads(), tiles = (m + K::MR - 1) / K::MR;
-  int64_t chunks = std::max<int64_t>((m + kMaxChunkRows - 1) / kMaxChunkRows,
-                                     panels < threads ? (threads + panels - 1) / panels : 1);
-  chunks = std::min(chunks, tiles);
-  const int64_t chunk_rows = (tiles + chunks - 1) / chunks * K::MR;
-  chunks = (m + chunk_rows - 1) / chunk_rows;
+  // Work items (group, row chunk, panel), chunk-major in each group; each thread takes a
+  // contiguous run, so its next item is usually the next panel. Rows are split only when
+  // there are fewer panels than threads, or a chunk would outgrow kMaxChunkRows.
+  const int64_t panels = geo.panels, threads = at::get_num_threads();
+  struct Work { const T* w; int64_t r0, rows, g; };
+  std::vector<Work> work;
+  for (size_t e = 0; e < weights.size(); ++e) {
+    const int64_t start = e ? ends[e - 1] : 0, rows_e = ends[e] - start;
+    if (rows_e <= 0) continue;
+    const int64_t tiles = (rows_e + K::MR - 1) / K::MR;
+    int64_t chunks = std::max<int64_t>((rows_e + kMaxChunkRows - 1) / kMaxChunkRows,
+                                       panels < threads ? (threads + panels - 1) / panels : 1);
+    chunks = std::min(chunks, tiles);
+    const int64_t chunk_rows = (tiles + chunks - 1) / chunks * K::MR;
+    for (int64_t r = 0; r < rows_e; r += chunk_rows)
+      for (int64_t g = 0; g < panels; ++g)
+        work.push_back({weights[e].data_ptr<T>(), start + r, std::min(chunk_rows, rows_e - r), g});
+  }
   const T* xp = x.data_ptr<T>();
-  const T* wp = packed.data_ptr<T>();
   O* yp = y.data_ptr<O>();
   const float* bp = bias_f.empty() ? nullptr : bias_f.data();
 
-  at::parallel_for(0, chunks * panels, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, int64_t(work.size()), 1, [&](int64_t begin, int64_t end) {
 #if FLOTILLA_AMX
     std::conditional_t<std::is_same_v<K, Amx>, flotilla::amx::Tiles, int> tiles_in_use{};
     (void)tiles_in_use;
 #endif
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t chunk = item / panels, g = item % panels;
-      const int64_t r0 = chunk * chunk_rows, rows = std::min(chunk_rows, m - r0);
+      const Work& it = work[item];
+      const int64_t r0 = it.r0, rows = it.rows, g = it.g;
       Prefetch pf{nullptr, nullptr, 0};
-      if (K::KS == 1 && item + 1 < end && (item + 1) % panels != g) {
-        const int64_t g2 = (item + 1) % panels;
-        pf.p = reinterpret_cast<const char*>(wp + geo.offset(g2));
+      if (K::KS == 1 && item + 1 < end &&
+          (work[item + 1].g != g || work[item + 1].w != it.w)) {
+        const int64_t g2 = work[item + 1].g;
+        pf.p = reinterpret_cast<const char*>(work[item + 1].w + geo.offset(g2));
         pf.end = pf.p + geo.step_elems(g2) * steps * sizeof(T);
         const int64_t mr = paired ? K::MR2 : K::MR;
         const int64_t lines = (pf.end - pf.p + 63) / 64, tile_steps = (rows + mr - 1) / mr * steps;
         pf.per_step = (lines + tile_steps - 1) / tile_steps;
       }
       const T* a = xp + r0 * lda;
-      const T* b = wp + geo.offset(g);
+      const T* b = it.w + geo.offset(g);
       if (paired) {
         const int64_t col0 = g * K::C, ncols = std::min<int64_t>(K::C, geo.half - col0);
         Out<O> out{yp + r0 * width_out + col0, width_out, ncols, geo.half, 0,
@@ -490,12 +507,22 @@ Bf16Kind bf16_kind() {
 }
 
 template <typename O = c10::BFloat16>
-torch::Tensor run_bf16(const torch::Tensor& x, const torch::Tensor& packed,
-                       const c10::optional<torch::Tensor>& bias, int64_t n, bool paired, bool glu) {
+torch::Tensor run_bf16(const torch::Tensor& x, const std::vector<torch::Tensor>& weights,
+                       const std::vector<int64_t>& ends, const c10::optional<torch::Tensor>& bias,
+                       int64_t n, bool paired, bool glu) {
 #if FLOTILLA_AMX
-  if (bf16_kind() == kAmx) return run<Amx, O>(x, packed, bias, n, paired, glu);
+  if (bf16_kind() == kAmx) {
+    if (weights.size() == 1) return run<Amx, O>(x, weights, ends, bias, n, paired, glu);
+    std::vector<torch::Tensor> parts;  // AMX pads each call's rows to whole tiles: one a group
+    for (size_t e = 0; e < weights.size(); ++e) {
+      const int64_t start = e ? ends[e - 1] : 0;
+      const torch::Tensor rows = x.narrow(0, start, ends[e] - start);
+      parts.push_back(run<Amx, O>(rows, {weights[e]}, {rows.size(0)}, bias, n, paired, glu));
+    }
+    return torch::cat(parts);
+  }
 #endif
-  return run<Bf16, O>(x, packed, bias, n, paired, glu);
+  return run<Bf16, O>(x, weights, ends, bias, n, paired, glu);
 }
 #endif
 
@@ -545,18 +572,37 @@ torch::Tensor pack_linear(torch::Tensor weight, bool paired) {
   TORCH_CHECK(false, "pack_linear: no kernel for ", weight.scalar_type(), " in this build");
 }
 
+torch::Tensor grouped(const torch::Tensor& x, const std::vector<torch::Tensor>& weights,
+                      const std::vector<int64_t>& ends, const c10::optional<torch::Tensor>& bias,
+                      int64_t out_features, bool float_out, bool paired, bool glu);
+
 torch::Tensor linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
                      int64_t out_features, bool float_out, bool paired, bool glu) {
-  TORCH_CHECK(x.scalar_type() == packed.scalar_type(), "linear: input ", x.scalar_type(),
-              " against a ", packed.scalar_type(), " weight");
   TORCH_CHECK(!(float_out && glu), "linear: float_out and glu do not go together");
+  return grouped(x, {packed}, {x.numel() / std::max<int64_t>(x.size(-1), 1)}, bias,
+                 out_features, float_out, paired, glu);
+}
+
+torch::Tensor grouped(const torch::Tensor& x, const std::vector<torch::Tensor>& weights,
+                      const std::vector<int64_t>& ends, const c10::optional<torch::Tensor>& bias,
+                      int64_t out_features, bool float_out, bool paired, bool glu) {
+  for (const torch::Tensor& w : weights)
+    TORCH_CHECK(x.scalar_type() == w.scalar_type(), "linear: input ", x.scalar_type(),
+                " against a ", w.scalar_type(), " weight");
   if (x.scalar_type() == torch::kFloat32)
-    return run<F32>(x, packed, bias, out_features, paired, glu);
+    return run<F32>(x, weights, ends, bias, out_features, paired, glu);
 #if FLOTILLA_DPBF16
   if (x.scalar_type() == torch::kBFloat16) {
-    return float_out ? run_bf16<float>(x, packed, bias, out_features, paired, glu)
-                     : run_bf16(x, packed, bias, out_features, paired, glu);
+    return float_out ? run_bf16<float>(x, weights, ends, bias, out_features, paired, glu)
+                     : run_bf16(x, weights, ends, bias, out_features, paired, glu);
   }
 #endif
   TORCH_CHECK(false, "linear: no kernel for ", x.scalar_type(), " in this build");
+}
+
+torch::Tensor grouped_linear(torch::Tensor x, std::vector<torch::Tensor> weights,
+                             std::vector<int64_t> ends, int64_t out_features, bool paired,
+                             bool glu) {
+  TORCH_CHECK(x.dim() == 2, "grouped_linear: x must be [rows, in_features]");
+  return grouped(x, weights, ends, c10::nullopt, out_features, false, paired, glu);
 }
