@@ -106,22 +106,19 @@ def test_partial_rotary_and_quantized_checkpoints_are_refused_by_name(tiny_phi3,
         LLM(str(fp8), dtype="float32")
 
 
-def test_an_adapter_on_the_fused_projections_is_refused_by_name(tiny_phi3, tmp_path):
-    """PEFT's Phi-3 adapters target qkv_proj / gate_up_proj, which LoRA here does not
-    reach yet: refused saying so, and the engine serves on."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
+def test_an_adapter_on_the_fused_projections_matches_peft(tiny_phi3, tmp_path):
+    """PEFT's Phi-3 adapters target the checkpoint's fused qkv_proj / gate_up_proj: each
+    is served as its pieces (A shared, B split by rows), greedy equal to HF + peft."""
     from engine import LoRARequest
-    from engine.errors import InvalidRequestError
     from tests.family_checks import greedy
-    base = AutoModelForCausalLM.from_pretrained(str(tiny_phi3["plain"]), dtype=torch.float32)
-    get_peft_model(base, LoraConfig(r=4, target_modules=["qkv_proj"])).save_pretrained(
-        tmp_path / "qkv")
+    from tests.test_lora import make_adapter, peft_greedy
+    peft = make_adapter(tiny_phi3["plain"], tmp_path / "fused", 8,
+                        ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"], seed=5)
+    prompts = _prompts([5, 19], seed=6)
     llm = LLM(str(tiny_phi3["plain"]), dtype="float32", enable_lora=True, max_lora_rank=8)
     try:
-        with pytest.raises(InvalidRequestError, match="fused projection.*qkv_proj"):
-            greedy(llm, [[5, 6, 7]], 2, lora_request=LoRARequest("qkv", 1, str(tmp_path / "qkv")))
-        assert len(greedy(llm, [[5, 6, 7]], 2)) == 1
+        lora = LoRARequest("fused", 1, str(tmp_path / "fused"))
+        assert greedy(llm, prompts, 8, lora_request=lora) == peft_greedy(peft, prompts)
+        assert greedy(llm, prompts, 8) != greedy(llm, prompts, 8, lora_request=lora)
     finally:
         llm.shutdown()

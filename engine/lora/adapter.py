@@ -30,6 +30,32 @@ _MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
 _KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 
 
+# a checkpoint's fused projection (Phi-3) -> its pieces as (module, first row, rows) of
+# the adapter's B; A is shared: B @ (A @ x) split by B's rows is each piece's product
+_FUSED_CHECKPOINT = {
+    "qkv_proj": lambda s: (("q_proj", 0, s.num_heads * s.head_dim),
+                           ("k_proj", s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim),
+                           ("v_proj", (s.num_heads + s.num_kv_heads) * s.head_dim,
+                            s.num_kv_heads * s.head_dim)),
+    "gate_up_proj": lambda s: (("gate_proj", 0, s.intermediate_size),
+                               ("up_proj", s.intermediate_size, s.intermediate_size)),
+}
+
+
+class _RowSlice:
+    """Rows [start, start + length) of a lazy safetensors slice, itself sliced lazily."""
+
+    def __init__(self, lazy, start: int, length: int) -> None:
+        self.lazy, self.start, self.length = lazy, start, length
+
+    def get_shape(self) -> list[int]:
+        return [self.length, *self.lazy.get_shape()[1:]]
+
+    def __getitem__(self, rows: slice) -> torch.Tensor:
+        lo, hi, _ = (rows if isinstance(rows, slice) else slice(None)).indices(self.length)
+        return self.lazy[self.start + lo:self.start + hi]
+
+
 class LoRAError(InvalidRequestError):
     """An adapter that cannot be served: missing files, unsupported targets, rank."""
 
@@ -49,16 +75,12 @@ class LoRAAdapter:
 
 
 def _refuse_unserved_layout(key: str) -> None:
-    """Adapters on a mixture of experts' experts, or on a checkpoint's fused projections
-    (Phi-3's qkv_proj / gate_up_proj), refused by what they are, not key by key."""
+    """Adapters on a mixture of experts' experts refused by what they are, not key by
+    key."""
     if any(part in key for part in (".experts.", ".block_sparse_moe.", ".shared_expert.")):
         raise LoRAError(f"adapter tensor {key!r} targets a mixture of experts' experts; "
                         "adapters are served on attention (q_proj, k_proj, v_proj, o_proj) "
                         "and dense MLPs")
-    if re.search(r"\.(qkv_proj|gate_up_proj)\.lora_", key):
-        raise LoRAError(f"adapter tensor {key!r} targets a fused projection (Phi-3's "
-                        "qkv_proj / gate_up_proj), which adapters are not served on yet; "
-                        "supported: " + ", ".join(_TARGETS))
 
 
 def read_config(path: str | Path, max_rank: int) -> dict:
@@ -115,22 +137,27 @@ def _load(name: str, path: str | Path, shape, plan, max_rank: int,
         for key in f.keys():
             _refuse_unserved_layout(key)
             match = _KEY.search(key)
-            if match is None or match.group(2) not in _TARGETS:
+            if match is None or match.group(2) not in (*_TARGETS, *_FUSED_CHECKPOINT):
                 bad.add(match.group(2) if match else key)
                 continue
             layer, module, which = int(match.group(1)), match.group(2), match.group(3)
             if layer >= shape.num_layers:
                 raise LoRAError(f"adapter tensor {key!r} names layer {layer}; the model has "
                                 f"{shape.num_layers}")
-            if module in _MLP_TARGETS and shape.is_sparse(layer):
+            if module in (*_MLP_TARGETS, "gate_up_proj") and shape.is_sparse(layer):
                 raise LoRAError(f"adapter tensor {key!r} targets layer {layer}'s MLP, which is "
                                 "a mixture of experts; adapters are served on attention "
                                 "(q_proj, k_proj, v_proj, o_proj) and dense MLPs")
+            if module in _FUSED_CHECKPOINT:  # Phi-3's qkv_proj / gate_up_proj: per piece
+                for piece, start, length in _FUSED_CHECKPOINT[module](shape):
+                    pieces[(layer, piece, which)] = f.get_slice(key) if which == "A" else \
+                        _RowSlice(f.get_slice(key), start, length)
+                continue
             pieces[(layer, module, which)] = f.get_slice(key)
         if bad:
             raise LoRAError("adapter targets modules this engine does not support: "
                             + ", ".join(sorted(bad)) + " (supported: "
-                            + ", ".join(_TARGETS) + ")")
+                            + ", ".join((*_TARGETS, *_FUSED_CHECKPOINT)) + ")")
         layout = _Layout(shape, plan)
         weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
         for (layer, module, which), lazy in pieces.items():
