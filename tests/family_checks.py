@@ -4,6 +4,7 @@ HF's and teacher-forced logprobs agree within fp32 rounding, through chunked pre
 and a prefix-cache hit, with n=2 and under preemption."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -77,3 +78,14 @@ def check_n2_and_preemption(model: Path, **engine_kwargs) -> None:
             assert [list(c.token_ids) for c in out.outputs] == [ref[:12]] * 2
     finally:
         llm.shutdown()
+
+
+def with_config(src: Path, folder: Path, **changes) -> Path:
+    """A copy of a checkpoint (its files linked) whose config.json has changes."""
+    folder.mkdir()
+    for f in src.iterdir():
+        if f.name != "config.json":
+            (folder / f.name).symlink_to(f)
+    config = json.loads((src / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **changes}))
+    return folder

@@ -15,7 +15,7 @@ from engine import LLM, LoRARequest, SamplingParams
 from engine.errors import InvalidRequestError, UnsupportedModelError
 from tests.conftest import build_tiny_model
 from tests.family_checks import (check_chunked_prefill_and_prefix_hit, check_n2_and_preemption,
-                                 greedy, hf_logprobs, prompt_logprobs)
+                                 greedy, hf_logprobs, prompt_logprobs, with_config)
 from tests.test_parity import _prompts
 
 MOE_CONFIGS = {
@@ -202,25 +202,13 @@ def test_lora_on_a_moe_base_adds_to_attention_and_refuses_the_experts(tiny_moe, 
 def test_quantized_experts_and_unknown_architectures_are_refused_by_name(tiny_moe, tmp_path):
     from engine.errors import UnsupportedQuantizationError
     src = tiny_moe["qwen3_moe"]
-    quantized = tmp_path / "fp8"
-    quantized.mkdir()
-    for f in src.iterdir():
-        (quantized / f.name).symlink_to(f)
-    config = json.loads((src / "config.json").read_text())
-    (quantized / "config.json").unlink()
-    (quantized / "config.json").write_text(json.dumps(
-        {**config, "quantization_config": {"quant_method": "fp8",
-                                           "activation_scheme": "dynamic"}}))
+    quantized = with_config(src, tmp_path / "fp8", quantization_config={
+        "quant_method": "fp8", "activation_scheme": "dynamic"})
     with pytest.raises(UnsupportedQuantizationError,
                        match="mixture-of-experts.*quantized as 'fp8'"):
         LLM(str(quantized), dtype="float32")
-    other = tmp_path / "gpt2"
-    other.mkdir()
-    for f in src.iterdir():
-        if f.name != "config.json":
-            (other / f.name).symlink_to(f)
-    (other / "config.json").write_text(json.dumps(
-        {**config, "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    other = with_config(src, tmp_path / "gpt2", architectures=["GPT2LMHeadModel"],
+                        model_type="gpt2")
     with pytest.raises(UnsupportedModelError,
                        match="GPT2LMHeadModel.*supported: .*MixtralForCausalLM"):
         LLM(str(other), dtype="float32")

@@ -9,7 +9,7 @@ from engine import LLM
 from engine.errors import UnsupportedModelError
 from tests.conftest import build_tiny_model
 from tests.family_checks import (check_chunked_prefill_and_prefix_hit, check_n2_and_preemption,
-                                 hf_logprobs, prompt_logprobs)
+                                 hf_logprobs, prompt_logprobs, with_config)
 from tests.test_parity import _prompts
 
 HEAD_DIM = 16  # TINY: hidden 64 over 4 heads
@@ -81,26 +81,15 @@ def test_longrope_past_the_original_context_takes_the_long_factors(tiny_phi3):
     assert mine == pytest.approx(hf_logprobs(tiny_phi3["longrope"], sequence)[0], abs=1e-4)
 
 
-def _with_config(src, folder, **changes):
-    """A copy of a checkpoint (its files linked) whose config.json has changes."""
-    folder.mkdir()
-    for f in src.iterdir():
-        if f.name != "config.json":
-            (folder / f.name).symlink_to(f)
-    config = json.loads((src / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**config, **changes}))
-    return folder
-
-
 def test_partial_rotary_and_quantized_checkpoints_are_refused_by_name(tiny_phi3, tmp_path):
     from engine.errors import UnsupportedQuantizationError
     src = tiny_phi3["plain"]
     rope = json.loads((src / "config.json").read_text()).get("rope_parameters") or {}
-    partial = _with_config(src, tmp_path / "partial", partial_rotary_factor=0.75,
+    partial = with_config(src, tmp_path / "partial", partial_rotary_factor=0.75,
                            rope_parameters={**rope, "partial_rotary_factor": 0.75})
     with pytest.raises(UnsupportedModelError, match="partial_rotary_factor 0.75"):
         LLM(str(partial), dtype="float32")
-    fp8 = _with_config(src, tmp_path / "fp8", quantization_config={
+    fp8 = with_config(src, tmp_path / "fp8", quantization_config={
         "quant_method": "fp8", "activation_scheme": "dynamic"})
     with pytest.raises(UnsupportedQuantizationError, match="Phi-3.*quantized as 'fp8'"):
         LLM(str(fp8), dtype="float32")

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from engine.errors import InvalidRequestError
+from engine.model.shape import FUSED_PROJECTIONS, fused_pieces
 
 # checkpoint module -> (fused layer, sub-projection index)
 _TARGETS = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -27,23 +28,14 @@ _TARGETS = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qk
             "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", 0)}
 FUSED_SUBS = {"qkv_proj": 3, "o_proj": 1, "gate_up_proj": 2, "down_proj": 1}
 _MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
+_SERVED_ON = "adapters are served on attention (q_proj, k_proj, v_proj, o_proj) and dense MLPs"
 _KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 
 
-# a checkpoint's fused projection (Phi-3) -> its pieces as (module, first row, rows) of
-# the adapter's B; A is shared: B @ (A @ x) split by B's rows is each piece's product
-_FUSED_CHECKPOINT = {
-    "qkv_proj": lambda s: (("q_proj", 0, s.num_heads * s.head_dim),
-                           ("k_proj", s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim),
-                           ("v_proj", (s.num_heads + s.num_kv_heads) * s.head_dim,
-                            s.num_kv_heads * s.head_dim)),
-    "gate_up_proj": lambda s: (("gate_proj", 0, s.intermediate_size),
-                               ("up_proj", s.intermediate_size, s.intermediate_size)),
-}
-
-
 class _RowSlice:
-    """Rows [start, start + length) of a lazy safetensors slice, itself sliced lazily."""
+    """Rows [start, start + length) of a lazy safetensors slice, itself sliced lazily: a
+    fused projection's piece of an adapter's B (A is shared, and B @ (A @ x) split by
+    B's rows is each piece's product)."""
 
     def __init__(self, lazy, start: int, length: int) -> None:
         self.lazy, self.start, self.length = lazy, start, length
@@ -79,8 +71,7 @@ def _refuse_unserved_layout(key: str) -> None:
     key."""
     if any(part in key for part in (".experts.", ".block_sparse_moe.", ".shared_expert.")):
         raise LoRAError(f"adapter tensor {key!r} targets a mixture of experts' experts; "
-                        "adapters are served on attention (q_proj, k_proj, v_proj, o_proj) "
-                        "and dense MLPs")
+                        + _SERVED_ON)
 
 
 def read_config(path: str | Path, max_rank: int) -> dict:
@@ -137,7 +128,7 @@ def _load(name: str, path: str | Path, shape, plan, max_rank: int,
         for key in f.keys():
             _refuse_unserved_layout(key)
             match = _KEY.search(key)
-            if match is None or match.group(2) not in (*_TARGETS, *_FUSED_CHECKPOINT):
+            if match is None or match.group(2) not in (*_TARGETS, *FUSED_PROJECTIONS):
                 bad.add(match.group(2) if match else key)
                 continue
             layer, module, which = int(match.group(1)), match.group(2), match.group(3)
@@ -146,10 +137,9 @@ def _load(name: str, path: str | Path, shape, plan, max_rank: int,
                                 f"{shape.num_layers}")
             if module in (*_MLP_TARGETS, "gate_up_proj") and shape.is_sparse(layer):
                 raise LoRAError(f"adapter tensor {key!r} targets layer {layer}'s MLP, which is "
-                                "a mixture of experts; adapters are served on attention "
-                                "(q_proj, k_proj, v_proj, o_proj) and dense MLPs")
-            if module in _FUSED_CHECKPOINT:  # Phi-3's qkv_proj / gate_up_proj: per piece
-                for piece, start, length in _FUSED_CHECKPOINT[module](shape):
+                                "a mixture of experts; " + _SERVED_ON)
+            if module in FUSED_PROJECTIONS:  # Phi-3's qkv_proj / gate_up_proj: per piece
+                for piece, start, length in fused_pieces(shape, module):
                     pieces[(layer, piece, which)] = f.get_slice(key) if which == "A" else \
                         _RowSlice(f.get_slice(key), start, length)
                 continue
@@ -157,7 +147,7 @@ def _load(name: str, path: str | Path, shape, plan, max_rank: int,
         if bad:
             raise LoRAError("adapter targets modules this engine does not support: "
                             + ", ".join(sorted(bad)) + " (supported: "
-                            + ", ".join((*_TARGETS, *_FUSED_CHECKPOINT)) + ")")
+                            + ", ".join((*_TARGETS, *FUSED_PROJECTIONS)) + ")")
         layout = _Layout(shape, plan)
         weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
         for (layer, module, which), lazy in pieces.items():

@@ -107,4 +107,18 @@ def _moe_shape(arch: str, cfg: Any) -> MoEShape | None:
     return None
 
 
-__all__ = ["ModelShape", "MoEShape"]
+def fused_pieces(shape: ModelShape, fused: str) -> tuple[tuple[str, int, int], ...]:
+    """(module, first row, rows) of each piece of a checkpoint's fused projection (Phi-3's
+    qkv_proj: q, k, v; gate_up_proj: gate, up), for the loader and LoRA adapters alike."""
+    q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+    if fused == "qkv_proj":
+        return ("q_proj", 0, q), ("k_proj", q, kv), ("v_proj", q + kv, kv)
+    if fused == "gate_up_proj":
+        i = shape.intermediate_size
+        return ("gate_proj", 0, i), ("up_proj", i, i)
+    raise KeyError(fused)
+
+
+FUSED_PROJECTIONS = ("qkv_proj", "gate_up_proj")
+
+__all__ = ["FUSED_PROJECTIONS", "ModelShape", "MoEShape", "fused_pieces"]

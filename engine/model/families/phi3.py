@@ -13,6 +13,7 @@ from typing import Any, Iterable
 
 from engine.errors import UnsupportedModelError
 from engine.model.families.llama import LlamaForCausalLM
+from engine.model.shape import FUSED_PROJECTIONS, fused_pieces
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
@@ -22,11 +23,7 @@ class Phi3ForCausalLM(LlamaForCausalLM):
 
     def _split_fused(self, weights: Iterable[tuple[str, Any]]):
         """Each fused qkv_proj / gate_up_proj tensor as its pieces, rows read lazily."""
-        s = self.shape
-        q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-        pieces = {"qkv_proj": (("q_proj", 0, q), ("k_proj", q, kv), ("v_proj", q + kv, kv)),
-                  "gate_up_proj": (("gate_proj", 0, s.intermediate_size),
-                                   ("up_proj", s.intermediate_size, s.intermediate_size))}
+        pieces = {fused: fused_pieces(self.shape, fused) for fused in FUSED_PROJECTIONS}
         for name, tensor in weights:
             parts = name.split(".")
             fused = parts[-2] if len(parts) >= 2 else ""
