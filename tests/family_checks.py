@@ -63,11 +63,11 @@ def check_chunked_prefill_and_prefix_hit(model: Path, **engine_kwargs):
         llm.shutdown()
 
 
-def check_n2_and_preemption(model: Path, **engine_kwargs) -> None:
-    """24 blocks of 8 cannot hold these six sequences at once, so some are preempted and
-    recomputed and still match HF; n=2 greedy samples are both HF's tokens."""
+def check_n2_and_preemption(model: Path, blocks: int = 24, **engine_kwargs) -> None:
+    """`blocks` blocks of 8 cannot hold these six sequences at once, so some are preempted
+    and recomputed and still match HF; n=2 greedy samples are both HF's tokens."""
     prompts = _prompts([30, 31, 29, 40, 12, 25])
-    llm = LLM(str(model), dtype="float32", block_size=8, num_gpu_blocks_override=24,
+    llm = LLM(str(model), dtype="float32", block_size=8, num_gpu_blocks_override=blocks,
               **engine_kwargs)
     try:
         want = hf_greedy(model, prompts, 40)

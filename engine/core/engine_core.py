@@ -88,8 +88,9 @@ class EngineCore:
         self.num_blocks = self._num_blocks()
         self.runner.allocate_kv_cache(self.num_blocks)
         # A request must fit in the pool on its own, or it could never be scheduled.
-        self.max_model_len = min(max_len, self.num_blocks * config.block_size)
-        self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.max_model_len = self._pool_bounded_len(max_len)
+        self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching,
+                                 self.shape.kv_window)
         self.scheduler = Scheduler(config, self.kv, self.max_model_len,
                                    config.step_token_budget(self.device))
         kernels = cpu_kernels() if self.device.type == "cpu" else None
@@ -122,13 +123,22 @@ class EngineCore:
     # ---- set-up -----------------------------------------------------------------------
     def _max_model_len(self, shape: ModelShape) -> int:
         limit = shape.max_position_embeddings
-        if shape.sliding_window:
-            limit = min(limit, shape.sliding_window)
         wanted = self.config.max_model_len
         if wanted is not None and wanted > limit:
             raise InvalidRequestError(
                 f"max_model_len {wanted} exceeds what the model supports ({limit})")
         return wanted or limit
+
+    def _pool_bounded_len(self, max_len: int) -> int:
+        """max_len, or less where one sequence of it could not fit in the pool: all its
+        tokens' blocks, or with sliding windows on every layer only its window's and a
+        step's (blocks older than the window are given back), and the null block."""
+        bs, window = self.config.block_size, self.shape.kv_window
+        if window:
+            step = self.config.step_token_budget(self.device)
+            if -(-(window + step) // bs) + 2 <= self.num_blocks:
+                return max_len
+        return min(max_len, (self.num_blocks - (1 if window else 0)) * bs)
 
     def _num_blocks(self) -> int:
         return self.runner.max_kv_blocks()  # under TP: what fits on every rank
@@ -440,7 +450,7 @@ class EngineCore:
         self.abort_requests(list(self.requests))
         self.runner.free_kv_cache()
         self.kv = KVCacheManager(self.num_blocks, self.config.block_size,
-                                 self.config.enable_prefix_caching)
+                                 self.config.enable_prefix_caching, self.shape.kv_window)
         self.scheduler.kv = self.kv
         if level == 2:
             self.runner.free_weights()

@@ -9,6 +9,14 @@ on a hit, so a hash collision can never hand out the wrong KV.
 The hashes are the same in every process (engine/core/block_hash.py), so routers can
 compute them too; changes to the set of findable hashes are recorded as KV events
 (stored, removed, cleared) for the engine-core server to publish.
+
+Sliding windows: when every layer of the model attends within a window, a sequence's
+blocks that lie wholly before the window of its next query are read by no layer; they
+are given back as the sequence moves on (free_slid_out), so a sequence holds about
+window / block_size blocks however long it grows. Their places in its block table name
+the null block, which is never handed out or written (the last block of the pool). A
+given-back block keeps its hash: a later request whose whole prefix is still cached
+takes it back as any cached block, so prefix hits stay exact.
 """
 from __future__ import annotations
 
@@ -33,13 +41,21 @@ class Block:
 class KVCacheManager:
     """Hands out cache blocks to requests; the model runner only sees block ids."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
+                 window: int = 0) -> None:
+        """window: the sliding window every layer attends within (0: the model has
+        full-attention layers, and a sequence keeps all its blocks)."""
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.window = window
+        # the block that stands for given-back ones in block tables (sliding windows)
+        self.null_block = num_blocks - 1 if window else -1
+        self.usable_blocks = num_blocks - 1 if window else num_blocks
         self.blocks = [Block(i) for i in range(num_blocks)]
         # Free blocks in eviction order: the first is the least recently freed.
-        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.free: OrderedDict[int, None] = OrderedDict(
+            (i, None) for i in range(self.usable_blocks))
         self.cached: dict[int, int] = {}  # block hash -> block id
         self.prefix_queries = 0  # tokens looked up in the prefix cache
         self.prefix_hits = 0  # of which found
@@ -53,7 +69,7 @@ class KVCacheManager:
     @property
     def usage(self) -> float:
         """Fraction of blocks held by requests (cached-but-free blocks count as free)."""
-        return 1.0 - len(self.free) / self.num_blocks
+        return 1.0 - len(self.free) / self.usable_blocks
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -86,7 +102,7 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block; refused (False) while any block is held."""
-        if len(self.free) != self.num_blocks:
+        if len(self.free) != self.usable_blocks:
             return False
         self.cached.clear()
         self.events.cleared()
@@ -130,12 +146,34 @@ class KVCacheManager:
     def free_request(self, request: Request) -> None:
         """Return the request's blocks; the tail goes first so it is evicted first."""
         for block_id in reversed(request.block_ids):
-            block = self.blocks[block_id]
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0:
-                self.free[block_id] = None
+            if block_id != self.null_block:
+                self._release(block_id)
         request.block_ids = []
         request.block_hashes = []
+        request.num_freed_blocks = 0
+
+    def free_slid_out(self, request: Request) -> int:
+        """Give back the request's blocks that no query from its next token on can see
+        (every layer's window ends before them); returns how many."""
+        if not self.window:
+            return 0
+        first_seen = request.num_computed_tokens - self.window + 1
+        out = min(max(first_seen, 0) // self.block_size, len(request.block_ids))
+        freed = 0
+        for i in range(request.num_freed_blocks, out):
+            block_id = request.block_ids[i]
+            if block_id != self.null_block:
+                self._release(block_id)
+                request.block_ids[i] = self.null_block
+                freed += 1
+        request.num_freed_blocks = max(out, request.num_freed_blocks)
+        return freed
+
+    def _release(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_cnt -= 1
+        if block.ref_cnt == 0:
+            self.free[block_id] = None
 
     def _take(self, block_id: int) -> None:
         block = self.blocks[block_id]

@@ -69,6 +69,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            self.kv.free_slid_out(request)  # blocks past every layer's window
             n = min(request.num_tokens - request.num_computed_tokens, budget)
             while not self.kv.allocate(request, n):
                 victim = self.running.pop()

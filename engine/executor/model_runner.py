@@ -164,7 +164,13 @@ class ModelRunner:
             if self.device.type != "cuda":
                 return "torch"
             from engine.model.triton_kernels import availability
-            return "triton" if availability(self.device) is None else "flex"
+            if availability(self.device) is None:
+                return "triton"
+            return "torch" if any(self.shape.layer_windows) else "flex"
+        if choice == "flex" and any(self.shape.layer_windows):
+            raise InvalidRequestError(
+                f"attention_backend 'flex' does not serve sliding-window layers "
+                f"({self.shape.architecture}); use triton, native or torch")
         if choice == "native" and self.kernels is None:
             raise InvalidRequestError("attention_backend 'native' needs the CPU kernels "
                                       f"(device {self.device}, kernels unavailable or off)")

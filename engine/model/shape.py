@@ -47,8 +47,21 @@ class ModelShape:
     qk_norm: bool
     tie_word_embeddings: bool
     max_position_embeddings: int
-    sliding_window: int | None
+    # each layer's sliding window: a query sees itself and the window - 1 keys before it
+    # (0: the whole context)
+    layer_windows: tuple[int, ...] = ()
     moe: MoEShape | None = None
+
+    def window(self, layer: int) -> int:
+        return self.layer_windows[layer] if self.layer_windows else 0
+
+    @property
+    def kv_window(self) -> int:
+        """The widest window when every layer has one, else 0: a sequence's KV blocks
+        older than it are read by no layer, and the KV cache manager frees them."""
+        if not self.layer_windows or not all(self.layer_windows):
+            return 0
+        return max(self.layer_windows)
 
     def is_sparse(self, layer: int) -> bool:
         """Whether a layer's MLP is the mixture of experts."""
@@ -61,9 +74,6 @@ class ModelShape:
         heads = cfg.num_attention_heads
         attention_bias = bool(getattr(cfg, "attention_bias", False))
         is_qwen2 = arch == "Qwen2ForCausalLM"
-        window = getattr(cfg, "sliding_window", None)
-        if not getattr(cfg, "use_sliding_window", True):  # Qwen's switch
-            window = None
         act = getattr(cfg, "hidden_act", "silu")
         if act != "silu":
             raise UnsupportedModelError(f"hidden_act {act!r} is not supported (only silu)")
@@ -83,9 +93,26 @@ class ModelShape:
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
             max_position_embeddings=cfg.max_position_embeddings,
-            sliding_window=window,
+            layer_windows=layer_windows(cfg),
             moe=_moe_shape(arch, cfg),
         )
+
+
+def layer_windows(cfg: Any) -> tuple[int, ...]:
+    """Each layer's sliding window from the config: `layer_types` where the config has
+    them (Gemma 3, gpt-oss, Qwen2's max_window_layers), else `sliding_window` for every
+    layer (Mistral); Qwen's use_sliding_window switches it off."""
+    window = getattr(cfg, "sliding_window", None) or 0
+    if not getattr(cfg, "use_sliding_window", True):
+        window = 0
+    types = getattr(cfg, "layer_types", None)
+    if types is None:
+        return (int(window),) * cfg.num_hidden_layers
+    unknown = set(types) - {"sliding_attention", "full_attention"}
+    if unknown:
+        raise UnsupportedModelError(f"layer types {sorted(unknown)} are not supported "
+                                    "(only full_attention and sliding_attention)")
+    return tuple(int(window) if t == "sliding_attention" else 0 for t in types)
 
 
 def _moe_shape(arch: str, cfg: Any) -> MoEShape | None:

@@ -52,7 +52,9 @@ def build_stack(model: nn.Module, kernels) -> object | None:
     if kernels is None or not stack_enabled() or model.tp is not None:
         return None
     shape = model.shape
-    if shape.qk_norm or shape.moe is not None:  # q/k norm and experts: the modules run them
+    # q/k norm, experts, sliding windows and other layer layouts: the modules run them
+    if shape.qk_norm or shape.moe is not None or any(shape.layer_windows) \
+            or not model.stack_layout:
         return None
     first = model.layers[0].self_attn
     stack = kernels.DecoderStack(first.num_heads, first.num_kv_heads, first.head_dim,

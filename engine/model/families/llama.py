@@ -41,10 +41,12 @@ class LlamaAttention(nn.Module):
     checkpoint_kv_scales: dict = {}
 
     def __init__(self, shape: ModelShape, plan: ShardPlan, tp: TPGroup | None,
-                 kernels=None) -> None:
+                 kernels=None, window: int = 0) -> None:
+        """window: the layer's sliding window (0: it sees the whole context)."""
         super().__init__()
         self.kernels = kernels
         self.tp = tp
+        self.window = window
         self.num_heads, self.num_kv_heads, self.head_dim = (
             plan.num_heads, plan.num_kv_heads, shape.head_dim)
         self.q_size = plan.num_heads * shape.head_dim
@@ -68,7 +70,7 @@ class LlamaAttention(nn.Module):
                 qkv = self._norm_qk(qkv)
             o = meta.triton.forward(qkv, rope, kv_cache, meta.slot_mapping, meta.triton_step,
                                     self.num_heads, self.num_kv_heads, self.head_dim,
-                                    self.scale, self.k_scale, self.v_scale)
+                                    self.scale, self.k_scale, self.v_scale, self.window)
             return self._project(o)
         native_rope = self.kernels is not None
         if native_rope:  # rotate q and k heads in place inside the fused qkv rows
@@ -85,7 +87,7 @@ class LlamaAttention(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rotary(q, k, rope.cos, rope.sin)
         return self._project(paged_attention(q, k, v, kv_cache, meta, self.scale, self.k_scale,
-                                             self.v_scale).reshape(t, self.q_size))
+                                             self.v_scale, self.window).reshape(t, self.q_size))
 
     def _norm_qk(self, qkv: torch.Tensor) -> torch.Tensor:
         """Qwen3: q and k heads normalised before the rotary, as a new fused qkv (which the
@@ -143,12 +145,12 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, shape: ModelShape, plan: ShardPlan, tp: TPGroup | None,
-                 kernels=None, mlp: nn.Module | None = None) -> None:
+                 kernels=None, mlp: nn.Module | None = None, layer: int = 0) -> None:
         """mlp: the layer's MLP where a family replaces the dense one (experts)."""
         super().__init__()
         eps = shape.rms_norm_eps
         self.input_layernorm = RMSNorm(shape.hidden_size, eps, kernels)
-        self.self_attn = LlamaAttention(shape, plan, tp, kernels)
+        self.self_attn = LlamaAttention(shape, plan, tp, kernels, shape.window(layer))
         self.post_attention_layernorm = RMSNorm(shape.hidden_size, eps, kernels)
         self.mlp = mlp if mlp is not None else LlamaMLP(shape, plan, tp, kernels)
 
@@ -185,7 +187,7 @@ class LlamaForCausalLM(nn.Module):
                                          _weight=torch.empty(plan.vocab_per_rank,
                                                              shape.hidden_size))
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(shape, plan, self.tp, kernels, self.make_mlp(i, kernels))
+            LlamaDecoderLayer(shape, plan, self.tp, kernels, self.make_mlp(i, kernels), i)
             for i in range(shape.num_layers))
         self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, kernels)
         self.lm_head = Linear(shape.hidden_size, plan.vocab_per_rank, bias=False)
@@ -199,6 +201,7 @@ class LlamaForCausalLM(nn.Module):
     # engine.model.stack's DecoderStack where the runner built one: the layers as one
     # native call for the steps it can run (native attention, no LoRA)
     stack = None
+    stack_layout = True  # whether the layers are the stack's (a family with others: False)
     _stack_caches: tuple = (None, None, None)
     _prompt_step = False  # whether the last forward held prompt tokens
 

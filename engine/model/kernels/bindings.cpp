@@ -7,7 +7,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
                               torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
                               torch::Tensor block_tables, torch::Tensor seq_lens,
                               torch::Tensor query_start, double scale, double k_scale,
-                              double v_scale);
+                              double v_scale, int64_t window);
 std::string attention_bf16_kernel();
 bool set_attention_bf16_kernel(const std::string& name);
 std::string attention_prefill_kernel();
@@ -64,7 +64,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "float8_e4m3fn caches hold x / k_scale and x / v_scale", py::arg("q"), py::arg("k"),
         py::arg("v"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"),
         py::arg("block_tables"), py::arg("seq_lens"), py::arg("query_start"),
-        py::arg("scale"), py::arg("k_scale") = 1.0, py::arg("v_scale") = 1.0);
+        py::arg("scale"), py::arg("k_scale") = 1.0, py::arg("v_scale") = 1.0,
+        py::arg("window") = 0);
   m.def("attention_bf16_kernel", &attention_bf16_kernel,
         "the bf16 attention kernel in use: dpbf16, fma (both measured, the faster) or vec");
   m.def("set_attention_bf16_kernel", &set_attention_bf16_kernel,

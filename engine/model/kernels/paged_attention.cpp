@@ -14,6 +14,12 @@
 // values) is written as x / scale, saturated to +-448 and rounded to nearest even, and
 // read through run_generic with each byte widened by a table: the scales fold into the
 // queries and into the output.
+//
+// A sliding window (window > 0: a row at position p sees keys p - window + 1 .. p, as
+// Mistral's and Gemma's local layers) starts each row's table at the block holding its
+// first visible key; the keys before it in that block get -FLT_MAX scores. Blocks before
+// it are never read: the KV cache manager may have freed them (their table entries then
+// name a null block).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -68,7 +74,9 @@ struct Problem {
   int64_t max_blocks, heads, kv_heads, group, num_blocks, d, bs;  // num_blocks: in the cache
   int64_t k_hs, k_bs, v_hs, v_bs;  // element strides of a kv head and of a block
   float scale;
-  std::vector<int64_t> row_seq, row_len;
+  std::vector<int64_t> row_seq, row_len;  // row_len: keys from the row's first table block
+  std::vector<int64_t> row_b0, row_skip;  // its first block (window), keys skipped in it
+  int64_t window = 0;
   std::vector<char> row_first, row_decode;  // row_decode: its sequence has this one row
   const T* k_new;  // this step's keys and values [T, KVH, D] (rows may be strided)
   const T* v_new;
@@ -80,7 +88,9 @@ struct Problem {
   Problem(const torch::Tensor& q_, const torch::Tensor& k_, const torch::Tensor& v_,
           const torch::Tensor& k_cache, const torch::Tensor& v_cache, const torch::Tensor& slots_,
           const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
-          const torch::Tensor& query_start, torch::Tensor& out_, double scale_) {
+          const torch::Tensor& query_start, torch::Tensor& out_, double scale_,
+          int64_t window_ = 0) {
+    window = window_;
     q = q_.data_ptr<T>();
     q_row = q_.stride(0);
     k_new = k_.data_ptr<T>();
@@ -109,6 +119,8 @@ struct Problem {
                 "query_start must hold the S + 1 row offsets of the S sequences");
     row_seq.resize(rows);
     row_len.resize(rows);
+    row_b0.assign(rows, 0);
+    row_skip.assign(rows, 0);
     row_first.resize(rows);
     row_decode.resize(rows);
     seq_start.assign(starts, starts + seqs + 1);
@@ -119,7 +131,9 @@ struct Problem {
       TORCH_CHECK(starts[s + 1] >= starts[s] && starts[s + 1] - starts[s] <= lens[s] &&
                   lens[s] <= max_blocks * bs,
                   "sequence ", s, ": context length does not fit its queries or block table");
-      for (int64_t b = 0; b < (lens[s] + bs - 1) / bs; ++b) {
+      const int64_t first_key = window > 0 && starts[s + 1] > starts[s]
+          ? std::max<int64_t>(0, lens[s] - (starts[s + 1] - starts[s]) + 1 - window) : 0;
+      for (int64_t b = first_key / bs; b < (lens[s] + bs - 1) / bs; ++b) {
         const int64_t block = tables[s * max_blocks + b];
         TORCH_CHECK(block >= 0 && block < num_blocks, "sequence ", s, ": block ", block,
                     " is outside the cache");
@@ -127,12 +141,28 @@ struct Problem {
       for (int64_t r = starts[s]; r < starts[s + 1]; ++r) {
         row_seq[r] = s;
         row_len[r] = lens[s] - (starts[s + 1] - 1 - r);  // keys up to the row's position
+        if (window > 0) {
+          const int64_t lo = std::max<int64_t>(0, row_len[r] - window);
+          row_b0[r] = lo / bs;
+          row_skip[r] = lo - row_b0[r] * bs;
+          row_len[r] -= row_b0[r] * bs;
+        }
         row_first[r] = r == starts[s];
         row_decode[r] = starts[s + 1] - starts[s] == 1;
         TORCH_CHECK(slots[r] >= 0 && slots[r] < num_blocks * bs, "row ", r, ": cache slot ",
                     slots[r], " is outside the cache");
       }
     }
+  }
+
+  // Row r's block table from its first visible block.
+  const int64_t* row_table(int64_t r) const { return tables + row_seq[r] * max_blocks + row_b0[r]; }
+
+  // Hides the keys before row r's window in its first block from G heads' scores (each
+  // head's `padded` apart), before the softmax.
+  void mask_window(int64_t r, float* scores, int64_t heads_, int64_t padded) const {
+    for (int64_t g = 0; g < heads_; ++g)
+      for (int64_t j = 0; j < row_skip[r]; ++j) scores[g * padded + j] = -FLT_MAX;
   }
 };
 
@@ -181,7 +211,7 @@ void run_generic(const Problem<T, C>& p) {
     for (int64_t work = begin; work < end; ++work) {
       const int64_t r = p.row_ids[work / p.kv_heads], h = work % p.kv_heads;
       const int64_t len = p.row_len[r], nblocks = (len + bs - 1) / bs;
-      const int64_t* table = p.tables + p.row_seq[r] * p.max_blocks;
+      const int64_t* table = p.row_table(r);
       if (p.row_decode[r]) store_token(p, r, h);
       scores.resize(group * nblocks * bs);
       for (int64_t g = 0; g < group; ++g)
@@ -210,6 +240,7 @@ void run_generic(const Problem<T, C>& p) {
           }
         }
       }
+      p.mask_window(r, scores.data(), group, nblocks * bs);
       for (int64_t g = 0; g < group; ++g) {
         float* sc = &scores[g * nblocks * bs];
         float m = -FLT_MAX;
@@ -278,11 +309,11 @@ inline Item start_item(const Problem<T, E>& p, int64_t work, int64_t end) {
   Item it;
   it.r = p.row_ids[work / p.kv_heads], it.h = work % p.kv_heads;
   it.len = p.row_len[it.r], it.nblocks = (it.len + BS - 1) / BS, it.padded = it.nblocks * BS;
-  it.table = p.tables + p.row_seq[it.r] * p.max_blocks;
+  it.table = p.row_table(it.r);
   if (work + 1 < end) {
     const int64_t next_r = p.row_ids[(work + 1) / p.kv_heads];
     if (p.row_first[next_r]) {
-      it.next_table = p.tables + p.row_seq[next_r] * p.max_blocks;
+      it.next_table = p.row_table(next_r);
       it.next_blocks = (p.row_len[next_r] + BS - 1) / BS;
       it.next_h = (work + 1) % p.kv_heads;
     }
@@ -392,6 +423,7 @@ void run_vec(const Problem<T>& p) {
         }
       }
       float inv_sum[G];
+      p.mask_window(r, scores.data(), G, padded);
       for (int64_t g = 0; g < G; ++g) inv_sum[g] = softmax_vec(&scores[g * padded], len, padded);
       for (int64_t g0 = 0; g0 < G; g0 += GC) {
         vf acc[GC][C];
@@ -489,6 +521,7 @@ void run_fma(const Problem<T, E>& p) {
           _mm512_storeu_ps(&scores[g * padded + b * BS], _mm512_add_ps(a0[g], a1[g]));
       }
       float inv_sum[G];
+      p.mask_window(r, scores.data(), G, padded);
       for (int64_t g = 0; g < G; ++g)
         inv_sum[g] = softmax_blocks(&scores[g * padded], len, nblocks) * v_eff;
       // out_g = sum_t p_g[t] v_t, GC heads per pass over the (now cached) value rows
@@ -605,6 +638,7 @@ void run_dpbf16(const Problem<c10::BFloat16>& p) {
           _mm512_storeu_ps(&scores[g * padded + b * BS], _mm512_mul_ps(_mm512_add_ps(a0[g], a1[g]), scale));
       }
       float inv_sum[G];
+      p.mask_window(r, scores.data(), G, padded);
       for (int64_t g = 0; g < G; ++g) {
         float* sc = &scores[g * padded];
         inv_sum[g] = softmax_blocks(sc, len, nblocks);
@@ -1035,7 +1069,10 @@ template <typename T>
 void run_prefill_chunks(Problem<T>& p) {
 #if FLOTILLA_AMX
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    if (p.bs != 16 || (p.d != 64 && p.d != 128) || p.group > 8 || !prefill_amx()) return;
+    // not with a window: the tile kernel's rows share one key range
+    if (p.bs != 16 || (p.d != 64 && p.d != 128) || p.group > 8 || p.window > 0 ||
+        !prefill_amx())
+      return;
     std::vector<AmxItem> items;  // ordered by sequence, head, rows: a thread's run extends its scratch
     std::vector<char> taken(p.row_seq.size(), 0);
     for (size_t s = 0; s + 1 < p.seq_start.size(); ++s) {
@@ -1158,12 +1195,13 @@ bool set_attention_prefill_kernel(const std::string& name) {
 // bs, D]; slots [T] int64: the cache slot (block * bs + offset) of each row's token;
 // block_tables [S, max_blocks] int64; seq_lens [S] int64: each sequence's context after
 // this step, its new tokens included; query_start [S + 1] int64: sequence s owns rows
-// query_start[s] .. query_start[s + 1], its last tokens. Returns [T, H, D].
+// query_start[s] .. query_start[s + 1], its last tokens; window: a sliding window's width
+// (0: none). Returns [T, H, D].
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
                               torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
                               torch::Tensor block_tables, torch::Tensor seq_lens,
                               torch::Tensor query_start, double scale, double k_scale,
-                              double v_scale) {
+                              double v_scale, int64_t window) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be [T, heads, D]");
   for (const auto* x : {&q, &k, &v})
     TORCH_CHECK(x->stride(2) == 1 && x->stride(1) == x->size(2) && x->size(0) == q.size(0),
@@ -1182,6 +1220,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
   TORCH_CHECK(fp8 || (k_scale == 1.0 && v_scale == 1.0), "k_scale and v_scale are an fp8 "
               "cache's");
   TORCH_CHECK(k_scale > 0 && v_scale > 0, "k_scale and v_scale must be > 0");
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0: no sliding window)");
   auto slots_ = slots.to(torch::kLong).contiguous();
   TORCH_CHECK(slots_.size(0) == q.size(0), "one cache slot per row");
   auto tables = block_tables.to(torch::kLong).contiguous();
@@ -1191,7 +1230,8 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
   auto run = [&](auto tag) {
     using T = decltype(tag);
     if (fp8) {
-      Problem<T, E4M3> p(q, k, v, k_cache, v_cache, slots_, tables, lens, starts, out, scale);
+      Problem<T, E4M3> p(q, k, v, k_cache, v_cache, slots_, tables, lens, starts, out, scale,
+                         window);
       p.k_scale = float(k_scale), p.v_scale = float(v_scale);
       store_prefill_tokens(p);
       if (dispatch_fp8(p)) return;
@@ -1199,7 +1239,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
       if (p.bs == 16 && p.d == 128) return run_generic<T, 16, 128>(p);
       return run_generic<T, 0, 0>(p);
     }
-    Problem<T> p(q, k, v, k_cache, v_cache, slots_, tables, lens, starts, out, scale);
+    Problem<T> p(q, k, v, k_cache, v_cache, slots_, tables, lens, starts, out, scale, window);
     store_prefill_tokens(p);
     run_prefill_chunks(p);
     dispatch(p);

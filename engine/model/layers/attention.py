@@ -28,6 +28,12 @@ reads, a request may read blocks that another request fills in the same step
   context (chunked prefill, prefix-cache hits) gather their blocks and use SDPA with
   an offset causal mask.
 
+Sliding windows (a layer's `window` > 0): a query at position p sees keys
+p - window + 1 .. p. The kernels start each row at the block of its first visible key;
+the torch path masks. Blocks wholly before every window may have been freed by the KV
+cache manager: their table entries then name its null block, which is never read (the
+kernels) or only read masked (the torch path: the null block holds zeros, never NaN).
+
 kv_cache_dtype fp8: the cache holds keys / k_scale and values / v_scale in e4m3 (the
 layer's scales); every path reads them widened to the activation dtype, with the
 scales applied to the scores and the output.
@@ -85,6 +91,20 @@ class AttentionMetadata:
     # Triton (engine.model.layers.triton_paged): the backend and this step's launches
     triton: Any = None  # a TritonPagedAttention
     triton_step: Any = None  # its TritonStep
+    _window_bias: dict = field(default_factory=dict)  # window -> decode bias (torch)
+
+    def decode_bias_for(self, window: int) -> torch.Tensor:
+        """The torch path's decode bias for a layer with this sliding window (0: none):
+        keys before each row's window masked too, made once a step per window."""
+        if not window:
+            return self.decode_bias
+        bias = self._window_bias.get(window)
+        if bias is None:
+            span = torch.arange(self.decode_bias.shape[1], device=self.decode_bias.device)
+            first = (self.seq_lens - window).unsqueeze(1)
+            bias = self.decode_bias.masked_fill(span.unsqueeze(0) < first, float("-inf"))
+            self._window_bias[window] = bias
+        return bias
 
 
 def cache_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,10 +125,12 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
-                    scale: float, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                    scale: float, k_scale: float = 1.0, v_scale: float = 1.0,
+                    window: int = 0) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, KVH, D]; kv_cache: this layer's (keys, values) views
     (cache_views); k_scale, v_scale: an fp8 cache's, which holds k / k_scale and
-    v / v_scale in e4m3 (not FlexAttention's: the runner refuses fp8 with it).
+    v / v_scale in e4m3 (not FlexAttention's: the runner refuses fp8 with it);
+    window: the layer's sliding window (0: none; not FlexAttention's either).
 
     Returns the attention output [T, H, D].
     """
@@ -119,7 +141,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if meta.native_attention is not None:
         return meta.native_attention(q, k, v, k_cache, v_cache, meta.slot_mapping,
                                      meta.block_tables, meta.seq_lens, meta.query_start, scale,
-                                     k_scale, v_scale)
+                                     k_scale, v_scale, window)
     if k_cache.dtype == torch.float8_e4m3fn:
         # every key and value attended is the cache's (fresh ones too, as the kernels
         # read them back): e4m3 widens exactly to q's dtype, and the scales fold into
@@ -127,22 +149,22 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         # v_scale multiplies it, where the kernels scale it in float32: a last-bit
         # difference)
         k, v = to_e4m3(k, k_scale), to_e4m3(v, v_scale)
-        out = _torch_attention(q, k, v, k_cache, v_cache, meta, scale * k_scale)
+        out = _torch_attention(q, k, v, k_cache, v_cache, meta, scale * k_scale, window)
         return out.mul_(v_scale) if v_scale != 1.0 else out
-    return _torch_attention(q, k, v, k_cache, v_cache, meta, scale)
+    return _torch_attention(q, k, v, k_cache, v_cache, meta, scale, window)
 
 
 def _torch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                      v_cache: torch.Tensor, meta: AttentionMetadata,
-                     scale: float) -> torch.Tensor:
+                     scale: float, window: int = 0) -> torch.Tensor:
     """The torch path: k, v in the cache's dtype, widened to q's where they are read."""
     write_kv(k, v, k_cache, v_cache, meta)
     if meta.num_decodes == q.shape[0]:
-        return _decode_attention(q, k_cache, v_cache, meta, scale)
+        return _decode_attention(q, k_cache, v_cache, meta, scale, window)
     out = torch.empty_like(q)
     if meta.num_decodes:
         out[:meta.num_decodes] = _decode_attention(q[:meta.num_decodes], k_cache, v_cache,
-                                                   meta, scale)
+                                                   meta, scale, window)
     gqa = q.shape[1] != k.shape[1]
     for g in meta.prefills:
         s, n, b = g.start, g.query_len, g.count
@@ -151,13 +173,18 @@ def _torch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
         if g.block_table is None:
             ks = k[s:e].view(b, n, *k.shape[1:]).transpose(1, 2).to(q.dtype)
             vs = v[s:e].view(b, n, *v.shape[1:]).transpose(1, 2).to(q.dtype)
-            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
-                                               enable_gqa=gqa)
+            if window and window < n:
+                o = F.scaled_dot_product_attention(
+                    qs, ks, vs, attn_mask=_offset_causal_mask(n, n, q.device, window),
+                    scale=scale, enable_gqa=gqa)
+            else:
+                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
+                                                   enable_gqa=gqa)
         else:
             c = g.context_len
             ks = gather_keys(k_cache, g.block_table)[:, :c].unsqueeze(0).to(q.dtype)
             vs = gather_values(v_cache, g.block_table)[:, :c].unsqueeze(0).to(q.dtype)
-            mask = _offset_causal_mask(n, c, q.device)
+            mask = _offset_causal_mask(n, c, q.device, window)
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale,
                                                enable_gqa=gqa)
         out[s:e] = o.transpose(1, 2).reshape(e - s, *q.shape[1:])
@@ -177,7 +204,7 @@ def gather_values(v_cache: torch.Tensor, block_table: torch.Tensor) -> torch.Ten
 
 
 def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                      meta: AttentionMetadata, scale: float, window: int = 0) -> torch.Tensor:
     """q: [S, H, D]; k_cache: [KVH, num_blocks, D, bs]; v_cache: [KVH, num_blocks, bs, D]."""
     d_reqs, heads, head_dim = q.shape
     kv_heads, _, _, bs = k_cache.shape
@@ -192,15 +219,19 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         kv_heads * d_reqs, group, head_dim)
     scores = torch.bmm(qg, keys_t).float()  # [KVH * S, group, ctx]
     scores = scores.view(kv_heads, d_reqs, group, ctx).mul_(scale)
-    scores.add_(meta.decode_bias[None, :, None, :])
+    scores.add_(meta.decode_bias_for(window)[None, :, None, :])
     probs = torch.softmax(scores, dim=-1).to(q.dtype).view(kv_heads * d_reqs, group, ctx)
     out = torch.bmm(probs, values)  # [KVH * S, group, D]
     return out.view(kv_heads, d_reqs, group, head_dim).transpose(0, 1).reshape(
         d_reqs, heads, head_dim)
 
 
-def _offset_causal_mask(query_len: int, context_len: int, device: torch.device) -> torch.Tensor:
-    """Query i (the (context_len - query_len + i)-th token) sees keys 0..its own position."""
+def _offset_causal_mask(query_len: int, context_len: int, device: torch.device,
+                        window: int = 0) -> torch.Tensor:
+    """Query i (the (context_len - query_len + i)-th token) sees keys 0..its own position,
+    or only the last `window` of them."""
     q_pos = torch.arange(context_len - query_len, context_len, device=device).unsqueeze(1)
     k_pos = torch.arange(context_len, device=device).unsqueeze(0)
+    if window:
+        return (k_pos <= q_pos) & (k_pos > q_pos - window)
     return k_pos <= q_pos

@@ -37,7 +37,7 @@ MAX_SPLITS = 16  # the split-KV scratch holds this many segments a row
 def paged_attention_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, part_out_ptr, part_lse_ptr,
         tile_seq_ptr, tile_q_ptr, query_start_ptr, seq_lens_ptr, tables_ptr,
-        scale_log2, v_scale,
+        scale_log2, v_scale, window,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kh, stride_ks, stride_vh, stride_vs, stride_bt,
         stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
@@ -48,7 +48,9 @@ def paged_attention_kernel(
     tile_q[i] .. + BLOCK_Q of sequence tile_seq[i]; that sequence's queries are the flat
     tokens query_start[s] .. query_start[s + 1], the last of its seq_lens[s] positions.
     An e4m3 cache's keys and values are widened to q's dtype as they are loaded; k_scale
-    is in scale_log2 and v_scale multiplies the output."""
+    is in scale_log2 and v_scale multiplies the output. window > 0: a query at position p
+    sees keys p - window + 1 .. p only; the tiles before the tile's first visible key are
+    skipped (their pages may have been freed)."""
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -72,10 +74,12 @@ def paged_attention_kernel(
 
     # keys up to the tile's last query, cut into this program's segment
     kv_end = tl.minimum(seq_len, context + q0 + BLOCK_Q)
-    num_tiles = tl.cdiv(kv_end, BLOCK_N)
+    kv_start = tl.where(window > 0, tl.maximum(context + q0 - window + 1, 0), 0)
+    first_tile = kv_start // BLOCK_N
+    num_tiles = tl.cdiv(kv_end, BLOCK_N) - first_tile
     per_split = tl.cdiv(num_tiles, NUM_SPLITS)
-    t_lo = split * per_split
-    t_hi = tl.minimum(num_tiles, t_lo + per_split)
+    t_lo = first_tile + split * per_split
+    t_hi = tl.minimum(first_tile + num_tiles, t_lo + per_split)
 
     m_i = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
@@ -85,13 +89,14 @@ def paged_attention_kernel(
     table = tables_ptr + seq.to(tl.int64) * stride_bt
     for t in range(t_lo, t_hi):
         keys = t * BLOCK_N + tl.arange(0, BLOCK_N)
-        key_ok = keys < kv_end
+        key_ok = (keys < kv_end) & (keys >= kv_start)
         page = tl.load(table + keys // PAGE, mask=key_ok, other=0).to(tl.int64)
         slot = page * PAGE + keys % PAGE
         k = tl.load(k_base + slot[None, :] * stride_ks + dims[:, None],
                     mask=key_ok[None, :] & dim_ok[:, None], other=0.0)  # [HEAD_PAD, BLOCK_N]
         s = tl.dot(q, k.to(q.dtype), input_precision=PRECISION) * scale_log2
-        seen = key_ok[None, :] & (keys[None, :] <= q_pos[:, None])
+        seen = key_ok[None, :] & (keys[None, :] <= q_pos[:, None]) & (
+            (window <= 0) | (keys[None, :] > q_pos[:, None] - window))
         s = tl.where(seen, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that see nothing yet
@@ -188,11 +193,11 @@ def group_pad(group: int, block_q: int) -> int:
 def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
            launch: AttentionLaunch, scale: float, page_size: int, block_n: int,
            scratch: SplitScratch | None = None, k_scale: float = 1.0,
-           v_scale: float = 1.0) -> None:
+           v_scale: float = 1.0, window: int = 0) -> None:
     """Attention of launch's queries in q [T, H, D] (row strides free, D contiguous) over
     one layer's cache (k_cache, v_cache [KVH, slots, D]) into out [T, H, D]. Queries see
     their sequence's keys at positions up to their own. Splits > 1 need scratch. An e4m3
-    cache holds keys / k_scale and values / v_scale."""
+    cache holds keys / k_scale and values / v_scale. window > 0: a sliding window."""
     heads, head_dim = q.shape[1], q.shape[2]
     kv_heads = k_cache.shape[0]
     group = heads // kv_heads
@@ -209,7 +214,7 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: t
     paged_attention_kernel[grid](
         q, k_cache, v_cache, out, part_out, part_lse,
         launch.tile_seq, launch.tile_q, launch.query_start, launch.seq_lens,
-        launch.block_tables, scale * _LOG2E * k_scale, float(v_scale),
+        launch.block_tables, scale * _LOG2E * k_scale, float(v_scale), int(window),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         launch.block_tables.stride(0),
