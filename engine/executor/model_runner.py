@@ -42,7 +42,6 @@ from engine.model.layers import flex_paged
 from engine.model.layers.attention import AttentionMetadata, PrefillGroup, cache_views
 from engine.model.layers.flex_paged import FlexPagedAttention, build_group
 from engine.model.layers.linear import can_pack, pack_linears
-from engine.model.layers.rotary import RotaryEmbedding
 from engine.model.registry import model_class
 from engine.model.shape import ModelShape
 from engine.model.loader import is_gguf_checkpoint, iter_weights
@@ -254,8 +253,7 @@ class ModelRunner:
                 self.shape, self.hf_config, self.max_model_len, layer_ops, self.plan, self.tp)
         model = model.to_empty(device=self.device)
         # Buffers (the RoPE table) are not in the checkpoint: rebuild them for real.
-        model.rotary = RotaryEmbedding(self.hf_config, self.shape.head_dim,
-                                       self.max_model_len).to(self.device)
+        model.make_rotary(self.hf_config, self.max_model_len, self.device)
         if self.shape.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight
         fmt = checkpoint_quantization(self.hf_config)

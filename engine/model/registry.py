@@ -24,6 +24,7 @@ ARCHITECTURES: dict[str, str] = {
     "Qwen2MoeForCausalLM": "moe",
     "Qwen3MoeForCausalLM": "moe",
     "Phi3ForCausalLM": "phi3",
+    "Gemma3ForCausalLM": "gemma3",
 }
 
 # a config's model_type -> its architecture, for configs that name no architectures
@@ -36,6 +37,7 @@ MODEL_TYPES: dict[str, str] = {
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
 
 

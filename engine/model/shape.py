@@ -51,6 +51,8 @@ class ModelShape:
     # (0: the whole context)
     layer_windows: tuple[int, ...] = ()
     moe: MoEShape | None = None
+    attention_scale: float = 0.0  # the scores' scale (0: head_dim ** -0.5)
+    mlp_activation: str = "silu"  # the gated MLP's: silu, or gelu_tanh (Gemma's GeGLU)
 
     def window(self, layer: int) -> int:
         return self.layer_windows[layer] if self.layer_windows else 0
@@ -74,9 +76,12 @@ class ModelShape:
         heads = cfg.num_attention_heads
         attention_bias = bool(getattr(cfg, "attention_bias", False))
         is_qwen2 = arch == "Qwen2ForCausalLM"
-        act = getattr(cfg, "hidden_act", "silu")
-        if act != "silu":
-            raise UnsupportedModelError(f"hidden_act {act!r} is not supported (only silu)")
+        gemma = arch == "Gemma3ForCausalLM"
+        act = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", "silu")
+        if act != ("gelu_pytorch_tanh" if gemma else "silu"):
+            raise UnsupportedModelError(
+                f"hidden activation {act!r} is not supported for {arch} (only "
+                f"{'gelu_pytorch_tanh' if gemma else 'silu'})")
         return cls(
             architecture=arch,
             vocab_size=cfg.vocab_size,
@@ -90,11 +95,13 @@ class ModelShape:
             qkv_bias=is_qwen2 or attention_bias or bool(getattr(cfg, "qkv_bias", False)),
             o_bias=attention_bias and not is_qwen2,
             mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
             tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
             max_position_embeddings=cfg.max_position_embeddings,
             layer_windows=layer_windows(cfg),
             moe=_moe_shape(arch, cfg),
+            attention_scale=float(cfg.query_pre_attn_scalar) ** -0.5 if gemma else 0.0,
+            mlp_activation="gelu_tanh" if gemma else "silu",
         )
 
 

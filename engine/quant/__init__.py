@@ -151,14 +151,17 @@ def check_quantized_family(fmt: str | None, shape: Any, model: str) -> None:
     """Refuse a quantized checkpoint of a family whose loader reads floats only, before
     its weights are read: a mixture of experts (the experts' products take floats,
     engine.model.layers.moe; a silent dequantize of every expert would hide the format's
-    memory from its user) and Phi-3 (its fused qkv / gate_up tensors are split at load,
-    which the quantized formats' per-tensor pieces are not)."""
+    memory from its user), Phi-3 (its fused qkv / gate_up tensors are split at load,
+    which the quantized formats' per-tensor pieces are not) and Gemma 3 (converters
+    store its norms differently; none is read here yet)."""
     if fmt is None:
         return
     if getattr(shape, "moe", None) is not None:
         what = f"a mixture-of-experts model ({shape.architecture})"
     elif shape.architecture == "Phi3ForCausalLM":
         what = "a Phi-3 model (fused qkv_proj / gate_up_proj)"
+    elif shape.architecture == "Gemma3ForCausalLM":
+        what = "a Gemma 3 model (its norms' weights are offsets from 1)"
     else:
         return
     raise UnsupportedQuantizationError(

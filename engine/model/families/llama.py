@@ -57,7 +57,7 @@ class LlamaAttention(nn.Module):
                              bias=shape.o_bias and plan.rank == 0)
         self.q_norm = RMSNorm(shape.head_dim, shape.rms_norm_eps) if shape.qk_norm else None
         self.k_norm = RMSNorm(shape.head_dim, shape.rms_norm_eps) if shape.qk_norm else None
-        self.scale = shape.head_dim ** -0.5
+        self.scale = shape.attention_scale or shape.head_dim ** -0.5
 
     def forward(self, rope: Rope, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -170,6 +170,8 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """The decoder stack plus LM head; forward returns hidden states of every token."""
 
+    layer_class = LlamaDecoderLayer  # a family with another layer layout sets its own
+
     def __init__(self, shape: ModelShape, hf_config: PretrainedConfig, max_positions: int,
                  kernels=None, plan: ShardPlan | None = None, tp: TPGroup | None = None
                  ) -> None:
@@ -179,7 +181,7 @@ class LlamaForCausalLM(nn.Module):
         self.shape = shape
         self.plan = plan = plan or ShardPlan.build(shape, 0, 1)
         self.tp = tp if plan.size > 1 else None
-        self.rotary = RotaryEmbedding(hf_config, shape.head_dim, max_positions)
+        self.make_rotary(hf_config, max_positions)
         # its weight made empty, not drawn at random: built on the meta device, normal_
         # runs through torch's Python references, whose first call imports torch._dynamo
         # (1.7 s of every engine start); the checkpoint fills it
@@ -187,12 +189,22 @@ class LlamaForCausalLM(nn.Module):
                                          _weight=torch.empty(plan.vocab_per_rank,
                                                              shape.hidden_size))
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(shape, plan, self.tp, kernels, self.make_mlp(i, kernels), i)
+            self.layer_class(shape, plan, self.tp, kernels, self.make_mlp(i, kernels), i)
             for i in range(shape.num_layers))
         self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, kernels)
         self.lm_head = Linear(shape.hidden_size, plan.vocab_per_rank, bias=False)
         if shape.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+
+    def make_rotary(self, hf_config: PretrainedConfig, max_positions: int,
+                    device: torch.device | None = None) -> None:
+        """The RoPE tables: buffers the checkpoint lacks, so the runner builds them again
+        on the real device once the model leaves the meta one."""
+        self.rotary = RotaryEmbedding(hf_config, self.shape.head_dim, max_positions).to(device)
+
+    def layer_ropes(self, positions: torch.Tensor, dtype: torch.dtype) -> list[Rope]:
+        """Each layer's rotary of a step's positions (one for all layers here)."""
+        return [self.rotary.lookup(positions, dtype)] * len(self.layers)
 
     def make_mlp(self, layer: int, kernels) -> nn.Module | None:
         """A layer's MLP where the family's differs from the dense one (None: dense)."""
@@ -241,9 +253,9 @@ class LlamaForCausalLM(nn.Module):
             return self.stack.forward(x, positions, self.rotary.cos, self.rotary.sin, keys,
                                       values, meta.slot_mapping, meta.block_tables,
                                       meta.seq_lens, meta.query_start, dense_rows)
-        rope = self.rotary.lookup(positions, x.dtype)
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        for layer, kv_cache, rope in zip(self.layers, kv_caches,
+                                         self.layer_ropes(positions, x.dtype)):
             x, residual = layer(rope, x, residual, kv_cache, meta)
         return self.norm(x, residual)[0]
 

@@ -18,15 +18,21 @@ _SEQ_LEN_DEPENDENT = {"dynamic"}
 
 
 def rope_inv_freq(hf_config: PretrainedConfig, head_dim: int,
-                  max_positions: int | None = None) -> tuple[torch.Tensor, float]:
+                  max_positions: int | None = None,
+                  layer_type: str | None = None) -> tuple[torch.Tensor, float]:
     """Inverse frequencies and the cos/sin scale of the model's RoPE variant.
 
     LongRoPE (Phi-3) has two sets of factors, the short ones for contexts within the
     original training length and the long ones past it. Transformers switches per
     forward by the sequence's length, which a KV cache cannot follow (the keys were
     rotated when written), so the engine picks once, as vLLM does: the long factors
-    when max_positions (max_model_len) passes the original length, else the short."""
+    when max_positions (max_model_len) passes the original length, else the short.
+
+    layer_type: for configs whose rope_parameters are per layer type (Gemma 3: its local
+    layers' base and its global layers' base and scaling), that type's."""
     params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    if layer_type is not None:
+        params = dict(params.get(layer_type) or {})
     rope_type = params.get("rope_type", params.get("type", "default"))
     if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
         raise UnsupportedModelError(
@@ -46,19 +52,27 @@ def rope_inv_freq(hf_config: PretrainedConfig, head_dim: int,
         inv, scale = ROPE_INIT_FUNCTIONS[rope_type](
             hf_config, torch.device("cpu"), seq_len=max_positions if long else None)
         return inv.float(), float(scale)
-    inv, scale = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+    # on the CPU even while the model is built on the meta device (transformers' own
+    # functions make some of their tensors on the current device)
+    with torch.device("cpu"):
+        if layer_type is not None:
+            inv, scale = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"),
+                                                        layer_type=layer_type)
+        else:
+            inv, scale = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
     return inv.float(), float(scale)
 
 
 class RotaryEmbedding(torch.nn.Module):
     """Applies neox-style (rotate-half) RoPE to q and k given absolute positions."""
 
-    def __init__(self, hf_config: PretrainedConfig, head_dim: int, max_positions: int) -> None:
+    def __init__(self, hf_config: PretrainedConfig, head_dim: int, max_positions: int,
+                 layer_type: str | None = None) -> None:
         super().__init__()
         # on the CPU whatever device is current: the model is first built on the meta
         # device, where arange runs through torch's Python references, whose first call
         # imports torch._dynamo and inductor (1.7 s of every engine start)
-        inv_freq, scale = rope_inv_freq(hf_config, head_dim, max_positions)
+        inv_freq, scale = rope_inv_freq(hf_config, head_dim, max_positions, layer_type)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float, device="cpu"),
                             inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
