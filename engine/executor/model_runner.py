@@ -162,10 +162,16 @@ class ModelRunner:
                 return "native"
             if self.device.type != "cuda":
                 return "torch"
+            if self.shape.attention_sinks:  # the kernels below have no sinks yet
+                return "torch"
             from engine.model.triton_kernels import availability
             if availability(self.device) is None:
                 return "triton"
             return "torch" if any(self.shape.layer_windows) else "flex"
+        if choice in ("flex", "triton") and self.shape.attention_sinks:
+            raise InvalidRequestError(
+                f"attention_backend {choice!r} does not serve attention sinks "
+                f"({self.shape.architecture}); use native (CPU) or torch")
         if choice == "flex" and any(self.shape.layer_windows):
             raise InvalidRequestError(
                 f"attention_backend 'flex' does not serve sliding-window layers "

@@ -25,6 +25,7 @@ ARCHITECTURES: dict[str, str] = {
     "Qwen3MoeForCausalLM": "moe",
     "Phi3ForCausalLM": "phi3",
     "Gemma3ForCausalLM": "gemma3",
+    "GptOssForCausalLM": "gpt_oss",
 }
 
 # a config's model_type -> its architecture, for configs that name no architectures
@@ -38,6 +39,7 @@ MODEL_TYPES: dict[str, str] = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 
 

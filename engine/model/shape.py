@@ -28,6 +28,11 @@ class MoEShape:
     renormalize: bool
     dense_layers: tuple[int, ...] = ()
     shared_intermediate_size: int = 0  # a shared expert every token runs (Qwen2-MoE)
+    # gpt-oss: a bias on the router and on every expert's projections, and its clamped
+    # SwiGLU, (up + 1) * g * sigmoid(alpha * g) with g <= limit and |up| <= limit
+    biased: bool = False
+    swiglu_alpha: float = 0.0  # 0: plain SwiGLU, silu(gate) * up
+    swiglu_limit: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -52,6 +57,7 @@ class ModelShape:
     layer_windows: tuple[int, ...] = ()
     moe: MoEShape | None = None
     attention_scale: float = 0.0  # the scores' scale (0: head_dim ** -0.5)
+    attention_sinks: bool = False  # a learned logit per head in every softmax (gpt-oss)
     mlp_activation: str = "silu"  # the gated MLP's: silu, or gelu_tanh (Gemma's GeGLU)
 
     def window(self, layer: int) -> int:
@@ -102,6 +108,7 @@ class ModelShape:
             moe=_moe_shape(arch, cfg),
             attention_scale=float(cfg.query_pre_attn_scalar) ** -0.5 if gemma else 0.0,
             mlp_activation="gelu_tanh" if gemma else "silu",
+            attention_sinks=arch == "GptOssForCausalLM",
         )
 
 
@@ -138,6 +145,11 @@ def _moe_shape(arch: str, cfg: Any) -> MoEShape | None:
                         dense_layers=dense,
                         shared_intermediate_size=int(
                             getattr(cfg, "shared_expert_intermediate_size", 0) or 0))
+    if arch == "GptOssForCausalLM":
+        return MoEShape(num_experts=cfg.num_local_experts, top_k=cfg.num_experts_per_tok,
+                        intermediate_size=cfg.intermediate_size, renormalize=True,
+                        biased=True, swiglu_alpha=float(cfg.swiglu_alpha),
+                        swiglu_limit=float(cfg.swiglu_limit))
     return None
 
 

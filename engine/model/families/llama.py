@@ -58,6 +58,9 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(shape.head_dim, shape.rms_norm_eps) if shape.qk_norm else None
         self.k_norm = RMSNorm(shape.head_dim, shape.rms_norm_eps) if shape.qk_norm else None
         self.scale = shape.attention_scale or shape.head_dim ** -0.5
+        # gpt-oss: this rank's heads' sinks, a logit each joining every softmax
+        self.sinks = nn.Parameter(torch.empty(plan.num_heads), requires_grad=False) \
+            if shape.attention_sinks else None
 
     def forward(self, rope: Rope, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -87,7 +90,8 @@ class LlamaAttention(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rotary(q, k, rope.cos, rope.sin)
         return self._project(paged_attention(q, k, v, kv_cache, meta, self.scale, self.k_scale,
-                                             self.v_scale, self.window).reshape(t, self.q_size))
+                                             self.v_scale, self.window, self.sinks
+                                             ).reshape(t, self.q_size))
 
     def _norm_qk(self, qkv: torch.Tensor) -> torch.Tensor:
         """Qwen3: q and k heads normalised before the rotary, as a new fused qkv (which the

@@ -38,7 +38,8 @@ class MoEForCausalLM(LlamaForCausalLM):
             return None
         return SparseMoeBlock(shape.hidden_size, moe.num_experts, moe.top_k,
                               self.plan.expert_intermediate_size, moe.renormalize,
-                              self.tp, kernels, self.plan.shared_intermediate_size)
+                              self.tp, kernels, self.plan.shared_intermediate_size,
+                              moe.biased, (moe.swiglu_alpha, moe.swiglu_limit))
 
     def checkpoint_name(self, name: str) -> str:
         """Mixtral's block_sparse_moe.experts.E.w1 / w3 / w2 as mlp.experts.E.gate_proj /

@@ -7,7 +7,8 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
                               torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
                               torch::Tensor block_tables, torch::Tensor seq_lens,
                               torch::Tensor query_start, double scale, double k_scale,
-                              double v_scale, int64_t window);
+                              double v_scale, int64_t window,
+                              c10::optional<torch::Tensor> sinks);
 std::string attention_bf16_kernel();
 bool set_attention_bf16_kernel(const std::string& name);
 std::string attention_prefill_kernel();
@@ -65,7 +66,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("v"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"),
         py::arg("block_tables"), py::arg("seq_lens"), py::arg("query_start"),
         py::arg("scale"), py::arg("k_scale") = 1.0, py::arg("v_scale") = 1.0,
-        py::arg("window") = 0);
+        py::arg("window") = 0, py::arg("sinks") = py::none());
   m.def("attention_bf16_kernel", &attention_bf16_kernel,
         "the bf16 attention kernel in use: dpbf16, fma (both measured, the faster) or vec");
   m.def("set_attention_bf16_kernel", &set_attention_bf16_kernel,

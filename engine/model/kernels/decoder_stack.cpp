@@ -17,7 +17,8 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
                               torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
                               torch::Tensor block_tables, torch::Tensor seq_lens,
                               torch::Tensor query_start, double scale, double k_scale,
-                              double v_scale, int64_t window);
+                              double v_scale, int64_t window,
+                              c10::optional<torch::Tensor> sinks);
 void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
 void rotary_inplace(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
@@ -164,7 +165,7 @@ class DecoderStack {
       torch::Tensor attn = paged_attention(
           parts[0].view({t, heads_, head_dim_}), parts[1].view({t, kv_heads_, head_dim_}),
           parts[2].view({t, kv_heads_, head_dim_}), keys[i], values[i], slots, block_tables,
-          seq_lens, query_start, scale_, l.k_scale, l.v_scale, 0);
+          seq_lens, query_start, scale_, l.k_scale, l.v_scale, 0, c10::nullopt);
       x = l.o(attn.reshape({t, q_size}), dense_rows);
       fused_add_rms_norm(x, residual, l.post_norm, eps_);
       x = l.down(l.gate_up.glu(x, dense_rows), dense_rows);

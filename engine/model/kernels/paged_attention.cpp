@@ -20,6 +20,10 @@
 // first visible key; the keys before it in that block get -FLT_MAX scores. Blocks before
 // it are never read: the KV cache manager may have freed them (their table entries then
 // name a null block).
+//
+// Attention sinks (gpt-oss: a learned logit per query head, sinks [H] float32): the sink
+// joins each softmax's denominator as a key with no value, so every kernel's 1 / sum
+// becomes 1 / (sum + exp(sink - max)); the output is the same weighted sum of values.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -77,6 +81,7 @@ struct Problem {
   std::vector<int64_t> row_seq, row_len;  // row_len: keys from the row's first table block
   std::vector<int64_t> row_b0, row_skip;  // its first block (window), keys skipped in it
   int64_t window = 0;
+  const float* sinks = nullptr;  // [heads] float32, or none
   std::vector<char> row_first, row_decode;  // row_decode: its sequence has this one row
   const T* k_new;  // this step's keys and values [T, KVH, D] (rows may be strided)
   const T* v_new;
@@ -157,6 +162,9 @@ struct Problem {
 
   // Row r's block table from its first visible block.
   const int64_t* row_table(int64_t r) const { return tables + row_seq[r] * max_blocks + row_b0[r]; }
+
+  // The sink of query head hq as softmax_* take it (-inf: none, adds nothing).
+  float sink(int64_t hq) const { return sinks ? sinks[hq] : -INFINITY; }
 
   // Hides the keys before row r's window in its first block from G heads' scores (each
   // head's `padded` apart), before the softmax.
@@ -250,7 +258,7 @@ void run_generic(const Problem<T, C>& p) {
           sc[t] = std::exp(sc[t] - m);
           sum += sc[t];
         }
-        inv_sum[g] = p.v_scale / sum;
+        inv_sum[g] = p.v_scale / (sum + std::exp(p.sink(h * group + g) - m));
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t g = 0; g < group; ++g) {
@@ -355,7 +363,7 @@ namespace vec = flotilla::vec;
 
 // Softmax of one head's scores in place (float32, vectorized); lanes past len are zeroed
 // (their keys may be garbage, NaN included). Returns 1 / sum.
-inline float softmax_vec(float* sc, int64_t len, int64_t padded) {
+inline float softmax_vec(float* sc, int64_t len, int64_t padded, float sink) {
   using vec::L;
   const int64_t full = len / L * L;
   vec::vf m = vec::splat(-FLT_MAX);
@@ -370,7 +378,7 @@ inline float softmax_vec(float* sc, int64_t len, int64_t padded) {
     vec::store(sc + t, e);
     sum += e;
   }
-  return 1.f / vec::reduce_add(sum);
+  return 1.f / (vec::reduce_add(sum) + std::exp(sink - mx));
 }
 
 // Block size 16 and head size D (a multiple of the lanes L): the kernel of every target
@@ -424,7 +432,8 @@ void run_vec(const Problem<T>& p) {
       }
       float inv_sum[G];
       p.mask_window(r, scores.data(), G, padded);
-      for (int64_t g = 0; g < G; ++g) inv_sum[g] = softmax_vec(&scores[g * padded], len, padded);
+      for (int64_t g = 0; g < G; ++g)
+        inv_sum[g] = softmax_vec(&scores[g * padded], len, padded, p.sink(h * G + g));
       for (int64_t g0 = 0; g0 < G; g0 += GC) {
         vf acc[GC][C];
         for (int64_t g = 0; g < GC; ++g)
@@ -461,7 +470,7 @@ inline __m512 load16(const E4M3* p) {  // value / kE4M3Widened
 
 // Softmax of one head's scores in place (float32, vectorized); lanes of the last block
 // past len are zeroed. Returns 1 / sum.
-inline float softmax_blocks(float* sc, int64_t len, int64_t nblocks) {
+inline float softmax_blocks(float* sc, int64_t len, int64_t nblocks, float sink) {
   constexpr int64_t BS = 16;
   const __mmask16 tail = (len % BS) ? __mmask16((1u << (len % BS)) - 1) : __mmask16(0xFFFF);
   __m512 m = _mm512_set1_ps(-FLT_MAX);
@@ -475,7 +484,7 @@ inline float softmax_blocks(float* sc, int64_t len, int64_t nblocks) {
     _mm512_storeu_ps(sc + b * BS, e);
     sum = _mm512_add_ps(sum, e);
   }
-  return 1.f / _mm512_reduce_add_ps(sum);
+  return 1.f / (_mm512_reduce_add_ps(sum) + std::exp(sink - _mm512_reduce_max_ps(mx)));
 }
 
 // Block size 16 and head size D (a multiple of 16), float32 FMAs on widened keys and
@@ -523,7 +532,7 @@ void run_fma(const Problem<T, E>& p) {
       float inv_sum[G];
       p.mask_window(r, scores.data(), G, padded);
       for (int64_t g = 0; g < G; ++g)
-        inv_sum[g] = softmax_blocks(&scores[g * padded], len, nblocks) * v_eff;
+        inv_sum[g] = softmax_blocks(&scores[g * padded], len, nblocks, p.sink(h * G + g)) * v_eff;
       // out_g = sum_t p_g[t] v_t, GC heads per pass over the (now cached) value rows
       for (int64_t g0 = 0; g0 < G; g0 += GC) {
         const int64_t ng = std::min<int64_t>(GC, G - g0);
@@ -641,7 +650,7 @@ void run_dpbf16(const Problem<c10::BFloat16>& p) {
       p.mask_window(r, scores.data(), G, padded);
       for (int64_t g = 0; g < G; ++g) {
         float* sc = &scores[g * padded];
-        inv_sum[g] = softmax_blocks(sc, len, nblocks);
+        inv_sum[g] = softmax_blocks(sc, len, nblocks, p.sink(h * G + g));
         for (int64_t t = 0; t < padded; t += 16) {
           const __m512 e = _mm512_loadu_ps(sc + t);
           const __m256bh hi = _mm512_cvtneps_pbh(e);
@@ -1071,7 +1080,7 @@ void run_prefill_chunks(Problem<T>& p) {
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
     // not with a window: the tile kernel's rows share one key range
     if (p.bs != 16 || (p.d != 64 && p.d != 128) || p.group > 8 || p.window > 0 ||
-        !prefill_amx())
+        p.sinks != nullptr || !prefill_amx())
       return;
     std::vector<AmxItem> items;  // ordered by sequence, head, rows: a thread's run extends its scratch
     std::vector<char> taken(p.row_seq.size(), 0);
@@ -1196,12 +1205,13 @@ bool set_attention_prefill_kernel(const std::string& name) {
 // block_tables [S, max_blocks] int64; seq_lens [S] int64: each sequence's context after
 // this step, its new tokens included; query_start [S + 1] int64: sequence s owns rows
 // query_start[s] .. query_start[s + 1], its last tokens; window: a sliding window's width
-// (0: none). Returns [T, H, D].
+// (0: none); sinks: attention sinks [H] (gpt-oss), or None. Returns [T, H, D].
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
                               torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
                               torch::Tensor block_tables, torch::Tensor seq_lens,
                               torch::Tensor query_start, double scale, double k_scale,
-                              double v_scale, int64_t window) {
+                              double v_scale, int64_t window,
+                              c10::optional<torch::Tensor> sinks) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be [T, heads, D]");
   for (const auto* x : {&q, &k, &v})
     TORCH_CHECK(x->stride(2) == 1 && x->stride(1) == x->size(2) && x->size(0) == q.size(0),
@@ -1221,6 +1231,11 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
               "cache's");
   TORCH_CHECK(k_scale > 0 && v_scale > 0, "k_scale and v_scale must be > 0");
   TORCH_CHECK(window >= 0, "window must be >= 0 (0: no sliding window)");
+  torch::Tensor sinks_;
+  if (sinks.has_value()) {
+    sinks_ = sinks->to(torch::kFloat).contiguous();
+    TORCH_CHECK(sinks_.dim() == 1 && sinks_.size(0) == q.size(1), "sinks must be [heads]");
+  }
   auto slots_ = slots.to(torch::kLong).contiguous();
   TORCH_CHECK(slots_.size(0) == q.size(0), "one cache slot per row");
   auto tables = block_tables.to(torch::kLong).contiguous();
@@ -1233,6 +1248,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
       Problem<T, E4M3> p(q, k, v, k_cache, v_cache, slots_, tables, lens, starts, out, scale,
                          window);
       p.k_scale = float(k_scale), p.v_scale = float(v_scale);
+      if (sinks_.defined()) p.sinks = sinks_.data_ptr<float>();
       store_prefill_tokens(p);
       if (dispatch_fp8(p)) return;
       if (p.bs == 16 && p.d == 64) return run_generic<T, 16, 64>(p);
@@ -1240,6 +1256,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
       return run_generic<T, 0, 0>(p);
     }
     Problem<T> p(q, k, v, k_cache, v_cache, slots_, tables, lens, starts, out, scale, window);
+    if (sinks_.defined()) p.sinks = sinks_.data_ptr<float>();
     store_prefill_tokens(p);
     run_prefill_chunks(p);
     dispatch(p);

@@ -34,6 +34,11 @@ the torch path masks. Blocks wholly before every window may have been freed by t
 cache manager: their table entries then name its null block, which is never read (the
 kernels) or only read masked (the torch path: the null block holds zeros, never NaN).
 
+Attention sinks (gpt-oss; `sinks`: a float32 logit per query head): each softmax's
+denominator gains exp(sink) as if from a key with no value. The native kernel adds it
+to its sums; the torch path appends it as a score column (its prefill then scores
+explicitly instead of calling SDPA).
+
 kv_cache_dtype fp8: the cache holds keys / k_scale and values / v_scale in e4m3 (the
 layer's scales); every path reads them widened to the activation dtype, with the
 scales applied to the scores and the output.
@@ -126,11 +131,12 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
                     scale: float, k_scale: float = 1.0, v_scale: float = 1.0,
-                    window: int = 0) -> torch.Tensor:
+                    window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, KVH, D]; kv_cache: this layer's (keys, values) views
     (cache_views); k_scale, v_scale: an fp8 cache's, which holds k / k_scale and
     v / v_scale in e4m3 (not FlexAttention's: the runner refuses fp8 with it);
-    window: the layer's sliding window (0: none; not FlexAttention's either).
+    window: the layer's sliding window (0: none; not FlexAttention's either); sinks: its
+    attention sinks [H] (not FlexAttention's or Triton's: the runner refuses them).
 
     Returns the attention output [T, H, D].
     """
@@ -141,7 +147,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if meta.native_attention is not None:
         return meta.native_attention(q, k, v, k_cache, v_cache, meta.slot_mapping,
                                      meta.block_tables, meta.seq_lens, meta.query_start, scale,
-                                     k_scale, v_scale, window)
+                                     k_scale, v_scale, window, sinks)
     if k_cache.dtype == torch.float8_e4m3fn:
         # every key and value attended is the cache's (fresh ones too, as the kernels
         # read them back): e4m3 widens exactly to q's dtype, and the scales fold into
@@ -149,22 +155,23 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         # v_scale multiplies it, where the kernels scale it in float32: a last-bit
         # difference)
         k, v = to_e4m3(k, k_scale), to_e4m3(v, v_scale)
-        out = _torch_attention(q, k, v, k_cache, v_cache, meta, scale * k_scale, window)
+        out = _torch_attention(q, k, v, k_cache, v_cache, meta, scale * k_scale, window, sinks)
         return out.mul_(v_scale) if v_scale != 1.0 else out
-    return _torch_attention(q, k, v, k_cache, v_cache, meta, scale, window)
+    return _torch_attention(q, k, v, k_cache, v_cache, meta, scale, window, sinks)
 
 
 def _torch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                      v_cache: torch.Tensor, meta: AttentionMetadata,
-                     scale: float, window: int = 0) -> torch.Tensor:
+                     scale: float, window: int = 0,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The torch path: k, v in the cache's dtype, widened to q's where they are read."""
     write_kv(k, v, k_cache, v_cache, meta)
     if meta.num_decodes == q.shape[0]:
-        return _decode_attention(q, k_cache, v_cache, meta, scale, window)
+        return _decode_attention(q, k_cache, v_cache, meta, scale, window, sinks)
     out = torch.empty_like(q)
     if meta.num_decodes:
         out[:meta.num_decodes] = _decode_attention(q[:meta.num_decodes], k_cache, v_cache,
-                                                   meta, scale, window)
+                                                   meta, scale, window, sinks)
     gqa = q.shape[1] != k.shape[1]
     for g in meta.prefills:
         s, n, b = g.start, g.query_len, g.count
@@ -173,7 +180,10 @@ def _torch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
         if g.block_table is None:
             ks = k[s:e].view(b, n, *k.shape[1:]).transpose(1, 2).to(q.dtype)
             vs = v[s:e].view(b, n, *v.shape[1:]).transpose(1, 2).to(q.dtype)
-            if window and window < n:
+            if sinks is not None:
+                o = _sink_attention(qs, ks, vs, _offset_causal_mask(n, n, q.device, window),
+                                    scale, sinks)
+            elif window and window < n:
                 o = F.scaled_dot_product_attention(
                     qs, ks, vs, attn_mask=_offset_causal_mask(n, n, q.device, window),
                     scale=scale, enable_gqa=gqa)
@@ -185,8 +195,11 @@ def _torch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
             ks = gather_keys(k_cache, g.block_table)[:, :c].unsqueeze(0).to(q.dtype)
             vs = gather_values(v_cache, g.block_table)[:, :c].unsqueeze(0).to(q.dtype)
             mask = _offset_causal_mask(n, c, q.device, window)
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale,
-                                               enable_gqa=gqa)
+            if sinks is not None:
+                o = _sink_attention(qs, ks, vs, mask, scale, sinks)
+            else:
+                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale,
+                                                   enable_gqa=gqa)
         out[s:e] = o.transpose(1, 2).reshape(e - s, *q.shape[1:])
     return out
 
@@ -204,7 +217,8 @@ def gather_values(v_cache: torch.Tensor, block_table: torch.Tensor) -> torch.Ten
 
 
 def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      meta: AttentionMetadata, scale: float, window: int = 0) -> torch.Tensor:
+                      meta: AttentionMetadata, scale: float, window: int = 0,
+                      sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q: [S, H, D]; k_cache: [KVH, num_blocks, D, bs]; v_cache: [KVH, num_blocks, bs, D]."""
     d_reqs, heads, head_dim = q.shape
     kv_heads, _, _, bs = k_cache.shape
@@ -220,10 +234,27 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     scores = torch.bmm(qg, keys_t).float()  # [KVH * S, group, ctx]
     scores = scores.view(kv_heads, d_reqs, group, ctx).mul_(scale)
     scores.add_(meta.decode_bias_for(window)[None, :, None, :])
-    probs = torch.softmax(scores, dim=-1).to(q.dtype).view(kv_heads * d_reqs, group, ctx)
+    if sinks is not None:  # one more column per head: the sink, with no value
+        sink = sinks.float().view(kv_heads, 1, group, 1).expand(-1, d_reqs, -1, -1)
+        scores = torch.cat([scores, sink], dim=-1)
+    probs = torch.softmax(scores, dim=-1)[..., :ctx].to(q.dtype).reshape(
+        kv_heads * d_reqs, group, ctx)
     out = torch.bmm(probs, values)  # [KVH * S, group, D]
     return out.view(kv_heads, d_reqs, group, head_dim).transpose(0, 1).reshape(
         d_reqs, heads, head_dim)
+
+
+def _sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                    scale: float, sinks: torch.Tensor) -> torch.Tensor:
+    """q [B, H, n, D] over k, v [B, KVH, c, D] where mask [n, c] allows, each head's
+    softmax with its sink as one more score (a key with no value)."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = (q.float() @ k.float().transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.float().view(1, -1, 1, 1).expand(scores.shape[0], -1, scores.shape[2], 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return probs.to(q.dtype) @ v.to(q.dtype)
 
 
 def _offset_causal_mask(query_len: int, context_len: int, device: torch.device,

@@ -12,6 +12,11 @@ loops over tokens.
 Under tensor parallelism every rank holds a column slice of every expert (gate and up
 by output rows, down by input columns, like the dense MLP) and the block's output is
 all-reduced; the router is replicated.
+
+gpt-oss adds a bias to the router and to each expert's gate/up and down products (the
+down bias on rank 0 only, as a row-parallel bias), and its clamped SwiGLU: with the
+gate g clamped to <= limit and up to [-limit, limit], (up + 1) * g * sigmoid(alpha * g).
+Its experts then multiply without the fused SiLU pass, and the activation is torch's.
 """
 from __future__ import annotations
 
@@ -96,14 +101,24 @@ class FusedExperts(nn.Module):
     experts go in one native call a stage (grouped_linear), ~10 % under one call an
     expert at 16-64 tokens."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate: int) -> None:
+    def __init__(self, num_experts: int, hidden_size: int, intermediate: int,
+                 biased: bool = False, down_bias: bool = True,
+                 swiglu: tuple[float, float] = (0.0, 0.0)) -> None:
+        """biased: gate/up and down biases b13 [E, 2I], b2 [E, H] (b2 only where
+        down_bias: this rank adds it); swiglu: gpt-oss's (alpha, limit), (0, 0) for
+        silu(gate) * up."""
         super().__init__()
         self.num_experts, self.hidden_size = num_experts, hidden_size
         self.intermediate = intermediate
+        self.swiglu_alpha, self.swiglu_limit = swiglu
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden_size),
                                 requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate),
                                requires_grad=False)
+        self.b13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate),
+                                requires_grad=False) if biased else None
+        self.b2 = nn.Parameter(torch.empty(num_experts, hidden_size),
+                               requires_grad=False) if biased and down_bias else None
         self._native = None  # (kernels, [packed w13 per expert], [packed w2 per expert])
 
     def pack_weights(self, kernels) -> None:
@@ -113,13 +128,33 @@ class FusedExperts(nn.Module):
             return
         w13, w2 = self.w13.detach(), self.w2.detach()
         self._native = (kernels,
-                        [kernels.pack_linear(w13[e].contiguous(), paired=True)
+                        [kernels.pack_linear(w13[e].contiguous(), paired=self._fused_glu)
                          for e in range(self.num_experts)],
                         [kernels.pack_linear(w2[e].contiguous(), paired=False)
                          for e in range(self.num_experts)])
         for name in ("w13", "w2"):
             delattr(self, name)
             self.register_parameter(name, None)
+
+    @property
+    def _fused_glu(self) -> bool:
+        """Whether the gate/up product can write silu(gate) * up itself (no biases, the
+        plain SwiGLU)."""
+        return self.b13 is None and not self.swiglu_alpha
+
+    def _activation(self, gate_up: torch.Tensor, expert: torch.Tensor, kernels) -> torch.Tensor:
+        """The gated activation of [rows, 2I] products whose rows belong to `expert`."""
+        if self.b13 is not None:
+            gate_up = gate_up + self.b13.index_select(0, expert).to(gate_up.dtype)
+        if self.swiglu_alpha:
+            gate, up = gate_up.split(self.intermediate, dim=-1)
+            gate = gate.clamp(max=self.swiglu_limit)
+            up = up.clamp(min=-self.swiglu_limit, max=self.swiglu_limit)
+            return (up + 1) * (gate * torch.sigmoid(gate * self.swiglu_alpha))
+        if kernels is not None:
+            return kernels.silu_and_mul(gate_up)
+        gate, up = gate_up.split(self.intermediate, dim=-1)
+        return F.silu(gate) * up
 
     def packed_bytes(self) -> int:
         if self._native is None:
@@ -137,15 +172,12 @@ class FusedExperts(nn.Module):
         ).to(torch.int32)
         rows = x.index_select(0, token)
         if self._native is not None:
-            down = self._native_products(rows, offsets.tolist())
+            down = self._native_products(rows, offsets.tolist(), sorted_ids)
         else:
-            gate_up = grouped_linear(rows, self.w13, offsets)
-            if kernels is not None:
-                act = kernels.silu_and_mul(gate_up)
-            else:
-                gate, up = gate_up.split(self.intermediate, dim=-1)
-                act = F.silu(gate) * up
+            act = self._activation(grouped_linear(rows, self.w13, offsets), sorted_ids, kernels)
             down = grouped_linear(act, self.w2, offsets)
+        if self.b2 is not None:
+            down = down + self.b2.index_select(0, sorted_ids).to(down.dtype)
         # back in (token, k) order, then each token's k products weighted and summed in a
         # fixed order (an index_add_ would sum them with atomics on CUDA: run to run,
         # and graph to eager, the order and so the rounding would change)
@@ -154,13 +186,20 @@ class FusedExperts(nn.Module):
         mixed = unsorted.view(t, k, -1).float().mul_(weights.unsqueeze(-1)).sum(dim=1)
         return mixed.to(x.dtype)
 
-    def _native_products(self, rows: torch.Tensor, ends: list[int]) -> torch.Tensor:
-        """Each expert's run of rows through its packed gate/up (SiLU x up fused), then
-        its down: one native call a stage for all experts (its threads prefetch the next
-        expert's panels while they multiply this one's)."""
+    def _native_products(self, rows: torch.Tensor, ends: list[int],
+                         expert: torch.Tensor) -> torch.Tensor:
+        """Each expert's run of rows through its packed gate/up (SiLU x up fused where
+        the experts' activation is the plain one), then its down: one native call a stage
+        for all experts (its threads prefetch the next expert's panels while they
+        multiply this one's)."""
         kernels, w13, w2 = self._native
-        act = kernels.grouped_linear(rows, w13, ends, 2 * self.intermediate, paired=True,
-                                     glu=True)
+        if self._fused_glu:
+            act = kernels.grouped_linear(rows, w13, ends, 2 * self.intermediate, paired=True,
+                                         glu=True)
+        else:
+            act = self._activation(
+                kernels.grouped_linear(rows, w13, ends, 2 * self.intermediate), expert,
+                kernels)
         return kernels.grouped_linear(act, w2, ends, self.hidden_size)
 
 
@@ -194,13 +233,17 @@ class SparseMoeBlock(nn.Module):
     layer_index = 0
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate: int,
-                 renormalize: bool, tp=None, kernels=None, shared_intermediate: int = 0
-                 ) -> None:
+                 renormalize: bool, tp=None, kernels=None, shared_intermediate: int = 0,
+                 biased: bool = False, swiglu: tuple[float, float] = (0.0, 0.0)) -> None:
+        """biased / swiglu: gpt-oss's router and expert biases and clamped SwiGLU
+        (FusedExperts)."""
         super().__init__()
         self.top_k, self.renormalize = top_k, renormalize
         self.tp, self.kernels = tp, kernels
-        self.gate = Linear(hidden_size, num_experts, bias=False)
-        self.experts = FusedExperts(num_experts, hidden_size, intermediate)
+        self.gate = Linear(hidden_size, num_experts, bias=biased)
+        rank0 = tp is None or tp.rank == 0
+        self.experts = FusedExperts(num_experts, hidden_size, intermediate, biased, rank0,
+                                    swiglu)
         self.shared_expert = self.shared_expert_gate = None
         if shared_intermediate:
             self.shared_expert = SharedExpert(hidden_size, shared_intermediate, kernels)

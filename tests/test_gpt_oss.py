@@ -1,0 +1,98 @@
+"""gpt-oss (issue 43): attention sinks, local / global layers in turn, biased router and
+experts with the clamped SwiGLU, YaRN RoPE, stacked interleaved expert tensors, on a
+tiny random-weight checkpoint against transformers; the native kernel's sinks against a
+reference."""
+import pytest
+import torch
+
+from engine import LLM
+from engine.errors import InvalidRequestError
+from tests.conftest import build_tiny_model
+from tests.family_checks import check_chunked_prefill_and_prefix_hit, check_n2_and_preemption
+from tests.test_attention import _each_bf16_kernel, _native, _problem
+from tests.test_sliding_window import _windowed_reference
+
+WINDOW = 16
+
+
+@pytest.fixture(scope="module")
+def tiny_gpt_oss(tmp_path_factory, tiny_tokenizer_dir):
+    """Two layers (local, global), four experts of which two a token, a 16-token window;
+    weights drawn wide enough (std 0.2) that the SwiGLU's clamps bite."""
+    return build_tiny_model(tmp_path_factory.mktemp("gpt_oss"), "gpt_oss", tiny_tokenizer_dir,
+                            num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW,
+                            swiglu_limit=1.0)
+
+
+def test_gpt_oss_checkpoint_stacks_interleaved_experts_and_matches_hf(tiny_gpt_oss):
+    from safetensors import safe_open
+    with safe_open(str(tiny_gpt_oss / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+        assert f.get_slice("model.layers.0.mlp.experts.gate_up_proj").get_shape() == [4, 64, 256]
+    assert {"model.layers.0.self_attn.sinks", "model.layers.0.mlp.router.bias",
+            "model.layers.0.mlp.experts.down_proj_bias"} <= names
+    model = check_chunked_prefill_and_prefix_hit(tiny_gpt_oss)
+    assert [layer.self_attn.window for layer in model.layers] == [WINDOW, 0]
+
+
+def test_gpt_oss_on_the_torch_path_matches_hf(tiny_gpt_oss):
+    check_chunked_prefill_and_prefix_hit(tiny_gpt_oss, attention_backend="torch")
+
+
+def test_gpt_oss_with_n2_and_preemption_matches_hf(tiny_gpt_oss):
+    check_n2_and_preemption(tiny_gpt_oss)
+
+
+def test_gpt_oss_tp2_matches_tp1(tiny_gpt_oss):
+    from tests.test_tensor_parallel import _tp_vs_single
+    usage, whole = _tp_vs_single(tiny_gpt_oss, 2, max_num_batched_tokens=32, block_size=8)
+    assert all(0.3 * whole < b < 0.7 * whole for b in usage["per_rank_weights_bytes"])
+
+
+def test_attention_backends_without_sinks_are_refused(tiny_gpt_oss):
+    with pytest.raises(InvalidRequestError, match="does not serve attention sinks"):
+        LLM(str(tiny_gpt_oss), dtype="float32", attention_backend="triton")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [0, 19])
+def test_native_kernel_sinks_join_each_softmax(kernels, dtype, window):
+    """Decodes and prefill chunks, GQA: with a sink per query head (some far above the
+    scores, some far below) the output is the reference's softmax over [scores, sink]
+    with the sink's column dropped."""
+    heads, kv_heads, d, bs = 8, 2, 64, 16
+    lens, query_lens = [90, 7, 64, 70], [1, 1, 64, 21]
+    q, kc, vc, tables, lens, starts = _problem(dtype, heads, kv_heads, d, bs, 40, 6, lens,
+                                               query_lens, seed=9)
+    sinks = torch.tensor([0.0, 3.0, -2.0, 40.0, -40.0, 1.5, 0.5, -0.5])
+    scale = d ** -0.5
+    plain = _windowed_reference(q, kc, vc, tables, lens, starts, scale, window or 10 ** 6)
+    # the sink scales each row's output by sum / (sum + exp(sink)): from the reference's
+    # log-sum-exp of the same scores
+    lse = _reference_lse(q, kc, tables, lens, starts, scale, window or 10 ** 6)
+    expected = plain * torch.sigmoid(lse - sinks).unsqueeze(-1)
+    kc_t = kc.transpose(2, 3).contiguous()
+    call = kernels.paged_attention
+    for name in _each_bf16_kernel(kernels, dtype):
+        try:
+            kernels.paged_attention = lambda *a: call(*a, 1.0, 1.0, window, sinks)
+            got = _native(kernels, q, kc_t, vc, tables, lens, starts, scale).float()
+        finally:
+            kernels.paged_attention = call
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got, expected, atol=tol, rtol=tol, msg=name)
+
+
+def _reference_lse(q, kc, tables, lens, starts, scale, window):
+    kvh, _, bs, d = kc.shape
+    group = q.shape[1] // kvh
+    out = []
+    for s in range(len(lens)):
+        ctx, rows = int(lens[s]), range(int(starts[s]), int(starts[s + 1]))
+        k = kc[:, tables[s]].reshape(kvh, -1, d)[:, :ctx].float().repeat_interleave(group, 0)
+        for j, r in enumerate(rows):
+            end = ctx - len(rows) + j + 1
+            lo = max(0, end - window)
+            scores = (q[r].float().unsqueeze(1) @ k[:, lo:end].transpose(1, 2)).squeeze(1)
+            out.append(torch.logsumexp(scores * scale, dim=-1))
+    return torch.stack(out)
