@@ -86,8 +86,9 @@ def default_model_reference() -> Path:
 
 def build_tiny_model(out: Path, arch: str, tokenizer_dir: Path, **overrides) -> Path:
     """Save a random-weight HF checkpoint of `arch` (llama, qwen2, qwen3, mistral, mixtral,
-    qwen2_moe, qwen3_moe, phi3, gemma3, gpt_oss) under out."""
-    from transformers import (AutoModelForCausalLM, Gemma3TextConfig, GptOssConfig, LlamaConfig,
+    qwen2_moe, qwen3_moe, phi3, gemma3, gpt_oss, granitemoehybrid) under out."""
+    from transformers import (AutoModelForCausalLM, Gemma3TextConfig, GptOssConfig,
+                              GraniteMoeHybridConfig, LlamaConfig,
                               MistralConfig, MixtralConfig, Phi3Config, Qwen2Config,
                               Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
     tokenizer = load_tokenizer(tokenizer_dir)
@@ -96,7 +97,8 @@ def build_tiny_model(out: Path, arch: str, tokenizer_dir: Path, **overrides) -> 
     config = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
               "mixtral": MixtralConfig, "qwen2_moe": Qwen2MoeConfig, "qwen3_moe": Qwen3MoeConfig,
               "phi3": Phi3Config, "mistral": MistralConfig,
-              "gemma3": Gemma3TextConfig, "gpt_oss": GptOssConfig}[arch](**kwargs)
+              "gemma3": Gemma3TextConfig, "gpt_oss": GptOssConfig,
+              "granitemoehybrid": GraniteMoeHybridConfig}[arch](**kwargs)
     if arch in ("qwen3", "qwen3_moe", "gemma3", "gpt_oss"):
         config.head_dim = 16
     torch.manual_seed(0)

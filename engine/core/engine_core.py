@@ -16,6 +16,7 @@ import torch
 
 from engine import tracing
 from engine.config import EngineConfig
+from engine.core.hybrid_config import hybrid_config
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
@@ -70,6 +71,8 @@ class EngineCore:
             else checkpoint_quantization(hf_config), config.model)
         self.shape = ModelShape.from_hf_config(hf_config)
         check_quantized_family(self.quantization, self.shape, config.model)
+        if self.shape.mamba is not None:  # its block size holds a state; no prefix cache
+            config = self.config = hybrid_config(config, self.shape)
         self.device = config.torch_device()
         self.dtype = config.torch_dtype(self.device)
         if self.device.type == "cpu":
@@ -90,7 +93,7 @@ class EngineCore:
         # A request must fit in the pool on its own, or it could never be scheduled.
         self.max_model_len = self._pool_bounded_len(max_len)
         self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching,
-                                 self.shape.kv_window)
+                                 self.shape.kv_window, self.shape.mamba is not None)
         self.scheduler = Scheduler(config, self.kv, self.max_model_len,
                                    config.step_token_budget(self.device))
         kernels = cpu_kernels() if self.device.type == "cpu" else None
@@ -138,7 +141,9 @@ class EngineCore:
             step = self.config.step_token_budget(self.device)
             if -(-(window + step) // bs) + 2 <= self.num_blocks:
                 return max_len
-        return min(max_len, (self.num_blocks - (1 if window else 0)) * bs)
+        # the null block (windows) and a state block (hybrids) are not the sequence's
+        reserved = (1 if window else 0) + (1 if self.shape.mamba is not None else 0)
+        return min(max_len, (self.num_blocks - reserved) * bs)
 
     def _num_blocks(self) -> int:
         return self.runner.max_kv_blocks()  # under TP: what fits on every rank
@@ -450,7 +455,8 @@ class EngineCore:
         self.abort_requests(list(self.requests))
         self.runner.free_kv_cache()
         self.kv = KVCacheManager(self.num_blocks, self.config.block_size,
-                                 self.config.enable_prefix_caching, self.shape.kv_window)
+                                 self.config.enable_prefix_caching, self.shape.kv_window,
+                                 self.shape.mamba is not None)
         self.scheduler.kv = self.kv
         if level == 2:
             self.runner.free_weights()

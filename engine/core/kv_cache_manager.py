@@ -17,6 +17,11 @@ window / block_size blocks however long it grows. Their places in its block tabl
 the null block, which is never handed out or written (the last block of the pool). A
 given-back block keeps its hash: a later request whose whole prefix is still cached
 takes it back as any cached block, so prefix hits stay exact.
+
+State blocks (hybrid models, `state_blocks`): every running request also holds one
+block for its recurrent state (each Mamba layer's share of that block holds the
+request's state in that layer). It is taken with the request's first blocks and given
+back with them, on finish, abort and preemption alike.
 """
 from __future__ import annotations
 
@@ -42,10 +47,12 @@ class KVCacheManager:
     """Hands out cache blocks to requests; the model runner only sees block ids."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
-                 window: int = 0) -> None:
+                 window: int = 0, state_blocks: bool = False) -> None:
         """window: the sliding window every layer attends within (0: the model has
-        full-attention layers, and a sequence keeps all its blocks)."""
+        full-attention layers, and a sequence keeps all its blocks); state_blocks: each
+        request also holds a block for its recurrent state."""
         self.num_blocks = num_blocks
+        self.state_blocks = state_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.window = window
@@ -122,29 +129,39 @@ class KVCacheManager:
         total = request.num_computed_tokens + len(cached_block_ids) * self.block_size
         total += num_new_tokens
         needed = self.blocks_needed(total) - len(request.block_ids) - len(cached_block_ids)
-        if needed + cached_free > len(self.free):
+        state = 1 if self.state_blocks and request.state_block < 0 else 0
+        if needed + state + cached_free > len(self.free):
             return False
+        if state:
+            request.state_block = self._pop_free()
         for block_id in cached_block_ids:
             self._take(block_id)
             request.block_ids.append(block_id)
         if cached_block_ids:
             request.block_hashes = [self.blocks[b].block_hash for b in request.block_ids]
         for _ in range(max(needed, 0)):
-            block_id, _ = self.free.popitem(last=False)
-            block = self.blocks[block_id]
-            if block.block_hash is not None:
-                if self.cached.get(block.block_hash) == block_id:
-                    del self.cached[block.block_hash]
-                    self.events.removed(block.block_hash)
-                block.block_hash, block.token_ids = None, ()
-            block.ref_cnt = 1
-            request.block_ids.append(block_id)
+            request.block_ids.append(self._pop_free())
         if self.enable_prefix_caching:
             self._register_full_blocks(request, min(total, request.num_tokens))
         return True
 
+    def _pop_free(self) -> int:
+        """The least recently freed block, forgotten by the prefix cache, held once."""
+        block_id, _ = self.free.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.block_hash is not None:
+            if self.cached.get(block.block_hash) == block_id:
+                del self.cached[block.block_hash]
+                self.events.removed(block.block_hash)
+            block.block_hash, block.token_ids = None, ()
+        block.ref_cnt = 1
+        return block_id
+
     def free_request(self, request: Request) -> None:
         """Return the request's blocks; the tail goes first so it is evicted first."""
+        if request.state_block >= 0:
+            self._release(request.state_block)
+            request.state_block = -1
         for block_id in reversed(request.block_ids):
             if block_id != self.null_block:
                 self._release(block_id)

@@ -49,6 +49,7 @@ class Request:
         self.block_ids: list[int] = []
         self.block_hashes: list[int] = []  # hash chain of the full blocks registered so far
         self.num_freed_blocks = 0  # leading blocks given back as they slid out of the window
+        self.state_block = -1  # a hybrid model's state block (engine.model.layers.mamba)
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
         # engine clock (monotonic): in the queue, first scheduled, first token sampled;

@@ -48,6 +48,7 @@ from engine.model.loader import is_gguf_checkpoint, iter_weights
 from engine.quant import checkpoint_quantization, fp8_block_size, int4_scheme
 from engine.quant.dummy import dummy_weights
 from engine.quant.int4_groups import iter_int4_weights
+from engine.model.layers.mamba import StateMetadata
 from engine.model.stack import build_stack
 
 logger = logging.getLogger(__name__)
@@ -78,6 +79,7 @@ class StepInput(msgspec.Struct, array_like=True, gc=False):
     prompt_spans: list[list[int]] = []
     prompt_targets: list[int] = []  # the prompt token each of those positions scores
     lora_segments: list[list[int]] = []  # [start, end, slot) runs of one adapter's tokens
+    state_slots: list[int] = []  # a hybrid's: each sequence's state block (batch order)
 
 
 @dataclass
@@ -219,7 +221,8 @@ class ModelRunner:
         together) rules them out."""
         return (self.device.type == "cuda" and self.backend in ("flex", "triton")
                 and not self.config.enforce_eager and self.lora_slots is None
-                and self.tp is None and self._experts_capturable())
+                and self.tp is None and self._experts_capturable()
+                and self.shape.mamba is None)  # its states are gathered by host-side slots
 
     def _experts_capturable(self) -> bool:
         """An MoE model's experts in a graph need the grouped matmul (its offsets stay on
@@ -283,7 +286,8 @@ class ModelRunner:
                     "config's quantization_config to serve it in its own dtype")
         if self.kv_dtype == torch.float8_e4m3fn:
             self._set_kv_scales(model)
-        elif any(layer.self_attn.checkpoint_kv_scales for layer in model.layers):
+        elif any(layer.self_attn is not None and layer.self_attn.checkpoint_kv_scales
+                 for layer in model.layers):  # (a hybrid's Mamba layers have none)
             logger.info("the checkpoint carries fp8 KV cache scales (k_scale / v_scale); "
                         "the cache holds the activation dtype, kv_cache_dtype fp8 would use "
                         "them")
@@ -432,6 +436,9 @@ class ModelRunner:
             step.query_lens.append(n)
             step.seq_lens.append(n)
             step.block_tables.append(table)
+            if self.shape.mamba is not None:  # a hybrid's sequences each hold a state block
+                step.state_slots.append(block)
+                block += 1
         total = len(step.ids)
         step.logit_positions = list(range(max(0, total - self.config.max_num_seqs), total))
         self.allocate_kv_cache(block, capture=False)
@@ -459,6 +466,7 @@ class ModelRunner:
                 self.layer_caches = [flex_paged.cache_views(layer) for layer in self.kv_caches]
                 self.slot_pos = torch.full((shape[3],), torch.iinfo(torch.int32).max,
                                            dtype=torch.int32, device=self.device)
+            self._state_views()
             if capture:
                 self._capture_graphs()
             return
@@ -473,6 +481,14 @@ class ModelRunner:
             self.kv_caches = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         cache = self.kv_caches
         self.layer_caches = [cache_views(layer) for layer in cache]  # made once, not per step
+        self._state_views()
+
+    def _state_views(self) -> None:
+        """A hybrid's Mamba layers read their cache tensors as state blocks instead."""
+        if self.shape.mamba is None:
+            return
+        for i in self.shape.mamba.layers:
+            self.layer_caches[i] = self.model.state_views(i, self.kv_caches[i], self.num_blocks)
 
     def _prefault_kv(self, num_blocks: int) -> None:
         """Write the pool's first blocks now, as many as a full batch can hold at once
@@ -564,6 +580,8 @@ class ModelRunner:
             step.query_lens.append(n)
             step.seq_lens.append(end)
             step.block_tables.append(blocks[:-(-end // bs)])
+            if request.state_block >= 0:
+                step.state_slots.append(request.state_block)
             base = len(ids) - n  # flat index of position `start`
             slot = request.lora_slot
             if slot >= 0:
@@ -604,6 +622,8 @@ class ModelRunner:
                                      step.block_tables)
         else:
             meta = self._attention_metadata(step)
+            if step.state_slots:
+                meta.state = self._state_metadata(step)
             input_ids = torch.tensor(step.ids, dtype=torch.long, device=dev)
             pos = torch.tensor(step.positions, dtype=torch.long, device=dev)
             if self.flex is not None:
@@ -680,6 +700,15 @@ class ModelRunner:
             slot_offsets=slot_mapping % self.block_size,
             num_decodes=num_decodes, block_tables=tables, seq_lens=lens, decode_bias=bias,
             prefills=self._prefill_groups(step, num_decodes))
+
+    def _state_metadata(self, step: StepInput) -> StateMetadata:
+        """Where each sequence's Mamba states are, and which start from zeros."""
+        return StateMetadata(
+            slots=torch.tensor(step.state_slots, dtype=torch.long, device=self.device),
+            query_lens=step.query_lens,
+            fresh=[n == c for n, c in zip(step.query_lens, step.seq_lens)],
+            num_decodes=next((i for i, n in enumerate(step.query_lens) if n != 1),
+                             len(step.query_lens)))
 
     def _flex_metadata(self, step: StepInput, slot_mapping: torch.Tensor,
                        num_decodes: int) -> AttentionMetadata:

@@ -26,6 +26,7 @@ ARCHITECTURES: dict[str, str] = {
     "Phi3ForCausalLM": "phi3",
     "Gemma3ForCausalLM": "gemma3",
     "GptOssForCausalLM": "gpt_oss",
+    "GraniteMoeHybridForCausalLM": "granite_hybrid",
 }
 
 # a config's model_type -> its architecture, for configs that name no architectures
@@ -40,6 +41,7 @@ MODEL_TYPES: dict[str, str] = {
     "phi3": "Phi3ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
+    "granitemoehybrid": "GraniteMoeHybridForCausalLM",
 }
 
 

@@ -36,6 +36,39 @@ class MoEShape:
 
 
 @dataclass(frozen=True)
+class MambaShape:
+    """The Mamba-2 mixers of a hybrid model (Granite 4.0-H): which layers they are, and
+    their sizes. Each request keeps, per mixer layer, a convolution state (the last
+    d_conv - 1 inputs of its conv_dim channels) and an SSM state [heads, head_dim,
+    d_state], beside the attention layers' paged KV."""
+
+    layers: tuple[int, ...]
+    num_heads: int
+    head_dim: int
+    num_groups: int
+    d_state: int
+    d_conv: int
+    conv_bias: bool
+    proj_bias: bool
+    chunk_size: int
+    dt_min: float
+    dt_max: float
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return self.intermediate_size + 2 * self.num_groups * self.d_state
+
+    @property
+    def state_elements(self) -> int:
+        """Elements of one request's state in one mixer layer (conv + SSM)."""
+        return (self.d_conv - 1) * self.conv_dim + self.num_heads * self.head_dim * self.d_state
+
+
+@dataclass(frozen=True)
 class ModelShape:
     architecture: str
     vocab_size: int
@@ -58,6 +91,11 @@ class ModelShape:
     moe: MoEShape | None = None
     attention_scale: float = 0.0  # the scores' scale (0: head_dim ** -0.5)
     attention_sinks: bool = False  # a learned logit per head in every softmax (gpt-oss)
+    rope: bool = True  # False: attention without positions (NoPE, Granite 4.0-H)
+    mamba: MambaShape | None = None  # a hybrid's state-space mixers
+
+    def is_mamba(self, layer: int) -> bool:
+        return self.mamba is not None and layer in self.mamba.layers
     mlp_activation: str = "silu"  # the gated MLP's: silu, or gelu_tanh (Gemma's GeGLU)
 
     def window(self, layer: int) -> int:
@@ -83,6 +121,7 @@ class ModelShape:
         attention_bias = bool(getattr(cfg, "attention_bias", False))
         is_qwen2 = arch == "Qwen2ForCausalLM"
         gemma = arch == "Gemma3ForCausalLM"
+        granite = arch == "GraniteMoeHybridForCausalLM"
         act = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", "silu")
         if act != ("gelu_pytorch_tanh" if gemma else "silu"):
             raise UnsupportedModelError(
@@ -96,7 +135,8 @@ class ModelShape:
             num_heads=heads,
             num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
             head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
-            intermediate_size=cfg.intermediate_size,
+            # Granite 4.0-H: its dense MLP is the shared one; intermediate_size is an expert's
+            intermediate_size=cfg.shared_intermediate_size if granite else cfg.intermediate_size,
             rms_norm_eps=cfg.rms_norm_eps,
             qkv_bias=is_qwen2 or attention_bias or bool(getattr(cfg, "qkv_bias", False)),
             o_bias=attention_bias and not is_qwen2,
@@ -106,10 +146,24 @@ class ModelShape:
             max_position_embeddings=cfg.max_position_embeddings,
             layer_windows=layer_windows(cfg),
             moe=_moe_shape(arch, cfg),
-            attention_scale=float(cfg.query_pre_attn_scalar) ** -0.5 if gemma else 0.0,
+            attention_scale=(float(cfg.query_pre_attn_scalar) ** -0.5 if gemma
+                             else float(cfg.attention_multiplier) if granite else 0.0),
             mlp_activation="gelu_tanh" if gemma else "silu",
             attention_sinks=arch == "GptOssForCausalLM",
+            rope=not granite or getattr(cfg, "position_embedding_type", None) == "rope",
+            mamba=_mamba_shape(cfg) if granite else None,
         )
+
+
+def _mamba_shape(cfg: Any) -> MambaShape:
+    types = list(getattr(cfg, "layer_types", None) or [])
+    low, high = tuple(getattr(cfg, "time_step_limit", None) or (0.0, float("inf")))
+    return MambaShape(
+        layers=tuple(i for i, t in enumerate(types) if t in ("linear_attention", "mamba")),
+        num_heads=cfg.mamba_n_heads, head_dim=cfg.mamba_d_head, num_groups=cfg.mamba_n_groups,
+        d_state=cfg.mamba_d_state, d_conv=cfg.mamba_d_conv, conv_bias=bool(cfg.mamba_conv_bias),
+        proj_bias=bool(cfg.mamba_proj_bias), chunk_size=cfg.mamba_chunk_size,
+        dt_min=float(low), dt_max=float(high))
 
 
 def layer_windows(cfg: Any) -> tuple[int, ...]:
@@ -122,10 +176,12 @@ def layer_windows(cfg: Any) -> tuple[int, ...]:
     types = getattr(cfg, "layer_types", None)
     if types is None:
         return (int(window),) * cfg.num_hidden_layers
-    unknown = set(types) - {"sliding_attention", "full_attention"}
+    # linear_attention / mamba: a hybrid's state-space layers (no window: not attention)
+    unknown = set(types) - {"sliding_attention", "full_attention", "attention",
+                            "linear_attention", "mamba"}
     if unknown:
         raise UnsupportedModelError(f"layer types {sorted(unknown)} are not supported "
-                                    "(only full_attention and sliding_attention)")
+                                    "(full_attention, sliding_attention, and Mamba layers)")
     return tuple(int(window) if t == "sliding_attention" else 0 for t in types)
 
 
@@ -145,6 +201,11 @@ def _moe_shape(arch: str, cfg: Any) -> MoEShape | None:
                         dense_layers=dense,
                         shared_intermediate_size=int(
                             getattr(cfg, "shared_expert_intermediate_size", 0) or 0))
+    if arch == "GraniteMoeHybridForCausalLM":
+        if not cfg.num_local_experts:
+            return None
+        return MoEShape(num_experts=cfg.num_local_experts, top_k=cfg.num_experts_per_tok,
+                        intermediate_size=cfg.intermediate_size, renormalize=True)
     if arch == "GptOssForCausalLM":
         return MoEShape(num_experts=cfg.num_local_experts, top_k=cfg.num_experts_per_tok,
                         intermediate_size=cfg.intermediate_size, renormalize=True,
@@ -167,4 +228,4 @@ def fused_pieces(shape: ModelShape, fused: str) -> tuple[tuple[str, int, int], .
 
 FUSED_PROJECTIONS = ("qkv_proj", "gate_up_proj")
 
-__all__ = ["FUSED_PROJECTIONS", "ModelShape", "MoEShape", "fused_pieces"]
+__all__ = ["FUSED_PROJECTIONS", "MambaShape", "ModelShape", "MoEShape", "fused_pieces"]

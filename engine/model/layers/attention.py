@@ -96,6 +96,7 @@ class AttentionMetadata:
     # Triton (engine.model.layers.triton_paged): the backend and this step's launches
     triton: Any = None  # a TritonPagedAttention
     triton_step: Any = None  # its TritonStep
+    state: Any = None  # a hybrid's Mamba states (engine.model.layers.mamba.StateMetadata)
     _window_bias: dict = field(default_factory=dict)  # window -> decode bias (torch)
 
     def decode_bias_for(self, window: int) -> torch.Tensor:
