@@ -108,9 +108,9 @@ def _rounding_reference(path, monkeypatch, k_scales=None, v_scales=None):
         layer.self_attn.v_scale = (v_scales or {}).get(i, 1.0)
 
     def rounded(q, k, v, k_cache, v_cache, slots, tables, lens, starts, scale, k_scale=1.0,
-                v_scale=1.0):
+                v_scale=1.0, window=0, sinks=None):
         return kernel(q, _e4m3(k, k_scale).to(k.dtype), _e4m3(v, v_scale).to(v.dtype), k_cache,
-                      v_cache, slots, tables, lens, starts, scale)
+                      v_cache, slots, tables, lens, starts, scale, 1.0, 1.0, window, sinks)
 
     runner.native_attention = rounded
     return llm
