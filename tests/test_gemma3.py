@@ -71,3 +71,33 @@ def test_gemma3_options_it_does_not_serve_are_refused(tiny_gemma3, tmp_path):
     gelu = with_config(tiny_gemma3, tmp_path / "silu", hidden_activation="silu")
     with pytest.raises(UnsupportedModelError, match="hidden activation 'silu'"):
         LLM(str(gelu), dtype="float32")
+
+
+def test_local_layers_give_back_blocks_past_their_window(tiny_gemma3):
+    """Two KV groups (local layers 0, 2; global layers 1, 3), a block table each: over a
+    150-token sequence the global group keeps every block, the local group about its
+    16-token window's (blocks of 8), and the pool has every block back at the end."""
+    from engine.core.kv_groups import KVGroups
+    llm = LLM(str(tiny_gemma3), dtype="float32", block_size=8, max_num_batched_tokens=16)
+    core = llm.llm_engine.engine_core
+    groups = KVGroups.of(core.shape)
+    assert groups.windows == (0, WINDOW) and groups.layers == ((1, 3), (0, 2))
+    assert core.runner.kv_caches.shape[0] == 2  # a block holds two layers
+    held: list[tuple[int, int]] = []
+    schedule = core.scheduler.schedule
+
+    def watch():
+        out = schedule()
+        for r in out.requests:
+            held.append(tuple(sum(b != core.kv.null_block for b in t) for t in r.group_blocks))
+        return out
+    core.scheduler.schedule = watch
+    try:
+        from tests.test_parity import _prompts
+        llm.generate(_prompts([40]), SamplingParams(temperature=0.0, max_tokens=110,
+                                                    ignore_eos=True), use_tqdm=False)
+        assert max(g for g, _ in held) == -(-150 // 8)  # every block of the global group
+        assert max(local for _, local in held) <= -(-WINDOW // 8) + 1 + 2
+        assert core.kv.num_free_blocks == core.kv.usable_blocks
+    finally:
+        llm.shutdown()

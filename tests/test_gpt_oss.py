@@ -51,7 +51,58 @@ def test_gpt_oss_tp2_matches_tp1(tiny_gpt_oss):
 
 def test_attention_backends_without_sinks_are_refused(tiny_gpt_oss):
     with pytest.raises(InvalidRequestError, match="does not serve attention sinks"):
-        LLM(str(tiny_gpt_oss), dtype="float32", attention_backend="triton")
+        LLM(str(tiny_gpt_oss), dtype="float32", attention_backend="flex")
+
+
+def test_gpt_oss_on_the_triton_kernels_matches_hf(tiny_gpt_oss):
+    """attention_backend triton (interpreted on CPU): sinks and the local layer's window
+    in the Triton kernel; greedy tokens are HF's."""
+    from engine.model.triton_kernels import availability
+    from tests.conftest import hf_greedy
+    from tests.family_checks import greedy
+    from tests.test_parity import _prompts
+    if availability(torch.device("cpu")) is not None:
+        pytest.skip(f"Triton kernels: {availability(torch.device('cpu'))}")
+    prompts = _prompts([30, 9])
+    llm = LLM(str(tiny_gpt_oss), dtype="float32", attention_backend="triton", device="cpu",
+              max_num_batched_tokens=16, block_size=8)
+    try:
+        assert llm.llm_engine.engine_core.runner.triton is not None
+        assert greedy(llm, prompts, 8) == hf_greedy(tiny_gpt_oss, prompts, 8)
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("splits,block_q", [(1, 1), (3, 1), (1, 8)])
+def test_triton_kernel_sinks_join_each_softmax(splits, block_q):
+    """The Triton kernel (interpreted on CPU) with sinks far above and below the scores:
+    decodes with and without split-KV (the reduce adds the sink), prefill tiles."""
+    from engine.model.triton_kernels import availability
+    from tests.test_triton_kernels import DEVICE, _launch, _paged_case
+    if availability(DEVICE) is not None:
+        pytest.skip(f"Triton kernels: {availability(DEVICE)}")
+    from engine.model.triton_kernels.paged_attention import SplitScratch, attend
+    page, dim, kv_heads, group = 16, 32, 2, 2
+    seqs = [(40, 1), (100, 1), (0, 1)] if block_q == 1 else [(32, 9), (0, 37)]
+    cache, q, tables = _paged_case(splits, seqs, 0, page, kv_heads, group, dim, torch.float32)
+    k_cache, v_cache = cache[0], cache[1]
+    sinks = torch.tensor([0.5, 30.0, -30.0, -1.0])
+    out = torch.zeros_like(q)
+    attend(q, k_cache, v_cache, out, _launch(seqs, tables, block_q, splits), 0.3, page, 16,
+           SplitScratch.allocate(8, q.shape[1], dim, DEVICE), sinks=sinks)
+    heads = q.shape[1]
+    ref, row = torch.empty(q.shape), 0
+    for (ctx, n), table in zip(seqs, tables):
+        slots = [table[p // page] * page + p % page for p in range(ctx + n)]
+        keys = k_cache[:, slots].repeat_interleave(group, 0)
+        values = v_cache[:, slots].repeat_interleave(group, 0)
+        for j in range(n):
+            p = ctx + j
+            scores = torch.einsum("hd,hkd->hk", q[row], keys[:, :p + 1]) * 0.3
+            probs = torch.cat([scores, sinks.view(heads, 1)], 1).softmax(-1)[:, :-1]
+            ref[row] = torch.einsum("hk,hkd->hd", probs, values[:, :p + 1])
+            row += 1
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

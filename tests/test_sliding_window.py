@@ -150,7 +150,7 @@ def _request(n_tokens: int) -> Request:
 
 
 def test_kv_manager_gives_back_blocks_that_slid_out_of_the_window():
-    kv = KVCacheManager(num_blocks=12, block_size=4, enable_prefix_caching=True, window=6)
+    kv = KVCacheManager(num_blocks=12, block_size=4, enable_prefix_caching=True, windows=6)
     assert kv.null_block == 11 and kv.num_free_blocks == 11
     req = _request(30)
     assert kv.allocate(req, 30)
@@ -164,7 +164,7 @@ def test_kv_manager_gives_back_blocks_that_slid_out_of_the_window():
     assert kv.num_free_blocks == 11 and req.num_freed_blocks == 0
     # the given-back blocks kept their hashes: the same prompt hits the whole prefix
     again = _request(30)
-    assert len(kv.find_cached_prefix(again)) == 7
+    assert kv.hit_tokens(kv.find_cached_prefix(again)) == 7 * 4
 
 
 def test_kv_manager_without_a_window_keeps_every_block():

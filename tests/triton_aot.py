@@ -46,12 +46,13 @@ _CACHE = ("k_ptr", "v_ptr")
 
 
 def _attention(dtype: str, head_dim: int, block_q: int, splits: int, arch: int,
-               fp8_cache: bool = False) -> int:
+               fp8_cache: bool = False, sinks: bool = False) -> int:
     return compile_kernel(
         pa.paged_attention_kernel, dtype, dict(
             GROUP=4, GROUP_PAD=pa.group_pad(4, block_q), BLOCK_Q=block_q, BLOCK_N=BLOCK_N,
             HEAD_DIM=head_dim, HEAD_PAD=head_dim, PAGE=16, NUM_SPLITS=splits,
-            PRECISION="tf32"), arch, fp32=("part_out_ptr", "part_lse_ptr"), ints=_INTS,
+            PRECISION="tf32", HAS_SINKS=sinks), arch,
+        fp32=("part_out_ptr", "part_lse_ptr", "sinks_ptr"), ints=_INTS,
         floats=_SCALES, fp8=_CACHE if fp8_cache else ())
 
 
@@ -74,15 +75,23 @@ def main(arch: int) -> dict[str, int]:
                     dtype, head_dim, block_q, splits, arch)
         built[f"reduce 8b {dtype}"] = compile_kernel(
             pa.reduce_splits_kernel, dtype, dict(NUM_SPLITS=4, SPLITS_PAD=4, HEAD_DIM=128,
-                                                 HEAD_PAD=128), arch,
-            fp32=("part_out_ptr", "part_lse_ptr"))
+                                                 HEAD_PAD=128, HAS_SINKS=False), arch,
+            fp32=("part_out_ptr", "part_lse_ptr", "sinks_ptr"))
+    for kind, block_q, splits in kinds:  # gpt-oss: sinks (and a window, a runtime value)
+        built[f"attention {kind} gpt-oss bf16 sinks"] = _attention("bf16", 64, block_q,
+                                                                   splits, arch, sinks=True)
+    built["reduce gpt-oss bf16 sinks"] = compile_kernel(
+        pa.reduce_splits_kernel, "bf16", dict(NUM_SPLITS=4, SPLITS_PAD=4, HEAD_DIM=64,
+                                              HEAD_PAD=64, HAS_SINKS=True), arch,
+        fp32=("part_out_ptr", "part_lse_ptr", "sinks_ptr"))
     for kind, block_q, splits in kinds:  # an fp8 cache under bf16 activations
         built[f"attention {kind} 8b bf16 fp8-cache"] = _attention("bf16", 128, block_q,
                                                                   splits, arch, True)
     built["attention decode 8b fp32"] = compile_kernel(
         pa.paged_attention_kernel, "fp32", dict(
             GROUP=4, GROUP_PAD=16, BLOCK_Q=1, BLOCK_N=BLOCK_N, HEAD_DIM=128, HEAD_PAD=128,
-            PAGE=16, NUM_SPLITS=1, PRECISION="ieee"), arch, ints=_INTS, floats=_SCALES)
+            PAGE=16, NUM_SPLITS=1, PRECISION="ieee", HAS_SINKS=False), arch, ints=_INTS,
+        floats=_SCALES)
     built["add + rms norm"] = compile_kernel(
         fo.add_rms_norm_kernel, "bf16", dict(N=4096, BLOCK=4096, HAS_RESIDUAL=True), arch,
         floats=("eps",))

@@ -18,6 +18,7 @@ from engine import tracing
 from engine.config import EngineConfig
 from engine.core.hybrid_config import hybrid_config
 from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.kv_groups import KVGroups
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
 from engine.core.stats_logger import StatsLogger
@@ -93,7 +94,7 @@ class EngineCore:
         # A request must fit in the pool on its own, or it could never be scheduled.
         self.max_model_len = self._pool_bounded_len(max_len)
         self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching,
-                                 self.shape.kv_window, self.shape.mamba is not None)
+                                 KVGroups.of(self.shape).windows, self.shape.mamba is not None)
         self.scheduler = Scheduler(config, self.kv, self.max_model_len,
                                    config.step_token_budget(self.device))
         kernels = cpu_kernels() if self.device.type == "cpu" else None
@@ -133,17 +134,21 @@ class EngineCore:
         return wanted or limit
 
     def _pool_bounded_len(self, max_len: int) -> int:
-        """max_len, or less where one sequence of it could not fit in the pool: all its
-        tokens' blocks, or with sliding windows on every layer only its window's and a
-        step's (blocks older than the window are given back), and the null block."""
-        bs, window = self.config.block_size, self.shape.kv_window
-        if window:
-            step = self.config.step_token_budget(self.device)
-            if -(-(window + step) // bs) + 2 <= self.num_blocks:
+        """max_len, or less where one sequence of it could not fit in the pool: a block a
+        full-attention group for each block of its tokens, a sliding-window group only
+        its window's and a step's (older blocks are given back), besides the null block
+        (windows) and a state block (hybrids)."""
+        bs, groups = self.config.block_size, KVGroups.of(self.shape)
+        free = self.num_blocks - (1 if any(groups.windows) else 0) \
+            - (1 if self.shape.mamba is not None else 0)
+        step = self.config.step_token_budget(self.device)
+        local = sum(-(-(w + step) // bs) + 1 for w in groups.windows if w)
+        full = sum(1 for w in groups.windows if not w)
+        if local <= free:
+            if not full:
                 return max_len
-        # the null block (windows) and a state block (hybrids) are not the sequence's
-        reserved = (1 if window else 0) + (1 if self.shape.mamba is not None else 0)
-        return min(max_len, (self.num_blocks - reserved) * bs)
+            return min(max_len, (free - local) // full * bs)
+        return min(max_len, free // groups.count * bs)
 
     def _num_blocks(self) -> int:
         return self.runner.max_kv_blocks()  # under TP: what fits on every rank
@@ -455,8 +460,8 @@ class EngineCore:
         self.abort_requests(list(self.requests))
         self.runner.free_kv_cache()
         self.kv = KVCacheManager(self.num_blocks, self.config.block_size,
-                                 self.config.enable_prefix_caching, self.shape.kv_window,
-                                 self.shape.mamba is not None)
+                                 self.config.enable_prefix_caching,
+                                 KVGroups.of(self.shape).windows, self.shape.mamba is not None)
         self.scheduler.kv = self.kv
         if level == 2:
             self.runner.free_weights()

@@ -34,39 +34,48 @@ from engine.wire.protocol import KVEvents
 
 
 class Block:
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "token_ids")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "token_ids", "group")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
         self.block_hash: int | None = None
         self.token_ids: tuple[int, ...] = ()
+        self.group = 0  # the KV group whose prefix cache finds it (when hashed)
 
 
 class KVCacheManager:
     """Hands out cache blocks to requests; the model runner only sees block ids."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
-                 window: int = 0, state_blocks: bool = False) -> None:
-        """window: the sliding window every layer attends within (0: the model has
-        full-attention layers, and a sequence keeps all its blocks); state_blocks: each
-        request also holds a block for its recurrent state."""
+                 windows: tuple[int, ...] | int = 0, state_blocks: bool = False) -> None:
+        """windows: each KV group's sliding window (engine.core.kv_groups; one int: one
+        group), 0 for full attention, whose sequences keep all their blocks;
+        state_blocks: each request also holds a block for its recurrent state."""
+        self.windows = (windows,) if isinstance(windows, int) else tuple(windows)
         self.num_blocks = num_blocks
         self.state_blocks = state_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.window = window
         # the block that stands for given-back ones in block tables (sliding windows)
-        self.null_block = num_blocks - 1 if window else -1
-        self.usable_blocks = num_blocks - 1 if window else num_blocks
+        slides = any(self.windows)
+        self.null_block = num_blocks - 1 if slides else -1
+        self.usable_blocks = num_blocks - 1 if slides else num_blocks
         self.blocks = [Block(i) for i in range(num_blocks)]
         # Free blocks in eviction order: the first is the least recently freed.
         self.free: OrderedDict[int, None] = OrderedDict(
             (i, None) for i in range(self.usable_blocks))
-        self.cached: dict[int, int] = {}  # block hash -> block id
+        # per group: block hash -> block id; the first group's is the one routers see
+        self.caches: list[dict[int, int]] = [{} for _ in self.windows]
+        self.cached = self.caches[0]
         self.prefix_queries = 0  # tokens looked up in the prefix cache
         self.prefix_hits = 0  # of which found
         self.events = KVEventLog()  # changes to `cached`, for the routers
+
+    @property
+    def window(self) -> int:
+        """The sliding window of a one-group model (0: full attention, or several groups)."""
+        return self.windows[0] if len(self.windows) == 1 else 0
 
     # ---- accounting -------------------------------------------------------------------
     @property
@@ -79,39 +88,58 @@ class KVCacheManager:
         return 1.0 - len(self.free) / self.usable_blocks
 
     def blocks_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        """Blocks a sequence of num_tokens holds before any slides out, every group's."""
+        return -(-num_tokens // self.block_size) * len(self.windows)
+
+    def held_blocks(self, request: Request) -> int:
+        """Blocks the request holds now (its state block included)."""
+        held = sum(b != self.null_block for table in request.group_blocks for b in table)
+        return held + (request.state_block >= 0)
+
+    def _tables(self, request: Request) -> list[list[int]]:
+        """The request's block table of each group (made on first use)."""
+        while len(request.group_blocks) < len(self.windows):
+            request.group_blocks.append([])
+            request.group_freed.append(0)
+        return request.group_blocks
 
     # ---- prefix cache -----------------------------------------------------------------
-    def find_cached_prefix(self, request: Request) -> list[int]:
-        """Block ids of the longest cached prefix of the request's tokens.
+    def find_cached_prefix(self, request: Request) -> list[list[int]]:
+        """Each group's block ids of the longest prefix of the request's tokens that every
+        group has cached (hit_tokens counts it).
 
         At least one token is always left to compute, so the request yields logits.
         """
+        hits: list[list[int]] = [[] for _ in self.windows]
         if not self.enable_prefix_caching:
-            return []
+            return hits
         tokens = request.all_token_ids
         usable = (len(tokens) - 1) // self.block_size
-        hits: list[int] = []
         root = request.cache_root
         parent = root_seed(request.lora)
         for i in range(usable):
             block_tokens = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
             chunk = _key(root, block_tokens)
             h = block_hash(parent, block_tokens)
-            block_id = self.cached.get(h)
-            if block_id is None or self.blocks[block_id].token_ids != chunk:
+            found = [cache.get(h) for cache in self.caches]
+            if any(b is None or self.blocks[b].token_ids != chunk for b in found):
                 break
-            hits.append(block_id)
+            for table, block_id in zip(hits, found):
+                table.append(block_id)
             parent = h
         self.prefix_queries += len(tokens)
-        self.prefix_hits += len(hits) * self.block_size
+        self.prefix_hits += len(hits[0]) * self.block_size
         return hits
+
+    def hit_tokens(self, hits: list[list[int]]) -> int:
+        return len(hits[0]) * self.block_size if hits else 0
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block; refused (False) while any block is held."""
         if len(self.free) != self.usable_blocks:
             return False
-        self.cached.clear()
+        for cache in self.caches:
+            cache.clear()
         self.events.cleared()
         for block in self.blocks:
             block.block_hash, block.token_ids = None, ()
@@ -120,27 +148,33 @@ class KVCacheManager:
 
     # ---- allocation -------------------------------------------------------------------
     def allocate(self, request: Request, num_new_tokens: int,
-                 cached_block_ids: list[int] = ()) -> bool:
-        """Give the request blocks for num_new_tokens more tokens (after cached ones).
+                 hits: list[list[int]] | None = None) -> bool:
+        """Give the request blocks for num_new_tokens more tokens (after its prefix-cache
+        hits, each group's, from find_cached_prefix), in every group.
 
         Returns False, changing nothing, when the pool cannot cover them.
         """
-        cached_free = sum(1 for b in cached_block_ids if self.blocks[b].ref_cnt == 0)
-        total = request.num_computed_tokens + len(cached_block_ids) * self.block_size
-        total += num_new_tokens
-        needed = self.blocks_needed(total) - len(request.block_ids) - len(cached_block_ids)
+        tables = self._tables(request)
+        hits = hits or [[] for _ in self.windows]
+        hit_blocks = len(hits[0])
+        total = request.num_computed_tokens + hit_blocks * self.block_size + num_new_tokens
+        per_group = -(-total // self.block_size)
+        needed = [max(per_group - len(table) - hit_blocks, 0) for table in tables]
+        cached_free = sum(1 for group in hits for b in group if self.blocks[b].ref_cnt == 0)
         state = 1 if self.state_blocks and request.state_block < 0 else 0
-        if needed + state + cached_free > len(self.free):
+        if sum(needed) + state + cached_free > len(self.free):
             return False
         if state:
             request.state_block = self._pop_free()
-        for block_id in cached_block_ids:
-            self._take(block_id)
-            request.block_ids.append(block_id)
-        if cached_block_ids:
-            request.block_hashes = [self.blocks[b].block_hash for b in request.block_ids]
-        for _ in range(max(needed, 0)):
-            request.block_ids.append(self._pop_free())
+        for table, group_hits in zip(tables, hits):
+            for block_id in group_hits:
+                self._take(block_id)
+                table.append(block_id)
+        if hit_blocks:
+            request.block_hashes = [self.blocks[b].block_hash for b in tables[0]]
+        for table, count in zip(tables, needed):
+            for _ in range(count):
+                table.append(self._pop_free())
         if self.enable_prefix_caching:
             self._register_full_blocks(request, min(total, request.num_tokens))
         return True
@@ -150,9 +184,11 @@ class KVCacheManager:
         block_id, _ = self.free.popitem(last=False)
         block = self.blocks[block_id]
         if block.block_hash is not None:
-            if self.cached.get(block.block_hash) == block_id:
-                del self.cached[block.block_hash]
-                self.events.removed(block.block_hash)
+            cache = self.caches[block.group]
+            if cache.get(block.block_hash) == block_id:
+                del cache[block.block_hash]
+                if block.group == 0:
+                    self.events.removed(block.block_hash)
             block.block_hash, block.token_ids = None, ()
         block.ref_cnt = 1
         return block_id
@@ -162,28 +198,30 @@ class KVCacheManager:
         if request.state_block >= 0:
             self._release(request.state_block)
             request.state_block = -1
-        for block_id in reversed(request.block_ids):
-            if block_id != self.null_block:
-                self._release(block_id)
-        request.block_ids = []
+        for table in request.group_blocks:
+            for block_id in reversed(table):
+                if block_id != self.null_block:
+                    self._release(block_id)
+        request.group_blocks = [[]]
+        request.group_freed = [0]
         request.block_hashes = []
-        request.num_freed_blocks = 0
 
     def free_slid_out(self, request: Request) -> int:
         """Give back the request's blocks that no query from its next token on can see
-        (every layer's window ends before them); returns how many."""
-        if not self.window:
-            return 0
-        first_seen = request.num_computed_tokens - self.window + 1
-        out = min(max(first_seen, 0) // self.block_size, len(request.block_ids))
+        (outside their group's window); returns how many."""
         freed = 0
-        for i in range(request.num_freed_blocks, out):
-            block_id = request.block_ids[i]
-            if block_id != self.null_block:
-                self._release(block_id)
-                request.block_ids[i] = self.null_block
-                freed += 1
-        request.num_freed_blocks = max(out, request.num_freed_blocks)
+        for g, window in enumerate(self.windows):
+            if not window or g >= len(request.group_blocks):
+                continue
+            table = request.group_blocks[g]
+            first_seen = request.num_computed_tokens - window + 1
+            out = min(max(first_seen, 0) // self.block_size, len(table))
+            for i in range(request.group_freed[g], out):
+                if table[i] != self.null_block:
+                    self._release(table[i])
+                    table[i] = self.null_block
+                    freed += 1
+            request.group_freed[g] = max(out, request.group_freed[g])
         return freed
 
     def _release(self, block_id: int) -> None:
@@ -199,21 +237,26 @@ class KVCacheManager:
         block.ref_cnt += 1
 
     def _register_full_blocks(self, request: Request, num_tokens: int) -> None:
-        """Hash the request's blocks that will be full once num_tokens are computed."""
+        """Hash the request's blocks that will be full once num_tokens are computed, in
+        every group's prefix cache (the same hash chain: the same tokens)."""
         full = num_tokens // self.block_size
         tokens = request.all_token_ids
         root = request.cache_root
-        for i in range(len(request.block_hashes), full):
+        first = len(request.block_hashes)
+        for i in range(first, full):
             parent = request.block_hashes[-1] if request.block_hashes else root_seed(request.lora)
             block_tokens = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
             h = block_hash(parent, block_tokens)
             request.block_hashes.append(h)
-            block = self.blocks[request.block_ids[i]]
-            if block.block_hash is None:
-                block.block_hash, block.token_ids = h, _key(root, block_tokens)
-                if h not in self.cached:
-                    self.cached[h] = block.block_id
-                    self.events.stored(h)
+            for g, (cache, table) in enumerate(zip(self.caches, request.group_blocks)):
+                block = self.blocks[table[i]]
+                if block.block_hash is None and table[i] != self.null_block:
+                    block.block_hash, block.token_ids = h, _key(root, block_tokens)
+                    block.group = g
+                    if h not in cache:
+                        cache[h] = block.block_id
+                        if g == 0:
+                            self.events.stored(h)
 
     # ---- KV events (engine/core/kv_events.py) ------------------------------------------
     def take_events(self) -> KVEvents | None:

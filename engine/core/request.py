@@ -31,6 +31,15 @@ class Request:
     token; chunked prefill steps before that advance num_computed_tokens only.
     """
 
+    @property
+    def block_ids(self) -> list[int]:
+        """The first KV group's block table (the only one of most models)."""
+        return self.group_blocks[0]
+
+    @property
+    def num_freed_blocks(self) -> int:
+        return self.group_freed[0]
+
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  eos_token_ids: tuple[int, ...], arrival_time: float | None = None,
                  priority: int = 0, pooling: PoolingParams | None = None,
@@ -46,9 +55,10 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hits at first schedule; -1 = not yet
-        self.block_ids: list[int] = []
+        # each KV group's block table (engine.core.kv_groups; one group for most models)
+        self.group_blocks: list[list[int]] = [[]]
         self.block_hashes: list[int] = []  # hash chain of the full blocks registered so far
-        self.num_freed_blocks = 0  # leading blocks given back as they slid out of the window
+        self.group_freed = [0]  # each group's leading blocks given back (slid out)
         self.state_block = -1  # a hybrid model's state block (engine.model.layers.mamba)
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0

@@ -107,8 +107,8 @@ class Scheduler:
                 # an embedding request computes every token (mean pooling needs them all),
                 # and so does one that asks for prompt logprobs (they need the logits)
                 recompute = request.pooling is not None or request.needs_prompt_logits
-                hits = [] if recompute else self.kv.find_cached_prefix(request)
-                computed = len(hits) * self.kv.block_size
+                hits = None if recompute else self.kv.find_cached_prefix(request)
+                computed = self.kv.hit_tokens(hits)
                 n = min(request.num_tokens - computed, budget)
                 if not self.kv.allocate(request, n, hits):
                     break

@@ -48,6 +48,7 @@ from engine.model.loader import is_gguf_checkpoint, iter_weights
 from engine.quant import checkpoint_quantization, fp8_block_size, int4_scheme
 from engine.quant.dummy import dummy_weights
 from engine.quant.int4_groups import iter_int4_weights
+from engine.core.kv_groups import KVGroups
 from engine.model.layers.mamba import StateMetadata
 from engine.model.stack import build_stack
 
@@ -80,6 +81,10 @@ class StepInput(msgspec.Struct, array_like=True, gc=False):
     prompt_targets: list[int] = []  # the prompt token each of those positions scores
     lora_segments: list[list[int]] = []  # [start, end, slot) runs of one adapter's tokens
     state_slots: list[int] = []  # a hybrid's: each sequence's state block (batch order)
+    # models with several KV groups (engine.core.kv_groups): the block tables and token
+    # slots of groups 1.. (block_tables and slots above are group 0's)
+    group_tables: list[list[list[int]]] = []
+    group_slots: list[list[int]] = []
 
 
 @dataclass
@@ -124,6 +129,7 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.block_size = config.block_size
+        self.kv_groups = KVGroups.of(shape)  # layers sharing block tables; P layers a block
         self.checkpoint = checkpoint
         self.hf_config = hf_config
         self.max_model_len = max_model_len
@@ -164,16 +170,16 @@ class ModelRunner:
                 return "native"
             if self.device.type != "cuda":
                 return "torch"
-            if self.shape.attention_sinks:  # the kernels below have no sinks yet
-                return "torch"
             from engine.model.triton_kernels import availability
             if availability(self.device) is None:
                 return "triton"
-            return "torch" if any(self.shape.layer_windows) else "flex"
-        if choice in ("flex", "triton") and self.shape.attention_sinks:
+            # FlexAttention has no sliding windows or sinks here
+            windows_or_sinks = any(self.shape.layer_windows) or self.shape.attention_sinks
+            return "torch" if windows_or_sinks else "flex"
+        if choice == "flex" and self.shape.attention_sinks:
             raise InvalidRequestError(
                 f"attention_backend {choice!r} does not serve attention sinks "
-                f"({self.shape.architecture}); use native (CPU) or torch")
+                f"({self.shape.architecture}); use triton, native (CPU) or torch")
         if choice == "flex" and any(self.shape.layer_windows):
             raise InvalidRequestError(
                 f"attention_backend 'flex' does not serve sliding-window layers "
@@ -222,7 +228,8 @@ class ModelRunner:
         return (self.device.type == "cuda" and self.backend in ("flex", "triton")
                 and not self.config.enforce_eager and self.lora_slots is None
                 and self.tp is None and self._experts_capturable()
-                and self.shape.mamba is None)  # its states are gathered by host-side slots
+                and self.shape.mamba is None  # its states are gathered by host-side slots
+                and self.kv_groups.count == 1)  # the graphs hold one group's tables
 
     def _experts_capturable(self) -> bool:
         """An MoE model's experts in a graph need the grouped matmul (its offsets stay on
@@ -298,6 +305,9 @@ class ModelRunner:
             pack_linears(model, keep_dense={id(model.embed_tokens.weight)}, kernels=self.kernels)
         if self.device.type == "cpu" and self.backend == "native":
             model.stack = build_stack(model, self.kernels)
+        if self.kv_groups.count > 1:
+            model.layer_groups = [self.kv_groups.layer_group(i)
+                                  for i in range(self.shape.num_layers)]
         if self.device.type == "cpu":
             collapse_new_regions(regions)
         logger.info("loaded %s in %.2fs", self.shape.architecture, time.perf_counter() - start)
@@ -368,7 +378,8 @@ class ModelRunner:
     def bytes_per_block(self) -> int:
         s = self.shape
         elem = torch.empty((), dtype=self.kv_dtype).element_size()
-        return 2 * s.num_layers * self.block_size * self.plan.num_kv_heads * s.head_dim * elem
+        return (2 * self.kv_groups.slots * self.block_size * self.plan.num_kv_heads
+                * s.head_dim * elem)
 
     def max_kv_blocks(self) -> int:
         """KV blocks that fit this rank's budget: bytes on CPU (kv_cache_memory_bytes,
@@ -457,13 +468,15 @@ class ModelRunner:
         s = self.shape
         self.num_blocks = num_blocks
         if self.flex is not None or self.triton is not None:  # head-major, scratch block
-            shape = flex_paged.cache_shape(s.num_layers, num_blocks, self.plan.num_kv_heads,
-                                           self.block_size, s.head_dim)
+            shape = flex_paged.cache_shape(self.kv_groups.slots, num_blocks,
+                                           self.plan.num_kv_heads, self.block_size, s.head_dim)
             self.kv_caches = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
             if self.triton is not None:
-                self.layer_caches = [(layer[0], layer[1]) for layer in self.kv_caches]
+                self.layer_caches = [(self._layer_cache(i)[0], self._layer_cache(i)[1])
+                                     for i in range(s.num_layers)]
             else:
-                self.layer_caches = [flex_paged.cache_views(layer) for layer in self.kv_caches]
+                self.layer_caches = [flex_paged.cache_views(self._layer_cache(i))
+                                     for i in range(s.num_layers)]
                 self.slot_pos = torch.full((shape[3],), torch.iinfo(torch.int32).max,
                                            dtype=torch.int32, device=self.device)
             self._state_views()
@@ -472,16 +485,22 @@ class ModelRunner:
             return
         # block-major (engine.model.layers.attention): a block's keys and values, all kv heads,
         # are one contiguous span
-        shape = (s.num_layers, num_blocks, 2, self.plan.num_kv_heads, self.block_size, s.head_dim)
+        shape = (self.kv_groups.slots, num_blocks, 2, self.plan.num_kv_heads, self.block_size,
+                 s.head_dim)
         # zeros, not garbage: masked-out slots still enter the matmuls, and 0 * NaN = NaN
         if self.device.type == "cpu":
             self.kv_caches = lazily_zeroed(shape, self.kv_dtype)
             self._prefault_kv(num_blocks)
         else:
             self.kv_caches = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
-        cache = self.kv_caches
-        self.layer_caches = [cache_views(layer) for layer in cache]  # made once, not per step
+        # made once, not per step
+        self.layer_caches = [cache_views(self._layer_cache(i)) for i in range(s.num_layers)]
         self._state_views()
+
+    def _layer_cache(self, layer: int) -> torch.Tensor:
+        """The cache tensor a layer's blocks are in: its slot's (each block of the pool
+        holds the KV of P layers, one of each group's; all layers' with one group)."""
+        return self.kv_caches[self.kv_groups.layer_slot(layer)]
 
     def _state_views(self) -> None:
         """A hybrid's Mamba layers read their cache tensors as state blocks instead."""
@@ -580,6 +599,12 @@ class ModelRunner:
             step.query_lens.append(n)
             step.seq_lens.append(end)
             step.block_tables.append(blocks[:-(-end // bs)])
+            for g, table in enumerate(request.group_blocks[1:]):
+                if g == len(step.group_tables):
+                    step.group_tables.append([])
+                    step.group_slots.append([])
+                step.group_slots[g].extend(table[p // bs] * bs + p % bs for p in range(start, end))
+                step.group_tables[g].append(table[:-(-end // bs)])
             if request.state_block >= 0:
                 step.state_slots.append(request.state_block)
             base = len(ids) - n  # flat index of position `start`
@@ -624,6 +649,10 @@ class ModelRunner:
             meta = self._attention_metadata(step)
             if step.state_slots:
                 meta.state = self._state_metadata(step)
+            if step.group_tables:  # each group's own blocks, for its layers
+                meta.groups = [meta] + [
+                    self._attention_metadata(step, tables, slots)
+                    for tables, slots in zip(step.group_tables, step.group_slots)]
             input_ids = torch.tensor(step.ids, dtype=torch.long, device=dev)
             pos = torch.tensor(step.positions, dtype=torch.long, device=dev)
             if self.flex is not None:
@@ -665,16 +694,20 @@ class ModelRunner:
                 logits, step.prompt_targets[at:at + len(index)], tops[at:at + len(index)]))
         return out
 
-    def _attention_metadata(self, step: StepInput) -> AttentionMetadata:
+    def _attention_metadata(self, step: StepInput, tables: list[list[int]] | None = None,
+                            slots: list[int] | None = None) -> AttentionMetadata:
+        """The step's attention metadata over one KV group's block tables and token slots
+        (default: group 0's, step.block_tables and step.slots)."""
         dev = self.device
-        slot_mapping = torch.tensor(step.slots, dtype=torch.long, device=dev)
+        tables = step.block_tables if tables is None else tables
+        slot_mapping = torch.tensor(step.slots if slots is None else slots, dtype=torch.long,
+                                    device=dev)
         num_decodes = next((i for i, n in enumerate(step.query_lens) if n != 1),
                            len(step.query_lens))
         if self.flex is not None:
-            return self._flex_metadata(step, slot_mapping, num_decodes)
+            return self._flex_metadata(step, slot_mapping, num_decodes, tables)
         if self.triton is not None:
-            launches = self.triton.step(step.query_lens, step.seq_lens, step.block_tables,
-                                        num_decodes)
+            launches = self.triton.step(step.query_lens, step.seq_lens, tables, num_decodes)
             return AttentionMetadata(slot_mapping=slot_mapping, num_decodes=num_decodes,
                                      block_tables=None, seq_lens=None, triton=self.triton,
                                      triton_step=launches)
@@ -684,22 +717,24 @@ class ModelRunner:
                 starts.append(starts[-1] + n)
             return AttentionMetadata(
                 slot_mapping=slot_mapping, num_decodes=num_decodes,
-                block_tables=self._table_tensor(step.block_tables),
+                block_tables=self._table_tensor(tables),
                 seq_lens=torch.tensor(step.seq_lens, dtype=torch.long, device=dev),
                 query_start=torch.tensor(starts, dtype=torch.long, device=dev),
                 native_attention=self.native_attention)
-        tables = lens = bias = None
+        lens = bias = None
         if num_decodes:
-            tables = self._table_tensor(step.block_tables[:num_decodes])
+            decode_tables = self._table_tensor(tables[:num_decodes])
             lens = torch.tensor(step.seq_lens[:num_decodes], dtype=torch.long, device=dev)
-            span = torch.arange(tables.shape[1] * self.block_size, device=dev)
-            bias = torch.zeros(num_decodes, tables.shape[1] * self.block_size, device=dev)
+            span = torch.arange(decode_tables.shape[1] * self.block_size, device=dev)
+            bias = torch.zeros(num_decodes, decode_tables.shape[1] * self.block_size, device=dev)
             bias.masked_fill_(span.unsqueeze(0) >= lens.unsqueeze(1), float("-inf"))
+        else:
+            decode_tables = None
         return AttentionMetadata(
             slot_mapping=slot_mapping, slot_blocks=slot_mapping // self.block_size,
             slot_offsets=slot_mapping % self.block_size,
-            num_decodes=num_decodes, block_tables=tables, seq_lens=lens, decode_bias=bias,
-            prefills=self._prefill_groups(step, num_decodes))
+            num_decodes=num_decodes, block_tables=decode_tables, seq_lens=lens,
+            decode_bias=bias, prefills=self._prefill_groups(step, num_decodes, tables))
 
     def _state_metadata(self, step: StepInput) -> StateMetadata:
         """Where each sequence's Mamba states are, and which start from zeros."""
@@ -711,7 +746,7 @@ class ModelRunner:
                              len(step.query_lens)))
 
     def _flex_metadata(self, step: StepInput, slot_mapping: torch.Tensor,
-                       num_decodes: int) -> AttentionMetadata:
+                       num_decodes: int, tables: list[list[int]]) -> AttentionMetadata:
         """The decodes in one FlexAttention call, then each prefill chunk in its own on
         CUDA (FlexPagedAttention), all chunks in one on the eager reference."""
         groups = []
@@ -730,7 +765,7 @@ class ModelRunner:
             if hi > lo:
                 decodes = lo == 0 and num_decodes > 0
                 groups.append(build_group(first, step.query_lens[lo:hi], step.seq_lens[lo:hi],
-                                          step.block_tables[lo:hi], self.num_blocks,
+                                          tables[lo:hi], self.num_blocks,
                                           self.block_size, self.device,
                                           decode_width if decodes else None,
                                           page_map=not self.flex.compiled,
@@ -746,7 +781,8 @@ class ModelRunner:
         padded = [t + [0] * (width - len(t)) for t in tables]
         return torch.tensor(padded, dtype=torch.long, device=self.device)
 
-    def _prefill_groups(self, step: StepInput, num_decodes: int) -> list[PrefillGroup]:
+    def _prefill_groups(self, step: StepInput, num_decodes: int,
+                        tables: list[list[int]]) -> list[PrefillGroup]:
         """Prefill chunks for the torch path: consecutive fresh chunks (no cached context)
         of equal length share one group; a chunk with context carries its block table."""
         groups: list[PrefillGroup] = []
@@ -754,7 +790,7 @@ class ModelRunner:
         for i in range(num_decodes, len(step.query_lens)):
             n, ctx = step.query_lens[i], step.seq_lens[i]
             if ctx > n:
-                table = torch.tensor(step.block_tables[i], dtype=torch.long, device=self.device)
+                table = torch.tensor(tables[i], dtype=torch.long, device=self.device)
                 groups.append(PrefillGroup(first, n, 1, ctx, table))
             elif groups and groups[-1].block_table is None and groups[-1].query_len == n:
                 groups[-1].count += 1

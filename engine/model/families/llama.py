@@ -73,7 +73,8 @@ class LlamaAttention(nn.Module):
                 qkv = self._norm_qk(qkv)
             o = meta.triton.forward(qkv, rope, kv_cache, meta.slot_mapping, meta.triton_step,
                                     self.num_heads, self.num_kv_heads, self.head_dim,
-                                    self.scale, self.k_scale, self.v_scale, self.window)
+                                    self.scale, self.k_scale, self.v_scale, self.window,
+                                    None if self.sinks is None else self.sinks.float())
             return self._project(o)
         native_rope = self.kernels is not None
         if native_rope:  # rotate q and k heads in place inside the fused qkv rows
@@ -218,6 +219,7 @@ class LlamaForCausalLM(nn.Module):
     # native call for the steps it can run (native attention, no LoRA)
     stack = None
     stack_layout = True  # whether the layers are the stack's (a family with others: False)
+    layer_groups: list[int] = []  # each layer's KV group, where the runner set several
     _stack_caches: tuple = (None, None, None)
     _prompt_step = False  # whether the last forward held prompt tokens
 
@@ -258,9 +260,10 @@ class LlamaForCausalLM(nn.Module):
                                       values, meta.slot_mapping, meta.block_tables,
                                       meta.seq_lens, meta.query_start, dense_rows)
         residual = None
-        for layer, kv_cache, rope in zip(self.layers, kv_caches,
-                                         self.layer_ropes(positions, x.dtype)):
-            x, residual = layer(rope, x, residual, kv_cache, meta)
+        for i, (layer, kv_cache, rope) in enumerate(zip(self.layers, kv_caches,
+                                                        self.layer_ropes(positions, x.dtype))):
+            layer_meta = meta.groups[self.layer_groups[i]] if meta.groups else meta
+            x, residual = layer(rope, x, residual, kv_cache, layer_meta)
         return self.norm(x, residual)[0]
 
     def _cache_lists(self, kv_caches) -> tuple[list, list]:

@@ -97,6 +97,8 @@ class AttentionMetadata:
     triton: Any = None  # a TritonPagedAttention
     triton_step: Any = None  # its TritonStep
     state: Any = None  # a hybrid's Mamba states (engine.model.layers.mamba.StateMetadata)
+    # several KV groups: each group's metadata (this one first), picked per layer
+    groups: list | None = None
     _window_bias: dict = field(default_factory=dict)  # window -> decode bias (torch)
 
     def decode_bias_for(self, window: int) -> torch.Tensor:

@@ -156,10 +156,12 @@ class TritonPagedAttention:
     def forward(self, qkv: torch.Tensor, rope: Rope, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 slot_mapping: torch.Tensor, step: TritonStep, num_heads: int,
                 num_kv_heads: int, head_dim: int, scale: float, k_scale: float = 1.0,
-                v_scale: float = 1.0, window: int = 0) -> torch.Tensor:
+                v_scale: float = 1.0, window: int = 0,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         """One layer: qkv [T, (H + 2 KVH) * D] (rotated in place) -> attention [T, H * D].
         k_scale, v_scale: an e4m3 cache's per-layer scales (constants of a captured
-        graph, as they are of the layer); window: its sliding window (0: none)."""
+        graph, as they are of the layer); window: its sliding window (0: none); sinks:
+        its heads' attention sinks (float32 [H]), or None."""
         k_cache, v_cache = kv_cache
         rope_write_kv(qkv, rope.positions, rope.cos_table, rope.sin_table, num_heads,
                       num_kv_heads, head_dim, k_cache, v_cache, slot_mapping, k_scale,
@@ -169,5 +171,5 @@ class TritonPagedAttention:
         out = qkv.new_empty(t, num_heads, head_dim)
         for launch in step.launches():
             attend(q, k_cache, v_cache, out, launch, scale, self.block_size, BLOCK_N,
-                   self.scratch, k_scale, v_scale, window)
+                   self.scratch, k_scale, v_scale, window, sinks)
         return out.view(t, num_heads * head_dim)

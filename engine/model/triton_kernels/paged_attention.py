@@ -36,21 +36,23 @@ MAX_SPLITS = 16  # the split-KV scratch holds this many segments a row
 @triton.jit(do_not_specialize=["stride_bt"])
 def paged_attention_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-        tile_seq_ptr, tile_q_ptr, query_start_ptr, seq_lens_ptr, tables_ptr,
+        tile_seq_ptr, tile_q_ptr, query_start_ptr, seq_lens_ptr, tables_ptr, sinks_ptr,
         scale_log2, v_scale, window,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kh, stride_ks, stride_vh, stride_vs, stride_bt,
         stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
         BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
-        PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr):
+        PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+        HAS_SINKS: tl.constexpr):
     """Grid (query tiles, kv heads, NUM_SPLITS). Tile i covers queries
     tile_q[i] .. + BLOCK_Q of sequence tile_seq[i]; that sequence's queries are the flat
     tokens query_start[s] .. query_start[s + 1], the last of its seq_lens[s] positions.
     An e4m3 cache's keys and values are widened to q's dtype as they are loaded; k_scale
     is in scale_log2 and v_scale multiplies the output. window > 0: a query at position p
     sees keys p - window + 1 .. p only; the tiles before the tile's first visible key are
-    skipped (their pages may have been freed)."""
+    skipped (their pages may have been freed). HAS_SINKS: each query head's sink
+    (sinks_ptr, float32) joins its softmax's denominator; with splits, in the reduce."""
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -109,6 +111,9 @@ def paged_attention_kernel(
                                             input_precision=PRECISION)
         m_i = m_new
 
+    if HAS_SINKS and NUM_SPLITS == 1:  # a key with no value: only the denominator grows
+        sink = tl.load(sinks_ptr + head, mask=row_ok, other=float("-inf")) * 1.4426950408889634
+        l_i = l_i + tl.exp2(sink - tl.where(m_i == float("-inf"), 0.0, m_i))
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     result = acc / l_safe[:, None] * v_scale  # exact for a float cache's 1.0
     if NUM_SPLITS == 1:
@@ -125,13 +130,15 @@ def paged_attention_kernel(
 
 
 @triton.jit
-def reduce_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr,
+def reduce_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, sinks_ptr,
                          stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
                          stride_ot, stride_oh,
                          NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
-                         HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr):
+                         HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
+                         HAS_SINKS: tl.constexpr):
     """Grid (tokens, heads): out = the splits' partial outputs weighted by
-    exp2(lse - max lse), normalised. A row no split saw (a padded decode row) is 0."""
+    exp2(lse - max lse), normalised (the head's sink joining the normaliser).
+    A row no split saw (a padded decode row) is 0."""
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     splits = tl.arange(0, SPLITS_PAD)
@@ -142,6 +149,9 @@ def reduce_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr,
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     weight = tl.exp2(lse - m_safe)
     total = tl.sum(weight, 0)
+    if HAS_SINKS:
+        total += tl.where(m == float("-inf"), 0.0,
+                          tl.exp2(tl.load(sinks_ptr + head) * 1.4426950408889634 - m_safe))
     dims = tl.arange(0, HEAD_PAD)
     dim_ok = dims < HEAD_DIM
     parts = tl.load(part_out_ptr + token * stride_pt + head * stride_ph
@@ -193,11 +203,13 @@ def group_pad(group: int, block_q: int) -> int:
 def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
            launch: AttentionLaunch, scale: float, page_size: int, block_n: int,
            scratch: SplitScratch | None = None, k_scale: float = 1.0,
-           v_scale: float = 1.0, window: int = 0) -> None:
+           v_scale: float = 1.0, window: int = 0,
+           sinks: torch.Tensor | None = None) -> None:
     """Attention of launch's queries in q [T, H, D] (row strides free, D contiguous) over
     one layer's cache (k_cache, v_cache [KVH, slots, D]) into out [T, H, D]. Queries see
     their sequence's keys at positions up to their own. Splits > 1 need scratch. An e4m3
-    cache holds keys / k_scale and values / v_scale. window > 0: a sliding window."""
+    cache holds keys / k_scale and values / v_scale. window > 0: a sliding window;
+    sinks: float32 [H], each head's attention sink."""
     heads, head_dim = q.shape[1], q.shape[2]
     kv_heads = k_cache.shape[0]
     group = heads // kv_heads
@@ -214,7 +226,8 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: t
     paged_attention_kernel[grid](
         q, k_cache, v_cache, out, part_out, part_lse,
         launch.tile_seq, launch.tile_q, launch.query_start, launch.seq_lens,
-        launch.block_tables, scale * _LOG2E * k_scale, float(v_scale), int(window),
+        launch.block_tables, launch.seq_lens if sinks is None else sinks,
+        scale * _LOG2E * k_scale, float(v_scale), int(window),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         launch.block_tables.stride(0),
@@ -222,12 +235,12 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: t
         part_lse.stride(0), part_lse.stride(1),
         GROUP=group, GROUP_PAD=group_pad(group, launch.block_q), BLOCK_Q=launch.block_q,
         BLOCK_N=block_n, HEAD_DIM=head_dim, HEAD_PAD=head_pad, PAGE=page_size,
-        NUM_SPLITS=splits, PRECISION=precision)
+        NUM_SPLITS=splits, PRECISION=precision, HAS_SINKS=sinks is not None)
     if splits > 1:
         rows = int(launch.query_start.shape[0]) - 1
         reduce_splits_kernel[(rows, heads)](
-            scratch.out, scratch.lse, out,
+            scratch.out, scratch.lse, out, launch.seq_lens if sinks is None else sinks,
             scratch.out.stride(0), scratch.out.stride(1), scratch.out.stride(2),
             scratch.lse.stride(0), scratch.lse.stride(1), out.stride(0), out.stride(1),
             NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits),
-            HEAD_DIM=head_dim, HEAD_PAD=head_pad)
+            HEAD_DIM=head_dim, HEAD_PAD=head_pad, HAS_SINKS=sinks is not None)
