@@ -89,3 +89,34 @@ def with_config(src: Path, folder: Path, **changes) -> Path:
     config = json.loads((src / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, **changes}))
     return folder
+
+
+def check_served_like_offline(model: Path) -> None:
+    """`flotilla serve`'s path: the engine-core server and the OpenAI app over it; a chat
+    completion, templated by the checkpoint's tokenizer, equals LLM.chat's greedy text."""
+    from engine.config import EngineConfig
+    from engine.core.engine_core import EngineCore
+    from engine.model.loader import load_tokenizer
+    from engine.wire.core_server import EngineCoreServer
+    from tests.test_core_client import free_address
+    from tests.test_openai_app import MODEL, _Real, serve
+    messages = [{"role": "user", "content": "Name a colour."}]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    llm = LLM(str(model), dtype="float32")
+    try:
+        offline = llm.chat(messages, params, use_tqdm=False)[0].outputs[0].text
+    finally:
+        llm.shutdown()
+    core = EngineCore(EngineConfig(model=str(model), dtype="float32"))
+    address = free_address()
+    server = EngineCoreServer(core, address).start()
+    try:
+        async def chat(http, oai):
+            return await oai.chat.completions.create(
+                model=MODEL, messages=messages, max_tokens=10, temperature=0.0,
+                extra_body={"ignore_eos": True})
+        reply = serve(_Real(address, load_tokenizer(model)), chat)
+    finally:
+        server.shutdown()
+    assert reply.choices[0].message.content == offline
+    assert reply.usage.completion_tokens == 10

@@ -101,3 +101,8 @@ def test_local_layers_give_back_blocks_past_their_window(tiny_gemma3):
         assert core.kv.num_free_blocks == core.kv.usable_blocks
     finally:
         llm.shutdown()
+
+
+def test_served_over_the_openai_api_as_offline(tiny_gemma3):
+    from tests.family_checks import check_served_like_offline
+    check_served_like_offline(tiny_gemma3)

@@ -147,3 +147,8 @@ def _reference_lse(q, kc, tables, lens, starts, scale, window):
             scores = (q[r].float().unsqueeze(1) @ k[:, lo:end].transpose(1, 2)).squeeze(1)
             out.append(torch.logsumexp(scores * scale, dim=-1))
     return torch.stack(out)
+
+
+def test_served_over_the_openai_api_as_offline(tiny_gpt_oss):
+    from tests.family_checks import check_served_like_offline
+    check_served_like_offline(tiny_gpt_oss)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from engine import LLM, LoRARequest, SamplingParams
+from engine import LLM, LoRARequest
 from engine.errors import InvalidRequestError, UnsupportedModelError
 from tests.conftest import build_tiny_model
 from tests.family_checks import (check_chunked_prefill_and_prefix_hit, check_n2_and_preemption,
@@ -227,32 +227,5 @@ def test_the_registry_and_the_family_modules_name_the_same_architectures():
 
 
 def test_a_moe_model_served_over_the_openai_api_answers_as_offline(tiny_moe):
-    """`flotilla serve`'s path: the engine-core server and the OpenAI app over it; a chat
-    completion, templated by the checkpoint's tokenizer, equals LLM.chat's greedy text."""
-    from engine.config import EngineConfig
-    from engine.core.engine_core import EngineCore
-    from engine.model.loader import load_tokenizer
-    from engine.wire.core_server import EngineCoreServer
-    from tests.test_core_client import free_address
-    from tests.test_openai_app import MODEL, _Real, serve
-    model = tiny_moe["qwen3_moe"]
-    messages = [{"role": "user", "content": "Name a colour."}]
-    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-    llm = LLM(str(model), dtype="float32")
-    try:
-        offline = llm.chat(messages, params, use_tqdm=False)[0].outputs[0].text
-    finally:
-        llm.shutdown()
-    core = EngineCore(EngineConfig(model=str(model), dtype="float32"))
-    address = free_address()
-    server = EngineCoreServer(core, address).start()
-    try:
-        async def chat(http, oai):
-            return await oai.chat.completions.create(
-                model=MODEL, messages=messages, max_tokens=10, temperature=0.0,
-                extra_body={"ignore_eos": True})
-        reply = serve(_Real(address, load_tokenizer(model)), chat)
-    finally:
-        server.shutdown()
-    assert reply.choices[0].message.content == offline
-    assert reply.usage.completion_tokens == 10
+    from tests.family_checks import check_served_like_offline
+    check_served_like_offline(tiny_moe["qwen3_moe"])

@@ -72,11 +72,6 @@ class KVCacheManager:
         self.prefix_hits = 0  # of which found
         self.events = KVEventLog()  # changes to `cached`, for the routers
 
-    @property
-    def window(self) -> int:
-        """The sliding window of a one-group model (0: full attention, or several groups)."""
-        return self.windows[0] if len(self.windows) == 1 else 0
-
     # ---- accounting -------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:

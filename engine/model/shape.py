@@ -93,21 +93,13 @@ class ModelShape:
     attention_sinks: bool = False  # a learned logit per head in every softmax (gpt-oss)
     rope: bool = True  # False: attention without positions (NoPE, Granite 4.0-H)
     mamba: MambaShape | None = None  # a hybrid's state-space mixers
+    mlp_activation: str = "silu"  # the gated MLP's: silu, or gelu_tanh (Gemma's GeGLU)
 
     def is_mamba(self, layer: int) -> bool:
         return self.mamba is not None and layer in self.mamba.layers
-    mlp_activation: str = "silu"  # the gated MLP's: silu, or gelu_tanh (Gemma's GeGLU)
 
     def window(self, layer: int) -> int:
         return self.layer_windows[layer] if self.layer_windows else 0
-
-    @property
-    def kv_window(self) -> int:
-        """The widest window when every layer has one, else 0: a sequence's KV blocks
-        older than it are read by no layer, and the KV cache manager frees them."""
-        if not self.layer_windows or not all(self.layer_windows):
-            return 0
-        return max(self.layer_windows)
 
     def is_sparse(self, layer: int) -> bool:
         """Whether a layer's MLP is the mixture of experts."""
