@@ -29,7 +29,8 @@ import torch
 from engine.config import EngineConfig, default_num_threads
 from engine.core.scheduler import SchedulerOutput
 from engine.errors import EngineDeadError, InvalidRequestError
-from engine.executor.model_runner import ModelRunner, StepInput, StepResult
+from engine.executor.model_runner import ModelRunner
+from engine.executor.step_inputs import StepInput, StepResult
 from engine.executor.parallel import ShardPlan, TPGroup, check_divisible
 from engine.lora.adapter import LoRAError
 from engine.lora.request import LoRARequest
