@@ -86,11 +86,6 @@ class KVCacheManager:
         """Blocks a sequence of num_tokens holds before any slides out, every group's."""
         return -(-num_tokens // self.block_size) * len(self.windows)
 
-    def held_blocks(self, request: Request) -> int:
-        """Blocks the request holds now (its state block included)."""
-        held = sum(b != self.null_block for table in request.group_blocks for b in table)
-        return held + (request.state_block >= 0)
-
     def _tables(self, request: Request) -> list[list[int]]:
         """The request's block table of each group (made on first use)."""
         while len(request.group_blocks) < len(self.windows):
