@@ -26,7 +26,10 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
+
+import checkpoints  # noqa: E402 - bench/ is not a package
 
 LAYOUT = dict(num_hidden_layers=26, sliding_window=512, num_attention_heads=4,
               num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256,
@@ -36,24 +39,9 @@ PROMPT, NEW, BLOCK = 8000, 192, 16
 
 def gemma3_checkpoint() -> Path:
     """The benchmark's Gemma 3 checkpoint, made once under the cache."""
-    import torch
-    from transformers import AutoModelForCausalLM, Gemma3TextConfig
-
-    from engine.model.loader import cache_root, load_tokenizer, resolve_model
-    target = cache_root() / "bench" / "gemma3-1b-layout-h256"
-    if target.is_dir():  # renamed into place once complete
-        return target
-    tokenizer = load_tokenizer(resolve_model("default"))
-    config = Gemma3TextConfig(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
-                              eos_token_id=tokenizer.eos_token_id, **LAYOUT)
-    config.architectures = ["Gemma3ForCausalLM"]
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    tmp = target.with_name(target.name + ".partial")
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    tmp.rename(target)
-    return target
+    from transformers import Gemma3TextConfig
+    return checkpoints.random_checkpoint("gemma3-1b-layout-h256", Gemma3TextConfig,
+                                         "Gemma3ForCausalLM", **LAYOUT)
 
 
 def measure(dtype: str) -> dict:

@@ -26,7 +26,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-import throughput  # noqa: E402 - bench/ is not a package
+import checkpoints  # noqa: E402 - bench/ is not a package
+import throughput  # noqa: E402
 
 SHAPE = dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16,
              num_key_value_heads=4, head_dim=64, num_experts=32, num_experts_per_tok=4,
@@ -36,24 +37,9 @@ SHAPE = dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16,
 
 def moe_checkpoint() -> Path:
     """The benchmark's Qwen3-MoE checkpoint, made once under the cache (~1 GB)."""
-    import torch
-    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
-
-    from engine.model.loader import cache_root, load_tokenizer, resolve_model
-    target = cache_root() / "bench" / "qwen3-moe-h1024-e32-top4-l8"
-    if target.is_dir():  # renamed into place once complete
-        return target
-    tokenizer = load_tokenizer(resolve_model("default"))
-    config = Qwen3MoeConfig(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
-                            eos_token_id=tokenizer.eos_token_id, **SHAPE)
-    config.architectures = ["Qwen3MoeForCausalLM"]
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    tmp = target.with_name(target.name + ".partial")
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    tmp.rename(target)
-    return target
+    from transformers import Qwen3MoeConfig
+    return checkpoints.random_checkpoint("qwen3-moe-h1024-e32-top4-l8", Qwen3MoeConfig,
+                                         "Qwen3MoeForCausalLM", **SHAPE)
 
 
 def main() -> None:

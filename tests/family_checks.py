@@ -80,6 +80,22 @@ def check_n2_and_preemption(model: Path, blocks: int = 24, **engine_kwargs) -> N
         llm.shutdown()
 
 
+def check_refused(model: Path, folder: Path, error: type, match: str, **changes) -> None:
+    """The checkpoint with `changes` in its config.json is refused at start with `error`
+    matching `match`."""
+    changed = with_config(model, folder, **changes)
+    with pytest.raises(error, match=match):
+        LLM(str(changed), dtype="float32")
+
+
+def check_tp2_matches_tp1(model: Path) -> None:
+    """Two gloo ranks give one rank's greedy tokens and logprobs, each holding about half
+    the weights (norms and the like are replicated)."""
+    from tests.test_tensor_parallel import _tp_vs_single
+    usage, whole = _tp_vs_single(model, 2, max_num_batched_tokens=32, block_size=8)
+    assert all(0.3 * whole < b < 0.7 * whole for b in usage["per_rank_weights_bytes"])
+
+
 def with_config(src: Path, folder: Path, **changes) -> Path:
     """A copy of a checkpoint (its files linked) whose config.json has changes."""
     folder.mkdir()

@@ -10,10 +10,11 @@ from engine.model.layers.attention import (
 from tests.conftest import amx_granted_here
 
 
-def _reference(q, kc, vc, tables, lens, starts, scale):
+def _reference(q, kc, vc, tables, lens, starts, scale, window=0, lse=False):
     """Dense causal attention of each query row over its sequence's gathered context
     (kv heads repeated); kc, vc: [KVH, blocks, bs, D]; row j of a sequence's n rows is
-    its token ctx - n + j and sees keys 0 .. ctx - n + j."""
+    its token ctx - n + j and sees keys 0 .. ctx - n + j, or only the last `window` of
+    them. lse: each row's log-sum-exp of its scores [T, H] instead."""
     kvh, _, bs, d = kc.shape
     group = q.shape[1] // kvh
     outs = []
@@ -23,9 +24,12 @@ def _reference(q, kc, vc, tables, lens, starts, scale):
         v = vc[:, tables[s]].reshape(kvh, -1, d)[:, :ctx].float().repeat_interleave(group, 0)
         for j, r in enumerate(rows):
             seen = ctx - len(rows) + j + 1
-            w = torch.softmax((q[r].float().unsqueeze(1) @ k[:, :seen].transpose(1, 2)) * scale,
-                              dim=-1)
-            outs.append((w @ v[:, :seen]).squeeze(1))
+            lo = max(0, seen - window) if window else 0
+            scores = (q[r].float().unsqueeze(1) @ k[:, lo:seen].transpose(1, 2)) * scale
+            if lse:
+                outs.append(torch.logsumexp(scores.squeeze(1), dim=-1))
+                continue
+            outs.append((torch.softmax(scores, dim=-1) @ v[:, lo:seen]).squeeze(1))
     return torch.stack(outs)
 
 

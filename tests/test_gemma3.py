@@ -9,7 +9,7 @@ from engine import LLM, SamplingParams
 from engine.errors import UnsupportedModelError, UnsupportedQuantizationError
 from tests.conftest import build_tiny_model
 from tests.family_checks import (check_chunked_prefill_and_prefix_hit, check_n2_and_preemption,
-                                 with_config)
+                                 check_refused, check_tp2_matches_tp1)
 
 WINDOW = 16
 LAYER_TYPES = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
@@ -55,22 +55,17 @@ def test_gemma3_with_n2_and_preemption_matches_hf(tiny_gemma3):
 
 
 def test_gemma3_tp2_matches_tp1(tiny_gemma3):
-    from tests.test_tensor_parallel import _tp_vs_single
-    usage, whole = _tp_vs_single(tiny_gemma3, 2, max_num_batched_tokens=32, block_size=8)
-    assert all(0.3 * whole < b < 0.7 * whole for b in usage["per_rank_weights_bytes"])
+    check_tp2_matches_tp1(tiny_gemma3)
 
 
 def test_gemma3_options_it_does_not_serve_are_refused(tiny_gemma3, tmp_path):
-    capped = with_config(tiny_gemma3, tmp_path / "softcap", final_logit_softcapping=30.0)
-    with pytest.raises(UnsupportedModelError, match="final_logit_softcapping"):
-        LLM(str(capped), dtype="float32")
-    quantized = with_config(tiny_gemma3, tmp_path / "fp8", quantization_config={
-        "quant_method": "fp8", "activation_scheme": "dynamic"})
-    with pytest.raises(UnsupportedQuantizationError, match="Gemma 3.*quantized as 'fp8'"):
-        LLM(str(quantized), dtype="float32")
-    gelu = with_config(tiny_gemma3, tmp_path / "silu", hidden_activation="silu")
-    with pytest.raises(UnsupportedModelError, match="hidden activation 'silu'"):
-        LLM(str(gelu), dtype="float32")
+    fp8 = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    check_refused(tiny_gemma3, tmp_path / "softcap", UnsupportedModelError,
+                  "final_logit_softcapping", final_logit_softcapping=30.0)
+    check_refused(tiny_gemma3, tmp_path / "fp8", UnsupportedQuantizationError,
+                  "Gemma 3.*quantized as 'fp8'", quantization_config=fp8)
+    check_refused(tiny_gemma3, tmp_path / "silu", UnsupportedModelError,
+                  "hidden activation 'silu'", hidden_activation="silu")
 
 
 def test_local_layers_give_back_blocks_past_their_window(tiny_gemma3):

@@ -8,9 +8,9 @@ import torch
 from engine import LLM
 from engine.errors import InvalidRequestError
 from tests.conftest import build_tiny_model
-from tests.family_checks import check_chunked_prefill_and_prefix_hit, check_n2_and_preemption
-from tests.test_attention import _each_bf16_kernel, _native, _problem
-from tests.test_sliding_window import _windowed_reference
+from tests.family_checks import (check_chunked_prefill_and_prefix_hit, check_n2_and_preemption,
+                                 check_tp2_matches_tp1)
+from tests.test_attention import _each_bf16_kernel, _native, _problem, _reference
 
 WINDOW = 16
 
@@ -44,9 +44,7 @@ def test_gpt_oss_with_n2_and_preemption_matches_hf(tiny_gpt_oss):
 
 
 def test_gpt_oss_tp2_matches_tp1(tiny_gpt_oss):
-    from tests.test_tensor_parallel import _tp_vs_single
-    usage, whole = _tp_vs_single(tiny_gpt_oss, 2, max_num_batched_tokens=32, block_size=8)
-    assert all(0.3 * whole < b < 0.7 * whole for b in usage["per_rank_weights_bytes"])
+    check_tp2_matches_tp1(tiny_gpt_oss)
 
 
 def test_attention_backends_without_sinks_are_refused(tiny_gpt_oss):
@@ -117,10 +115,10 @@ def test_native_kernel_sinks_join_each_softmax(kernels, dtype, window):
                                                query_lens, seed=9)
     sinks = torch.tensor([0.0, 3.0, -2.0, 40.0, -40.0, 1.5, 0.5, -0.5])
     scale = d ** -0.5
-    plain = _windowed_reference(q, kc, vc, tables, lens, starts, scale, window or 10 ** 6)
+    plain = _reference(q, kc, vc, tables, lens, starts, scale, window)
     # the sink scales each row's output by sum / (sum + exp(sink)): from the reference's
     # log-sum-exp of the same scores
-    lse = _reference_lse(q, kc, tables, lens, starts, scale, window or 10 ** 6)
+    lse = _reference(q, kc, vc, tables, lens, starts, scale, window, lse=True)
     expected = plain * torch.sigmoid(lse - sinks).unsqueeze(-1)
     kc_t = kc.transpose(2, 3).contiguous()
     call = kernels.paged_attention
@@ -132,23 +130,3 @@ def test_native_kernel_sinks_join_each_softmax(kernels, dtype, window):
             kernels.paged_attention = call
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(got, expected, atol=tol, rtol=tol, msg=name)
-
-
-def _reference_lse(q, kc, tables, lens, starts, scale, window):
-    kvh, _, bs, d = kc.shape
-    group = q.shape[1] // kvh
-    out = []
-    for s in range(len(lens)):
-        ctx, rows = int(lens[s]), range(int(starts[s]), int(starts[s + 1]))
-        k = kc[:, tables[s]].reshape(kvh, -1, d)[:, :ctx].float().repeat_interleave(group, 0)
-        for j, r in enumerate(rows):
-            end = ctx - len(rows) + j + 1
-            lo = max(0, end - window)
-            scores = (q[r].float().unsqueeze(1) @ k[:, lo:end].transpose(1, 2)).squeeze(1)
-            out.append(torch.logsumexp(scores * scale, dim=-1))
-    return torch.stack(out)
-
-
-def test_served_over_the_openai_api_as_offline(tiny_gpt_oss):
-    from tests.family_checks import check_served_like_offline
-    check_served_like_offline(tiny_gpt_oss)

@@ -9,7 +9,7 @@ from engine import LLM
 from engine.errors import UnsupportedModelError
 from tests.conftest import build_tiny_model
 from tests.family_checks import (check_chunked_prefill_and_prefix_hit, check_n2_and_preemption,
-                                 hf_logprobs, prompt_logprobs, with_config)
+                                 check_refused, hf_logprobs, prompt_logprobs, with_config)
 from tests.test_parity import _prompts
 
 HEAD_DIM = 16  # TINY: hidden 64 over 4 heads
@@ -89,10 +89,9 @@ def test_partial_rotary_and_quantized_checkpoints_are_refused_by_name(tiny_phi3,
                            rope_parameters={**rope, "partial_rotary_factor": 0.75})
     with pytest.raises(UnsupportedModelError, match="partial_rotary_factor 0.75"):
         LLM(str(partial), dtype="float32")
-    fp8 = with_config(src, tmp_path / "fp8", quantization_config={
-        "quant_method": "fp8", "activation_scheme": "dynamic"})
-    with pytest.raises(UnsupportedQuantizationError, match="Phi-3.*quantized as 'fp8'"):
-        LLM(str(fp8), dtype="float32")
+    check_refused(src, tmp_path / "fp8", UnsupportedQuantizationError,
+                  "Phi-3.*quantized as 'fp8'",
+                  quantization_config={"quant_method": "fp8", "activation_scheme": "dynamic"})
 
 
 def test_an_adapter_on_the_fused_projections_matches_peft(tiny_phi3, tmp_path):

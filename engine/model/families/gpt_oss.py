@@ -20,13 +20,14 @@ from typing import Any
 
 import torch
 
-from engine.errors import UnsupportedModelError, UnsupportedQuantizationError
-from engine.model.families.llama import _offsets
-from engine.model.families.moe import MoEForCausalLM, _describe, _is_float
+from engine.errors import UnsupportedQuantizationError
+from engine.model.families.moe import (MoEForCausalLM, _describe, _is_float, copy_stacked,
+                                       stacked_expected_loads)
 
 _ROUTER = re.compile(r"(layers\.\d+\.mlp)\.router\.(weight|bias)")
 _EXPERTS = re.compile(r"layers\.(\d+)\.mlp\.experts\."
                       r"(?P<part>gate_up_proj|gate_up_proj_bias|down_proj|down_proj_bias)")
+_PARTS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
 _SINKS = re.compile(r"layers\.(\d+)\.self_attn\.sinks")
 
 
@@ -68,21 +69,12 @@ class GptOssForCausalLM(MoEForCausalLM):
             dst, pieces = experts.b2, [t]
         if dst is not None:
             value = torch.cat(pieces, dim=-2 if dst.dim() == 3 else -1)
-            if value.shape != dst.shape:
-                raise UnsupportedModelError(f"checkpoint tensor {name!r} has shape "
-                                            f"{tuple(t.shape)}, not this model's experts")
-            with torch.no_grad():
-                dst.copy_(value)
-        loaded.add(f"layers.{layer}.mlp.experts.{part}")
+            copy_stacked(name, value, dst, t)
+        loaded.add(f"layers.{layer}.experts.{part}")
         return True
 
     def expected_loads(self, params: dict, rules: dict) -> set[str]:
-        keys = {f"{n}:{o}" for n in params if ".experts." not in n
-                for o in _offsets(n, rules)}
-        for layer in range(self.shape.num_layers):
-            keys.update(f"layers.{layer}.mlp.experts.{part}" for part in (
-                "gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"))
-        return keys
+        return stacked_expected_loads(params, rules, range(self.shape.num_layers), _PARTS)
 
 
 def _whole(tensor: Any) -> torch.Tensor:

@@ -23,9 +23,8 @@ from transformers import PretrainedConfig
 
 from engine.errors import UnsupportedModelError
 from engine.executor.parallel import ShardPlan, TPGroup
-from engine.model.families.llama import (LlamaAttention, LlamaForCausalLM, LlamaMLP, _offsets,
-                                         _read_slice)
-from engine.model.families.moe import _is_float
+from engine.model.families.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, _read_slice
+from engine.model.families.moe import _is_float, copy_stacked, stacked_expected_loads
 from engine.model.layers.attention import AttentionMetadata
 from engine.model.layers.mamba import MambaMixer, state_views
 from engine.model.layers.moe import SparseMoeBlock
@@ -175,21 +174,13 @@ class GraniteHybridForCausalLM(LlamaForCausalLM):
             dst = experts.w13
         else:  # down_proj [E, H, I]
             value, dst = t[:, :, start:start + width], experts.w2
-        if value.shape != dst.shape:
-            raise UnsupportedModelError(f"checkpoint tensor {name!r} has shape "
-                                        f"{tuple(t.shape)}, not this model's experts")
-        with torch.no_grad():
-            dst.copy_(value)
+        copy_stacked(name, value, dst, t)
         loaded.add(f"layers.{layer}.experts.{part}")
         return True
 
     def expected_loads(self, params: dict, rules: dict) -> set[str]:
-        keys = {f"{n}:{o}" for n in params if ".experts." not in n
-                for o in _offsets(n, rules)}
-        if self.shape.moe is not None:
-            keys.update(f"layers.{i}.experts.{part}" for i in range(self.shape.num_layers)
-                        for part in ("gate_up_proj", "down_proj"))
-        return keys
+        layers = range(self.shape.num_layers) if self.shape.moe is not None else ()
+        return stacked_expected_loads(params, rules, layers, ("gate_up_proj", "down_proj"))
 
 
 ARCHITECTURES = {"GraniteMoeHybridForCausalLM": GraniteHybridForCausalLM}

@@ -12,7 +12,7 @@ Quantized expert weights are refused by name: the experts' kernels take floats.
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 from torch import nn
@@ -102,6 +102,25 @@ class MoEForCausalLM(LlamaForCausalLM):
                 if moe.shared_intermediate_size:
                     keys.update(_expert_key(layer, None, p) for p in projs)
         return keys
+
+
+def copy_stacked(name: str, value: torch.Tensor, dst: torch.Tensor, source: torch.Tensor) -> None:
+    """This rank's slice of a checkpoint's stacked experts tensor (`source`, all experts
+    in one) into its parameter; a slice of another shape is refused by name."""
+    if value.shape != dst.shape:
+        raise UnsupportedModelError(f"checkpoint tensor {name!r} has shape "
+                                    f"{tuple(source.shape)}, not this model's experts")
+    with torch.no_grad():
+        dst.copy_(value)
+
+
+def stacked_expected_loads(params: dict, rules: dict, layers: Iterable[int],
+                           parts: tuple[str, ...]) -> set[str]:
+    """What a model whose experts come stacked must have loaded: every parameter outside
+    the experts, and each layer's stacked tensors (noted as layers.<i>.experts.<part>)."""
+    keys = {f"{n}:{o}" for n in params if ".experts." not in n for o in _offsets(n, rules)}
+    keys.update(f"layers.{i}.experts.{part}" for i in layers for part in parts)
+    return keys
 
 
 def _is_float(tensor: Any) -> bool:
