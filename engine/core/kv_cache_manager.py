@@ -154,12 +154,12 @@ class KVCacheManager:
         state = 1 if self.state_blocks and request.state_block < 0 else 0
         if sum(needed) + state + cached_free > len(self.free):
             return False
-        if state:
-            request.state_block = self._pop_free()
-        for table, group_hits in zip(tables, hits):
+        for table, group_hits in zip(tables, hits):  # before any pop: a hit may be free
             for block_id in group_hits:
                 self._take(block_id)
                 table.append(block_id)
+        if state:
+            request.state_block = self._pop_free()
         if hit_blocks:
             request.block_hashes = [self.blocks[b].block_hash for b in tables[0]]
         for table, count in zip(tables, needed):
