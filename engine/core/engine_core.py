@@ -72,6 +72,7 @@ class EngineCore:
             else checkpoint_quantization(hf_config), config.model)
         self.shape = ModelShape.from_hf_config(hf_config)
         check_quantized_family(self.quantization, self.shape, config.model)
+        self.kv_groups = KVGroups.of(self.shape)  # layers sharing block tables
         if self.shape.mamba is not None:  # its block size holds a state; no prefix cache
             config = self.config = hybrid_config(config, self.shape)
         self.device = config.torch_device()
@@ -93,8 +94,7 @@ class EngineCore:
         self.runner.allocate_kv_cache(self.num_blocks)
         # A request must fit in the pool on its own, or it could never be scheduled.
         self.max_model_len = self._pool_bounded_len(max_len)
-        self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching,
-                                 KVGroups.of(self.shape).windows, self.shape.mamba is not None)
+        self.kv = self._kv_manager()
         self.scheduler = Scheduler(config, self.kv, self.max_model_len,
                                    config.step_token_budget(self.device))
         kernels = cpu_kernels() if self.device.type == "cpu" else None
@@ -133,12 +133,18 @@ class EngineCore:
                 f"max_model_len {wanted} exceeds what the model supports ({limit})")
         return wanted or limit
 
+    def _kv_manager(self) -> KVCacheManager:
+        """An empty block pool: a table per KV group; a state block a request (hybrids)."""
+        return KVCacheManager(self.num_blocks, self.config.block_size,
+                              self.config.enable_prefix_caching, self.kv_groups.windows,
+                              self.shape.mamba is not None)
+
     def _pool_bounded_len(self, max_len: int) -> int:
         """max_len, or less where one sequence of it could not fit in the pool: a block a
         full-attention group for each block of its tokens, a sliding-window group only
         its window's and a step's (older blocks are given back), besides the null block
         (windows) and a state block (hybrids)."""
-        bs, groups = self.config.block_size, KVGroups.of(self.shape)
+        bs, groups = self.config.block_size, self.kv_groups
         free = self.num_blocks - (1 if any(groups.windows) else 0) \
             - (1 if self.shape.mamba is not None else 0)
         step = self.config.step_token_budget(self.device)
@@ -459,9 +465,7 @@ class EngineCore:
             raise InvalidRequestError(f"sleep level must be 1 or 2, got {level}")
         self.abort_requests(list(self.requests))
         self.runner.free_kv_cache()
-        self.kv = KVCacheManager(self.num_blocks, self.config.block_size,
-                                 self.config.enable_prefix_caching,
-                                 KVGroups.of(self.shape).windows, self.shape.mamba is not None)
+        self.kv = self._kv_manager()
         self.scheduler.kv = self.kv
         if level == 2:
             self.runner.free_weights()

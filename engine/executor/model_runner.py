@@ -590,7 +590,7 @@ class ModelRunner(StepMetadataBuilder):
         else:
             meta = self._attention_metadata(step)
             if step.state_slots:
-                meta.state = self._state_metadata(step)
+                meta.state = self._state_metadata(step, meta.num_decodes)
             if step.group_tables:  # each group's own blocks, for its layers
                 meta.groups = [meta] + [
                     self._attention_metadata(step, tables, slots)

@@ -40,6 +40,10 @@ class StepInput(msgspec.Struct, array_like=True, gc=False):
     group_tables: list[list[list[int]]] = []
     group_slots: list[list[int]] = []
 
+    def num_decodes(self) -> int:
+        """The leading sequences with one new token each (decodes come first)."""
+        return next((i for i, n in enumerate(self.query_lens) if n != 1), len(self.query_lens))
+
 
 @dataclass
 class StepRows:
@@ -83,8 +87,7 @@ class StepMetadataBuilder:
         tables = step.block_tables if tables is None else tables
         slot_mapping = torch.tensor(step.slots if slots is None else slots, dtype=torch.long,
                                     device=dev)
-        num_decodes = next((i for i, n in enumerate(step.query_lens) if n != 1),
-                           len(step.query_lens))
+        num_decodes = step.num_decodes()
         if self.flex is not None:
             return self._flex_metadata(step, slot_mapping, num_decodes, tables)
         if self.triton is not None:
@@ -117,14 +120,13 @@ class StepMetadataBuilder:
             num_decodes=num_decodes, block_tables=decode_tables, seq_lens=lens,
             decode_bias=bias, prefills=self._prefill_groups(step, num_decodes, tables))
 
-    def _state_metadata(self, step: StepInput) -> StateMetadata:
+    def _state_metadata(self, step: StepInput, num_decodes: int) -> StateMetadata:
         """Where each sequence's Mamba states are, and which start from zeros."""
         return StateMetadata(
             slots=torch.tensor(step.state_slots, dtype=torch.long, device=self.device),
             query_lens=step.query_lens,
             fresh=[n == c for n, c in zip(step.query_lens, step.seq_lens)],
-            num_decodes=next((i for i, n in enumerate(step.query_lens) if n != 1),
-                             len(step.query_lens)))
+            num_decodes=num_decodes)
 
     def _flex_metadata(self, step: StepInput, slot_mapping: torch.Tensor,
                        num_decodes: int, tables: list[list[int]]) -> AttentionMetadata:

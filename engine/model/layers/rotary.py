@@ -55,11 +55,8 @@ def rope_inv_freq(hf_config: PretrainedConfig, head_dim: int,
     # on the CPU even while the model is built on the meta device (transformers' own
     # functions make some of their tensors on the current device)
     with torch.device("cpu"):
-        if layer_type is not None:
-            inv, scale = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"),
-                                                        layer_type=layer_type)
-        else:
-            inv, scale = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+        inv, scale = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"),
+                                                    layer_type=layer_type)
     return inv.float(), float(scale)
 
 
