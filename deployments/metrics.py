@@ -62,6 +62,12 @@ class _EngineCollector:
             "vllm:prefix_cache_queries": ("Prefix cache queries, in tokens", "prefix_cache_queries"),
             "vllm:prefix_cache_hits": ("Prefix cache hits, in tokens", "prefix_cache_hits"),
             "vllm:num_preemptions": ("Preemptions by the scheduler", "num_preemptions"),
+            "vllm:spec_decode_num_drafts": ("Speculative decoding: steps in which a "
+                                            "request had proposed tokens", "spec_num_drafts"),
+            "vllm:spec_decode_num_draft_tokens": ("Speculative decoding: proposed tokens",
+                                                  "spec_num_draft_tokens"),
+            "vllm:spec_decode_num_accepted_tokens": ("Speculative decoding: accepted tokens",
+                                                     "spec_num_accepted_tokens"),
         }
         families = {name: GaugeMetricFamily(name, doc, labels=labels)
                     for name, (doc, _) in gauges.items()}
@@ -72,6 +78,10 @@ class _EngineCollector:
         iterations = HistogramMetricFamily("vllm:iteration_tokens_total",
                                            "Tokens computed per engine step (engine's count)",
                                            labels=labels)
+        per_pos = CounterMetricFamily(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Speculative decoding: accepted tokens by position in the proposal",
+            labels=labels + ["position"])
         for e in client.engines:
             values = [self.model, str(e.index)]
             info.add_metric(values + [str(e.ready.block_size), str(e.ready.num_gpu_blocks)], 1)
@@ -79,6 +89,8 @@ class _EngineCollector:
                 continue
             for name, (_, field) in {**gauges, **counters}.items():
                 families[name].add_metric(values, float(getattr(e.stats, field)))
+            for pos, count in enumerate(e.stats.spec_accepted_per_pos):
+                per_pos.add_metric(values + [str(pos)], float(count))
             counts = e.stats.iteration_tokens_counts
             if counts:
                 bounds = [str(float(b)) for b in ITERATION_TOKENS_BUCKETS] + ["+Inf"]
@@ -86,6 +98,7 @@ class _EngineCollector:
                                       float(e.stats.iteration_tokens_sum))
         yield from families.values()
         yield iterations
+        yield per_pos
         yield info
 
 

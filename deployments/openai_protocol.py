@@ -139,6 +139,8 @@ class _SamplingFields(_SchedulingFields):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # Flotilla's extension: false keeps this request out of speculative decoding
+    speculative_decoding: bool = True
     # declared only to be refused with a clear message when set (see unsupported_param)
     service_tier: Any = None
     store: Any = None
@@ -220,7 +222,8 @@ class _SamplingFields(_SchedulingFields):
             logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             logit_bias=self.logit_bias or None, allowed_token_ids=self.allowed_token_ids,
-            bad_words=list(self.bad_words or []), structured_outputs=structured)
+            bad_words=list(self.bad_words or []), structured_outputs=structured,
+            speculative_decoding=self.speculative_decoding)
 
 
 class CompletionRequest(_SamplingFields):

@@ -134,6 +134,12 @@ class EngineConfig:
                                       "of its shapes (benchmarks, no weight files needed; "
                                       "in its declared format for fp8 and AWQ configs)",
                               choices=("auto", "dummy"))
+    speculative_config: dict | None = option(
+        None, 'speculative decoding (vLLM\'s JSON): {"method": "ngram", '
+        '"num_speculative_tokens": 5, "prompt_lookup_max": 5, "prompt_lookup_min": 2} or '
+        '{"method": "suffix"} (suffix_decoding_max_tree_depth, _max_cached_requests, '
+        '_max_spec_factor, _min_token_prob); disable_by_batch_size turns it off for '
+        'larger batches. Proposed tokens are verified in one step; outputs are the same')
     override_generation_config: dict | None = option(
         None, "sampling defaults (JSON) that take precedence over generation_config, "
         'e.g. {"temperature": 0.6}')
@@ -182,6 +188,8 @@ class EngineConfig:
         for ok, message in checks:
             if not ok:
                 raise InvalidRequestError(message)
+        from engine.spec_decode.config import SpeculativeConfig
+        SpeculativeConfig.from_dict(self.speculative_config)  # refused here if invalid
 
     def torch_device(self) -> torch.device:
         import torch

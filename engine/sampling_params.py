@@ -44,6 +44,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     # has no tokenizer): each word with and without a leading space
     bad_words_token_ids: list[list[int]] = []
     structured_outputs: StructuredOutputsParams | None = None
+    # false: this request never takes proposed tokens (an engine with speculative_config
+    # then decodes it one token a step); its tokens are the same either way
+    speculative_decoding: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -41,6 +41,9 @@ from engine.quant import check_quantized_family, checkpoint_quantization, resolv
 from engine.pooling import Pooler, pooling_method
 from engine.request_checks import check_params, check_prompt
 from engine.request_limits import RequestLimits
+from engine.spec_decode.config import SpeculativeConfig
+from engine.spec_decode.decoder import SpecDecoder
+from engine.spec_decode.verify import GeneratorRewind, sampling_rows
 from engine.structured.manager import StructuredOutputManager
 from engine.wire.protocol import (
     FINISH_ABORT,
@@ -97,6 +100,12 @@ class EngineCore:
         self.kv = self._kv_manager()
         self.scheduler = Scheduler(config, self.kv, self.max_model_len,
                                    config.step_token_budget(self.device))
+        spec = SpeculativeConfig.from_dict(config.speculative_config)
+        self.spec: SpecDecoder | None = None
+        if spec is not None:
+            SpecDecoder.check_model(self.shape)
+            self.spec = SpecDecoder(spec, self.max_model_len)
+            self.scheduler.on_finish = self.spec.finish
         kernels = cpu_kernels() if self.device.type == "cpu" else None
         self.sampler = Sampler(self.shape.vocab_size,
                                kernels.argmax_rows if kernels is not None else None,
@@ -223,6 +232,8 @@ class EngineCore:
         outputs, self._aborted = self._aborted, []
         for request, why in self.structured.poll():
             outputs.append(self._fail(request, why))
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
         if not sched:
             if self.structured.has_pending():
@@ -239,7 +250,6 @@ class EngineCore:
             prompt_tokens += max(0, min(n, request.num_prompt_tokens
                                         - request.num_computed_tokens))
             request.num_computed_tokens += n
-        self.stats_logger.count(prompt_tokens, len(rows))
         step_tokens = sum(sched.num_new_tokens)
         count_iteration(self._iteration_counts, step_tokens)
         self._iteration_sum += step_tokens
@@ -248,40 +258,65 @@ class EngineCore:
         for i, span_rows in result.prompt_logprobs:
             sched.requests[i].prompt_logprobs.extend(span_rows)
         if not rows:
+            self.stats_logger.count(prompt_tokens, 0)
             return outputs
-        sampled_requests = [sched.requests[i] for i in rows]
-        result = self.sampler(logits, sampled_requests, self.structured.bitmask(sampled_requests))
+        # a request with proposed tokens has a row for each (engine/spec_decode/verify.py)
+        views, spans = sampling_rows([sched.requests[i] for i in rows])
+        rewind = GeneratorRewind(spans) if self.spec is not None else None
+        result = self.sampler(logits, views, self.structured.bitmask(views))
         now = time.monotonic()
-        for i, (request, token, lp) in enumerate(zip(sampled_requests, result.token_ids,
-                                                     result.logprobs)):
-            if i in result.blocked:
-                outputs.append(self._fail(request, "InvalidRequestError: no token satisfies "
-                                          "this request's restrictions (allowed_token_ids, "
-                                          "bad_words, logit_bias, structured outputs)"))
-                continue
+        emitted = 0
+        for request, start, end in spans:
+            accepted = 0
+            if end - start > 1:
+                accepted = self.spec.settle(request, result.token_ids[start:end])
+                rewind.rewind(request, accepted + 1)
+            out = self._emit(request, result, range(start, start + accepted + 1), now)
+            emitted += len(out.new_token_ids)
+            outputs.append(out)
+            if end - start > 1 and request.status == RequestStatus.RUNNING:
+                self.kv.trim(request)  # the rejected tokens' slots
+        self.stats_logger.count(prompt_tokens, emitted)
+        return outputs
+
+    def _emit(self, request: Request, result, rows: range, now: float) -> EngineCoreOutput:
+        """Append the request's sampled tokens of `rows` (one, or an accepted proposal and
+        the token after it) through the grammar and stop checks, which may end it early;
+        its output for this step."""
+        tokens: list[int] = []
+        logprobs: list = []
+        status = None
+        for row in rows:
+            token, lp = result.token_ids[row], result.logprobs[row]
+            if row in result.blocked:
+                return self._fail(request, "InvalidRequestError: no token satisfies "
+                                  "this request's restrictions (allowed_token_ids, "
+                                  "bad_words, logit_bias, structured outputs)", tokens)
             request.append_token(token)
             if request.first_token_at is None:
                 request.first_token_at = now
             if request.grammar is not None and not self.structured.accept(request, token):
-                outputs.append(self._fail(request, f"token {token} broke the request's "
-                                          "structured-outputs grammar"))
-                continue
+                return self._fail(request, f"token {token} broke the request's "
+                                  "structured-outputs grammar", tokens)
+            tokens.append(token)
+            if lp is not None:
+                logprobs.append(lp)
             status = self._check_stop(request, token)
-            out = EngineCoreOutput(request.request_id, [token],
-                                   new_logprobs=None if lp is None else [lp],
-                                   num_cached_tokens=max(0, request.num_cached_tokens))
-            if request.prompt_logprobs is not None:  # gathered in full by now: sent once
-                out.prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, None
             if status is not None:
-                out.finish_reason = status.value
-                out.stop_reason = request.stop_reason
-                out.timings = _timings(request, now)
-                if request.trace_headers and tracing.enabled():
-                    self._trace(request, out.timings, now)
-                self.scheduler.finish(request, status)
-                del self.requests[request.request_id]
-            outputs.append(out)
-        return outputs
+                break
+        out = EngineCoreOutput(request.request_id, tokens, new_logprobs=logprobs or None,
+                               num_cached_tokens=max(0, request.num_cached_tokens))
+        if request.prompt_logprobs is not None:  # gathered in full by now: sent once
+            out.prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, None
+        if status is not None:
+            out.finish_reason = status.value
+            out.stop_reason = request.stop_reason
+            out.timings = _timings(request, now)
+            if request.trace_headers and tracing.enabled():
+                self._trace(request, out.timings, now)
+            self.scheduler.finish(request, status)
+            del self.requests[request.request_id]
+        return out
 
     def _trace(self, request: Request, t: RequestTimings, now: float) -> None:
         """Record a traced request's span (vLLM's llm_request and gen_ai attributes)."""
@@ -320,11 +355,14 @@ class EngineCore:
         return [EngineCoreOutput(request.request_id, [], RequestStatus.FINISHED_STOPPED.value,
                                  pooled=vector)]
 
-    def _fail(self, request: Request, why: str) -> EngineCoreOutput:
-        """End one request with an error output; the engine goes on with the others."""
+    def _fail(self, request: Request, why: str,
+              tokens: list[int] | None = None) -> EngineCoreOutput:
+        """End one request with an error output (after `tokens`, those of this step that
+        came before the failing one); the engine goes on with the others."""
         self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
         self.requests.pop(request.request_id, None)
-        return EngineCoreOutput(request.request_id, [], FINISH_ERROR, error=why)
+        return EngineCoreOutput(request.request_id, list(tokens or []), FINISH_ERROR,
+                                error=why)
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         p = request.params
@@ -538,7 +576,8 @@ class EngineCore:
             num_preemptions=self.scheduler.num_preemptions,
             num_free_blocks=self.kv.num_free_blocks,
             iteration_tokens_counts=list(self._iteration_counts),
-            iteration_tokens_sum=self._iteration_sum)
+            iteration_tokens_sum=self._iteration_sum,
+            **(self.spec.stats.as_fields() if self.spec is not None else {}))
 
 
 def _eos_ids(checkpoint, hf_config) -> tuple[int, ...]:

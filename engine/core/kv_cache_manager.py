@@ -196,6 +196,20 @@ class KVCacheManager:
         request.group_freed = [0]
         request.block_hashes = []
 
+    def trim(self, request: Request) -> int:
+        """Give back the blocks past those the request's known tokens need (what rejected
+        proposed tokens took); returns how many. They were never hashed: only known
+        tokens' full blocks are."""
+        keep = -(-request.num_tokens // self.block_size)
+        freed = 0
+        for table in request.group_blocks:
+            while len(table) > keep:
+                block_id = table.pop()
+                if block_id != self.null_block:
+                    self._release(block_id)
+                    freed += 1
+        return freed
+
     def free_slid_out(self, request: Request) -> int:
         """Give back the request's blocks that no query from its next token on can see
         (outside their group's window); returns how many."""

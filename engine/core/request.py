@@ -59,6 +59,7 @@ class Request:
         self.group_blocks: list[list[int]] = [[]]
         self.block_hashes: list[int] = []  # hash chain of the full blocks registered so far
         self.group_freed = [0]  # each group's leading blocks given back (slid out)
+        self.spec_tokens: list[int] = []  # proposed next tokens this step (spec_decode)
         self.state_block = -1  # a hybrid model's state block (engine.model.layers.mamba)
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0

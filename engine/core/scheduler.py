@@ -51,6 +51,7 @@ class Scheduler:
         self.waiting = make_queue(config.scheduling_policy)
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.on_finish = None  # called with each request that finishes (its proposer's)
 
     def add(self, request: Request) -> None:
         self.waiting.add(request)
@@ -70,7 +71,10 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             self.kv.free_slid_out(request)  # blocks past every layer's window
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            spec = request.spec_tokens  # proposed tokens ride with its last one
+            n = min(request.num_tokens - request.num_computed_tokens + len(spec), budget)
+            if spec and n < 1 + len(spec):
+                request.spec_tokens = spec[:max(0, n - 1)]
             while not self.kv.allocate(request, n):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -132,6 +136,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.kv.free_request(request)
         request.num_computed_tokens = 0
+        request.spec_tokens = []
         request.pool_sum = None  # an embedding request pools again from its first token
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
@@ -171,6 +176,8 @@ class Scheduler:
         if isinstance(self.waiting, PriorityQueue):
             self.waiting.forget(request)
         self.kv.free_request(request)
+        if self.on_finish is not None:
+            self.on_finish(request)
 
     def preempt_all(self) -> None:
         """Send every running request back to waiting (used to reset the prefix cache)."""

@@ -25,6 +25,7 @@ class StatsLogger:
         self._prompt_tokens = 0
         self._generation_tokens = 0
         self._queries = self._hits = 0  # prefix-cache counters at the last line
+        self._drafted = self._accepted = 0  # speculative decoding's, at the last line
 
     @property
     def enabled(self) -> bool:
@@ -50,6 +51,12 @@ class StatsLogger:
                 f"running: {s.num_running_reqs} reqs, waiting: {s.num_waiting_reqs} reqs, "
                 f"KV cache usage: {100 * s.kv_cache_usage:.1f}%, "
                 f"prefix cache hit rate: {100 * hits / queries if queries > 0 else 0:.1f}%")
+        drafted = s.spec_num_draft_tokens - self._drafted
+        accepted = s.spec_num_accepted_tokens - self._accepted
+        if drafted > 0:  # speculative decoding proposed tokens in this interval
+            line += (f", spec decode acceptance rate: {100 * accepted / drafted:.1f}% "
+                     f"({accepted}/{drafted} tokens)")
+        self._drafted, self._accepted = s.spec_num_draft_tokens, s.spec_num_accepted_tokens
         logger.info("%s", line)
         self._since, self._prompt_tokens, self._generation_tokens = now, 0, 0
         self._queries, self._hits = s.prefix_cache_queries, s.prefix_cache_hits

@@ -528,13 +528,17 @@ class ModelRunner(StepMetadataBuilder):
         order = sorted(range(len(sched.requests)), key=lambda i: (
             sched.num_new_tokens[i] != 1, sched.requests[i].lora_slot))
         step = StepInput([], [], [], [], [], [], [])
+        step.generated_only = all(r.num_computed_tokens == r.num_tokens - 1
+                                  and r.num_output_tokens > 0 for r in sched.requests)
         ids, positions, slots = step.ids, step.positions, step.slots
         rows = StepRows()
         for i in order:
             request, n = sched.requests[i], sched.num_new_tokens[i]
             start = request.num_computed_tokens
             end = start + n
-            ids.extend(request.all_token_ids[start:end])
+            spec = request.spec_tokens  # proposed tokens after its last (spec_decode)
+            tokens = request.all_token_ids + spec if spec else request.all_token_ids
+            ids.extend(tokens[start:end])
             positions.extend(range(start, end))
             blocks = request.block_ids
             slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
@@ -570,9 +574,9 @@ class ModelRunner(StepMetadataBuilder):
                     step.prompt_spans.append([base + first - start, base + last - start,
                                               request.params.prompt_logprobs])
                     step.prompt_targets.extend(request.prompt_token_ids[first + 1:last + 1])
-            if end == request.num_tokens:
-                rows.sample.append(i)
-                step.logit_positions.append(len(ids) - 1)
+            if end == request.num_tokens + len(spec):  # a row for each proposed token too
+                rows.sample.extend([i] * (1 + len(spec)))
+                step.logit_positions.extend(range(len(ids) - 1 - len(spec), len(ids)))
         return step, rows
 
     @torch.inference_mode()
@@ -589,6 +593,7 @@ class ModelRunner(StepMetadataBuilder):
                                      step.block_tables)
         else:
             meta = self._attention_metadata(step)
+            meta.generated_only = step.generated_only
             if step.state_slots:
                 meta.state = self._state_metadata(step, meta.num_decodes)
             if step.group_tables:  # each group's own blocks, for its layers

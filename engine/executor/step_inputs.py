@@ -39,6 +39,8 @@ class StepInput(msgspec.Struct, array_like=True, gc=False):
     # slots of groups 1.. (block_tables and slots above are group 0's)
     group_tables: list[list[list[int]]] = []
     group_slots: list[list[int]] = []
+    # every sequence computes only generated tokens: its last one, and any proposed ones
+    generated_only: bool = False
 
     def num_decodes(self) -> int:
         """The leading sequences with one new token each (decodes come first)."""

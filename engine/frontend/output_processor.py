@@ -216,13 +216,31 @@ class OutputProcessor:
         if out.prompt_logprobs is not None:
             parent.prompt_logprobs = [None] + [self._logprob_entry(*row)
                                                for row in out.prompt_logprobs]
-        child.token_ids.extend(out.new_token_ids)
+        tokens, logprobs = out.new_token_ids, out.new_logprobs
+        if parent.params.stop and len(tokens) > 1:
+            # several tokens at once (speculative decoding): a stop string is looked
+            # for after each, so nothing after the one that completes it is kept
+            logprobs = logprobs or [None] * len(tokens)
+            stopped = any(self._extend(parent, child, [t], None if lp is None else [lp])
+                          for t, lp in zip(tokens, logprobs))
+        else:
+            stopped = self._extend(parent, child, tokens, logprobs)
         m.max_num_generation_tokens = max(m.max_num_generation_tokens, len(child.token_ids))
-        if child.logprobs is not None and out.new_logprobs:
-            for ids, vals, ranks in out.new_logprobs:
+        if stopped:
+            return
+        if out.finish_reason is not None:
+            child.finish_reason, child.stop_reason = out.finish_reason, out.stop_reason
+
+    def _extend(self, parent: _Parent, child: _Child, tokens: list[int],
+                logprobs: list | None) -> bool:
+        """Add a sequence's new tokens and their text; True when a stop string ended it
+        (its text then cut at the stop)."""
+        child.token_ids.extend(tokens)
+        if child.logprobs is not None and logprobs:
+            for ids, vals, ranks in logprobs:
                 child.logprobs.append(self._logprob_entry(ids, vals, ranks))
                 child.cumulative_logprob += vals[0]
-        delta = child.detok.update(out.new_token_ids)
+        delta = child.detok.update(tokens)
         stops = parent.params.stop
         if stops and delta:
             text = child.detok.text  # search the new text and a stop's length before it
@@ -234,9 +252,8 @@ class OutputProcessor:
                 end = index + len(stop) if parent.params.include_stop_str_in_output else index
                 text.truncate(end)
                 child.finish_reason, child.stop_reason = FINISH_STOP, stop
-                return
-        if out.finish_reason is not None:
-            child.finish_reason, child.stop_reason = out.finish_reason, out.stop_reason
+                return True
+        return False
 
     def _logprob_entry(self, ids: list[int], vals: list[float], ranks: list[int]
                        ) -> dict[int, Logprob]:

@@ -131,7 +131,9 @@ class StructuredOutputManager:
         if self._bitmask is None or self._bitmask.shape[0] < len(requests):
             self._bitmask = xgr.allocate_token_bitmask(max(len(requests), 64), self.vocab_size)
         bitmask = self._bitmask[:len(requests)]
-        if len(rows) == 1 or self.fill_threads == 1:
+        if any(getattr(requests[i], "drafts", None) for i in rows):
+            self._fill_along_drafts(bitmask, requests, rows)
+        elif len(rows) == 1 or self.fill_threads == 1:
             for i in rows:
                 requests[i].grammar.matcher.fill_next_token_bitmask(bitmask, i)
         else:  # rows in parallel: a bounded-string JSON schema costs ~0.2 ms a row (Zen 3)
@@ -143,6 +145,31 @@ class StructuredOutputManager:
         if json_rows:
             bitmask[json_rows] &= self._compiler.no_control_mask
         return bitmask, rows
+
+    @staticmethod
+    def _fill_along_drafts(bitmask: torch.Tensor, requests: list, rows: list[int]) -> None:
+        """Rows of requests with proposed tokens (engine/spec_decode/verify.py): a
+        request's row j is filled with its matcher advanced over its first j proposed
+        tokens, and the matcher is rolled back after its last row. Past a proposed token
+        the grammar refuses, a row repeats the one before: the refused token can never
+        be sampled there, so no later row of the request is used."""
+        progress: dict[int, list] = {}  # id(matcher) -> [matcher, tokens accepted, stuck]
+        for i in rows:
+            view = requests[i]
+            matcher = view.grammar.matcher
+            state = progress.setdefault(id(matcher), [matcher, 0, False])
+            drafts = getattr(view, "drafts", ())
+            if not state[2] and len(drafts) > state[1]:  # rows come in order
+                ok = matcher.accept_token(drafts[state[1]])
+                state[1] += ok
+                state[2] = not ok or matcher.is_terminated()  # later rows: never used
+            if state[2]:
+                bitmask[i] = bitmask[i - 1]
+            else:
+                matcher.fill_next_token_bitmask(bitmask, i)
+        for matcher, accepted, _ in progress.values():
+            if accepted:
+                matcher.rollback(accepted)
 
     @staticmethod
     def accept(request: Request, token: int) -> bool:

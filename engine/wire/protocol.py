@@ -124,6 +124,12 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     # and one above them; and their tokens in all
     iteration_tokens_counts: list[int] = []
     iteration_tokens_sum: int = 0
+    # speculative decoding (engine/spec_decode): steps with a proposal, proposed tokens,
+    # accepted tokens, and accepted tokens by position in the proposal
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = []
 
 
 class Hello(msgspec.Struct, omit_defaults=True):

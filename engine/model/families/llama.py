@@ -252,10 +252,10 @@ class LlamaForCausalLM(nn.Module):
         """kv_caches: each layer's (keys, values) views of the paged cache
         (engine.model.layers.attention.cache_views), this rank's kv heads."""
         x = self.embed(input_ids)
-        self._prompt_step = meta.num_decodes != x.shape[0]
+        self._prompt_step = meta.num_decodes != x.shape[0] and not meta.generated_only
         if self.stack is not None and meta.native_attention is not None:
             keys, values = self._cache_lists(kv_caches)
-            dense_rows = DECODE_DENSE_ROWS if meta.num_decodes == x.shape[0] else DENSE_ROWS
+            dense_rows = DENSE_ROWS if self._prompt_step else DECODE_DENSE_ROWS
             return self.stack.forward(x, positions, self.rotary.cos, self.rotary.sin, keys,
                                       values, meta.slot_mapping, meta.block_tables,
                                       meta.seq_lens, meta.query_start, dense_rows)

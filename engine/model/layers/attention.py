@@ -99,6 +99,9 @@ class AttentionMetadata:
     state: Any = None  # a hybrid's Mamba states (engine.model.layers.mamba.StateMetadata)
     # several KV groups: each group's metadata (this one first), picked per layer
     groups: list | None = None
+    # every token is a generated one (decodes, and verified proposals: engine/spec_decode),
+    # none a prompt's: the linears and the LM head take the decode path's products
+    generated_only: bool = False
     _window_bias: dict = field(default_factory=dict)  # window -> decode bias (torch)
 
     def decode_bias_for(self, window: int) -> torch.Tensor:

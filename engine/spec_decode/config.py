@@ -1,0 +1,98 @@
+"""SpeculativeConfig: vLLM's speculative_config (a JSON object), checked once at start.
+
+Unknown keys and methods this engine does not serve are refused by name, never
+accepted and ignored.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from engine.errors import InvalidRequestError
+
+# vLLM's method names that name a model-based proposer; not served by this engine yet
+_NOT_SERVED = ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "mtp",
+               "deepseek_mtp")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """How a request's next tokens are proposed (vLLM's field names and defaults)."""
+
+    method: str
+    num_speculative_tokens: int = 5  # the most tokens proposed a step
+    # ngram: the longest and shortest suffix of the context that is looked up earlier
+    prompt_lookup_max: int = 5
+    prompt_lookup_min: int = 2
+    # suffix (Arctic Inference's suffix decoding): the longest suffix matched, responses
+    # of finished requests kept for matching, tokens proposed per matched token, and the
+    # lowest estimated probability of a whole proposal
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 10000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
+    # no speculation in a step whose batch has more running requests than this
+    disable_by_batch_size: int | None = None
+
+    @classmethod
+    def from_dict(cls, spec: dict[str, Any] | None) -> "SpeculativeConfig | None":
+        """The config from its JSON form; None when speculation is off."""
+        if spec is None:
+            return None
+        if not isinstance(spec, dict):
+            raise InvalidRequestError("speculative_config must be a JSON object")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(spec) - known)
+        if unknown:
+            raise InvalidRequestError(
+                f"speculative_config: unknown or unsupported keys {unknown} (known: "
+                f"{sorted(known)})")
+        method = spec.get("method")
+        if method is None:
+            raise InvalidRequestError("speculative_config needs a method (ngram or suffix)")
+        if spec.get("method") == "suffix" and "num_speculative_tokens" not in spec:
+            spec = {**spec, "num_speculative_tokens": spec.get(
+                "suffix_decoding_max_tree_depth", cls.suffix_decoding_max_tree_depth)}
+        try:
+            return cls(**spec)
+        except TypeError as exc:
+            raise InvalidRequestError(f"speculative_config: {exc}") from None
+
+    def __post_init__(self) -> None:
+        from engine.spec_decode.proposers import PROPOSERS
+        if self.method in _NOT_SERVED:
+            raise InvalidRequestError(
+                f"speculative_config method {self.method!r} is not served by this engine; "
+                f"served: {sorted(PROPOSERS)}")
+        checks = [
+            (self.method in PROPOSERS,
+             f"speculative_config method must be one of {sorted(PROPOSERS)}, got "
+             f"{self.method!r}"),
+            (_int(self.num_speculative_tokens) and 1 <= self.num_speculative_tokens <= 64,
+             "num_speculative_tokens must be an int in [1, 64]"),
+            (_int(self.prompt_lookup_min) and _int(self.prompt_lookup_max)
+             and 1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
+             "prompt_lookup_min and prompt_lookup_max must be ints, 1 <= min <= max"),
+            (_int(self.suffix_decoding_max_tree_depth)
+             and 1 <= self.suffix_decoding_max_tree_depth <= 1024,
+             "suffix_decoding_max_tree_depth must be an int in [1, 1024]"),
+            (_int(self.suffix_decoding_max_cached_requests)
+             and self.suffix_decoding_max_cached_requests >= 0,
+             "suffix_decoding_max_cached_requests must be an int >= 0"),
+            (isinstance(self.suffix_decoding_max_spec_factor, (int, float))
+             and self.suffix_decoding_max_spec_factor > 0,
+             "suffix_decoding_max_spec_factor must be > 0"),
+            (isinstance(self.suffix_decoding_min_token_prob, (int, float))
+             and 0 <= self.suffix_decoding_min_token_prob <= 1,
+             "suffix_decoding_min_token_prob must be in [0, 1]"),
+            (self.disable_by_batch_size is None
+             or (_int(self.disable_by_batch_size) and self.disable_by_batch_size >= 1),
+             "disable_by_batch_size must be an int >= 1"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise InvalidRequestError(message)
+
+
+def _int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -1,0 +1,71 @@
+"""SpecDecoder: the engine core's side of speculative decoding.
+
+Before a step it asks the proposer for each decoding request's next tokens (bounded by
+num_speculative_tokens, the request's max_tokens and the context length); the
+scheduler then schedules them with the request's last token, and the runner returns a
+logits row for each (engine/spec_decode/verify.py). After sampling, settle() keeps
+the accepted prefix: the request's computed tokens go back to what the accepted tokens
+cover, and the KV slots of the rejected ones are handed back (the prefix cache never
+registered them: it hashes only a request's known tokens).
+"""
+from __future__ import annotations
+
+from engine.core.request import Request
+from engine.errors import InvalidRequestError
+from engine.spec_decode.config import SpeculativeConfig
+from engine.spec_decode.proposers import make_proposer
+from engine.spec_decode.stats import SpecStats
+from engine.spec_decode.verify import accepted_count
+
+
+class SpecDecoder:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+        self.config = config
+        self.max_model_len = max_model_len
+        self.proposer = make_proposer(config)
+        self.stats = SpecStats(config.num_speculative_tokens)
+
+    @staticmethod
+    def check_model(shape) -> None:
+        """Refuse what verification cannot undo: a recurrent state (Mamba layers) would
+        have advanced over the rejected tokens."""
+        if shape.mamba is not None:
+            raise InvalidRequestError(
+                f"speculative decoding is not served for {shape.architecture}: its Mamba "
+                "states cannot be rolled back past rejected tokens")
+
+    def propose(self, running: list[Request]) -> None:
+        """Each decoding request's proposal for this step (others get none)."""
+        limit = self.config.disable_by_batch_size
+        off = limit is not None and len(running) > limit
+        for r in running:
+            r.spec_tokens = []
+            if off or not self._speculates(r):
+                continue
+            room = min(self.config.num_speculative_tokens, self.max_model_len - r.num_tokens)
+            if r.params.max_tokens is not None:
+                room = min(room, r.params.max_tokens - r.num_output_tokens - 1)
+            if room > 0:
+                r.spec_tokens = self.proposer.propose(r, room)[:room]
+
+    @staticmethod
+    def _speculates(r: Request) -> bool:
+        return (r.num_computed_tokens == r.num_tokens - 1 and r.pooling is None
+                and r.params.speculative_decoding and r.num_output_tokens > 0)
+
+    def settle(self, request: Request, sampled: list[int]) -> int:
+        """The request's proposal against its sampled rows: returns how many proposed
+        tokens were accepted, with the computed-token count set back past the rejected
+        ones and the counters updated."""
+        drafts = request.spec_tokens
+        if not drafts:
+            return 0
+        accepted = accepted_count(sampled, drafts)
+        request.num_computed_tokens -= len(drafts) - accepted
+        request.spec_tokens = []
+        self.stats.record(len(drafts), accepted)
+        return accepted
+
+    def finish(self, request: Request) -> None:
+        request.spec_tokens = []
+        self.proposer.finish(request)

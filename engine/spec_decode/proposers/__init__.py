@@ -1,0 +1,27 @@
+"""The proposer family: each guesses a request's next tokens without the model's help.
+
+PROPOSERS maps speculative_config's method to its class; make_proposer builds the
+configured one.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from engine.spec_decode.proposers.base import Proposer
+from engine.spec_decode.proposers.ngram import NgramProposer
+from engine.spec_decode.proposers.suffix import SuffixProposer
+
+if TYPE_CHECKING:
+    from engine.spec_decode.config import SpeculativeConfig
+
+PROPOSERS: dict[str, type[Proposer]] = {
+    "ngram": NgramProposer,
+    "suffix": SuffixProposer,
+}
+
+
+def make_proposer(config: "SpeculativeConfig") -> Proposer:
+    return PROPOSERS[config.method](config)
+
+
+__all__ = ["PROPOSERS", "Proposer", "make_proposer"]
