@@ -10,10 +10,10 @@ engine.options, for every integer flag.)
 from __future__ import annotations
 
 SHORT_ALIASES = {"-tp": "--tensor-parallel-size", "-dp": "--data-parallel-size",
-                 "-q": "--quantization"}
+                 "-q": "--quantization", "-sc": "--speculative-config"}
 # vLLM's short aliases of flags Flotilla lacks, for the refusal to name the flag
 UNSUPPORTED_SHORT = {"-pp": "--pipeline-parallel-size",
-                     "-sc": "--speculative-config", "-ep": "--enable-expert-parallel",
+                     "-ep": "--enable-expert-parallel",
                      "-O": "--compilation-config", "-n": "--nnodes", "-r": "--node-rank"}
 # vLLM flags whose only effect is what flotilla serve always does: accepted, dropped
 ALWAYS_ON = {
@@ -24,8 +24,8 @@ ALWAYS_ON = {
 # Why a vLLM flag is missing, where a user would want to know more than that it is
 HINTS = {
     "--pipeline-parallel-size": "use --tensor-parallel-size and --data-parallel-size",
-    "--speculative-config": "one token per step: speculative decoding is not built yet",
-    "--enable-expert-parallel": "mixture-of-experts models are not served yet",
+    "--enable-expert-parallel": "mixture-of-experts models run tensor-parallel; expert "
+                                "parallelism is not built yet",
     "--trust-remote-code": "only architectures built into Flotilla are served; no model "
                            "code is run from a checkpoint",
     "--tokenizer": "the tokenizer is read from the model's folder or GGUF file",

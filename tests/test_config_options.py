@@ -28,6 +28,7 @@ SAMPLES = {
     "lora_modules": json.dumps({"ad": "/adapters/ad"}), "scheduling_policy": "priority",
     "routing": "round_robin", "attention_backend": "torch", "load_format": "dummy",
     "kv_cache_dtype": "fp8",
+    "speculative_config": '{"method": "ngram", "num_speculative_tokens": 3}',
 }
 BY_KIND = {int: "7", float: "0.125", str: "text"}
 

@@ -55,6 +55,11 @@ DOC_LINES = [
      {"max_num_batched_tokens": 2048}),
     ("serve m --served-model-name my-model --max-logprobs 20",
      {"served_model_name": "my-model", "max_logprobs": 20}),
+    ("serve m --speculative-config '{\"method\": \"ngram\", \"num_speculative_tokens\": 5, "
+     "\"prompt_lookup_max\": 4}'",
+     {"speculative_config": {"method": "ngram", "num_speculative_tokens": 5,
+                             "prompt_lookup_max": 4}}),
+    ("serve m -sc '{\"method\": \"suffix\"}'", {"speculative_config": {"method": "suffix"}}),
     ("serve m --scheduling-policy priority --load-format dummy",
      {"scheduling_policy": "priority", "load_format": "dummy"}),
 ]
@@ -73,8 +78,6 @@ def test_the_host_and_port_flags_are_vllms():
 
 
 @pytest.mark.parametrize("line,named", [
-    ("serve m --speculative-config {}", "--speculative-config"),
-    ("serve m -sc {}", "--speculative-config"),
     ("serve m --pipeline-parallel-size 2", "--pipeline-parallel-size"),
     ("serve m -pp 2 --port 8000", "--pipeline-parallel-size"),
     ("serve m --kv-offloading-size 4", "--kv-offloading-size"),

@@ -41,6 +41,8 @@ class SpeculativeConfig:
             return None
         if not isinstance(spec, dict):
             raise InvalidRequestError("speculative_config must be a JSON object")
+        if spec.get("method") in _NOT_SERVED:
+            cls._refuse_unserved(spec["method"])
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(spec) - known)
         if unknown:
@@ -58,12 +60,17 @@ class SpeculativeConfig:
         except TypeError as exc:
             raise InvalidRequestError(f"speculative_config: {exc}") from None
 
+    @staticmethod
+    def _refuse_unserved(method: str) -> None:
+        from engine.spec_decode.proposers import PROPOSERS
+        raise InvalidRequestError(
+            f"speculative_config method {method!r} is not served by this engine; served: "
+            f"{sorted(PROPOSERS)}")
+
     def __post_init__(self) -> None:
         from engine.spec_decode.proposers import PROPOSERS
         if self.method in _NOT_SERVED:
-            raise InvalidRequestError(
-                f"speculative_config method {self.method!r} is not served by this engine; "
-                f"served: {sorted(PROPOSERS)}")
+            self._refuse_unserved(self.method)
         checks = [
             (self.method in PROPOSERS,
              f"speculative_config method must be one of {sorted(PROPOSERS)}, got "

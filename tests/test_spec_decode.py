@@ -1,0 +1,337 @@
+"""Speculative decoding (engine/spec_decode, issue 44): proposed tokens verified in one
+step change nothing of what a request gets. Greedy tokens equal those without
+speculation for every proposer (chunked prefill, a prefix hit, n=2, preemption); a
+seeded request at temperature 1 gives its tokens without speculation; rejection
+sampling keeps the target distribution (chi-square, a deliberately bad proposer);
+structured outputs, stop strings and logprobs are unchanged; rejected tokens' blocks
+go back to the pool; the counters reach /metrics."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.errors import InvalidRequestError
+from engine.spec_decode import proposers
+from engine.spec_decode.config import SpeculativeConfig
+from engine.spec_decode.proposers.base import Proposer
+from tests.conftest import TINY
+from tests.test_parity import _prompts
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
+SUFFIX = {"method": "suffix", "num_speculative_tokens": 6}
+
+
+class OracleProposer(Proposer):
+    """Proposes the reference continuation (ORACLE: prompt -> greedy output), with every
+    third proposal wrong from its second token: accepted and rejected tokens both."""
+
+    answers: dict[tuple[int, ...], list[int]] = {}
+    calls = 0
+
+    def propose(self, request, k):
+        ref = self.answers.get(tuple(request.prompt_token_ids), [])
+        done = request.num_output_tokens
+        out = list(ref[done:done + k])
+        OracleProposer.calls += 1
+        if OracleProposer.calls % 3 == 0 and len(out) > 1:
+            out[1] = (out[1] + 1) % 100 + 100
+        return out
+
+
+class ConstantProposer(Proposer):
+    """Always proposes token 0: a bad proposer, so that rejections happen."""
+
+    def propose(self, request, k):
+        return [0] * k
+
+
+@pytest.fixture
+def oracle(monkeypatch):
+    monkeypatch.setitem(proposers.PROPOSERS, "oracle", OracleProposer)
+    monkeypatch.setitem(proposers.PROPOSERS, "constant", ConstantProposer)
+    OracleProposer.answers = {}
+    return OracleProposer
+
+
+def _greedy(llm, prompts, n=24, **params):
+    sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, **params)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+
+
+def _engine(model, spec=None, **kwargs):
+    return LLM(str(model), dtype="float32", block_size=8, max_num_batched_tokens=24,
+               speculative_config=spec, **kwargs)
+
+
+def _repetitive_prompts():
+    """Prompts that repeat themselves (what ngram and suffix copy from), a long one in
+    chunks, two sharing a cached prefix."""
+    base = _prompts([7, 11, 5], seed=3)
+    prompts = [b * 4 for b in base] + _prompts([40], seed=4)
+    prompts += [prompts[3][:32] + p for p in _prompts([6, 9], seed=5)]
+    return prompts
+
+
+def _check_pool_whole(llm):
+    core = llm.llm_engine.engine_core
+    assert core.kv.num_free_blocks == core.kv.usable_blocks
+    assert not core.scheduler.running and not core.scheduler.waiting
+
+
+@pytest.mark.parametrize("spec", [NGRAM, SUFFIX, {"method": "oracle",
+                                                  "num_speculative_tokens": 5}],
+                         ids=["ngram", "suffix", "oracle"])
+def test_greedy_tokens_equal_without_speculation(tiny_llama, oracle, spec):
+    prompts = _repetitive_prompts()
+    plain = _engine(tiny_llama, enable_prefix_caching=True)
+    try:
+        want = _greedy(plain, prompts)
+    finally:
+        plain.shutdown()
+    oracle.answers = {tuple(p): w for p, w in zip(prompts, want)}
+    llm = _engine(tiny_llama, spec, enable_prefix_caching=True)
+    try:
+        out = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24,
+                                                   ignore_eos=True), use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in out] == want
+        assert all(o.num_cached_tokens >= 32 for o in out[-2:])  # the prefix hit
+        stats = llm.llm_engine.engine_core.get_stats()
+        assert stats.spec_num_draft_tokens > 0
+        if spec["method"] == "oracle":  # both outcomes happened
+            assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
+            assert stats.spec_accepted_per_pos[0] >= stats.spec_accepted_per_pos[-1] > 0
+        params = SamplingParams(n=2, temperature=0.0, max_tokens=12, ignore_eos=True)
+        for got, ref in zip(llm.generate(prompts[:2], params, use_tqdm=False), want):
+            assert [list(c.token_ids) for c in got.outputs] == [ref[:12]] * 2
+        _check_pool_whole(llm)
+    finally:
+        llm.shutdown()
+
+
+def test_greedy_equal_under_preemption(tiny_llama, oracle):
+    """24 blocks of 8 cannot hold these sequences and their proposals: requests are
+    preempted (their proposals dropped) and recomputed, with the same tokens."""
+    prompts = _prompts([30, 31, 29, 40, 12, 25])
+    plain = _engine(tiny_llama, num_gpu_blocks_override=24)
+    try:
+        want = _greedy(plain, prompts, 40)
+    finally:
+        plain.shutdown()
+    oracle.answers = {tuple(p): w for p, w in zip(prompts, want)}
+    llm = _engine(tiny_llama, {"method": "oracle", "num_speculative_tokens": 6},
+                  num_gpu_blocks_override=24)
+    try:
+        assert _greedy(llm, prompts, 40) == want
+        core = llm.llm_engine.engine_core
+        assert core.scheduler.num_preemptions > 0
+        assert core.get_stats().spec_num_accepted_tokens > 0
+        _check_pool_whole(llm)
+    finally:
+        llm.shutdown()
+
+
+def test_seeded_sampling_and_logprobs_unchanged(tiny_llama, oracle):
+    """A seeded request at temperature 1 draws its n-th token from its n-th uniform with
+    or without speculation, so its tokens are the same; logprobs are the model's."""
+    prompts = _prompts([9, 14], seed=7)
+    params = SamplingParams(temperature=1.0, seed=11, max_tokens=20, ignore_eos=True,
+                            logprobs=2)
+    plain = _engine(tiny_llama)
+    try:
+        want = plain.generate(prompts, params, use_tqdm=False)
+    finally:
+        plain.shutdown()
+    oracle.answers = {tuple(p): list(o.outputs[0].token_ids) for p, o in zip(prompts, want)}
+    llm = _engine(tiny_llama, {"method": "oracle", "num_speculative_tokens": 4})
+    try:
+        got = llm.generate(prompts, params, use_tqdm=False)
+        assert llm.llm_engine.engine_core.get_stats().spec_num_accepted_tokens > 0
+    finally:
+        llm.shutdown()
+    for g, w in zip(got, want):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        for a, b in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
+            assert a.keys() == b.keys()
+            assert [x.logprob for x in a.values()] == pytest.approx(
+                [x.logprob for x in b.values()], abs=1e-4)
+
+
+def _tiny_vocab_model(folder, tokenizer_dir):
+    """A Llama over 8 tokens, weights spread wide so its next-token distributions are
+    far from uniform."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from engine.model.loader import load_tokenizer
+    config = LlamaConfig(**{**TINY, "initializer_range": 0.6}, vocab_size=8, bos_token_id=1,
+                         eos_token_id=2)
+    torch.manual_seed(1)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
+    load_tokenizer(tokenizer_dir).save_pretrained(folder)
+    return folder
+
+
+def _target_marginals(model, prompt):
+    """The exact distributions of the 2nd and 3rd generated tokens (summed over the
+    tokens before them), from transformers at temperature 1."""
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32).eval()
+
+    def next_probs(seqs):
+        with torch.no_grad():
+            return torch.softmax(hf(torch.tensor(seqs)).logits[:, -1].double(), -1)
+    p1 = next_probs([prompt])[0]
+    firsts = [prompt + [a] for a in range(8)]
+    p2 = next_probs(firsts)  # [a, b]
+    pairs = [prompt + [a, b] for a in range(8) for b in range(8)]
+    p3 = next_probs(pairs).view(8, 8, 8)
+    joint2 = p1[:, None] * p2
+    return joint2.sum(0), (joint2[:, :, None] * p3).sum((0, 1))
+
+
+def test_rejection_sampling_keeps_the_target_distribution(tmp_path, tiny_tokenizer_dir,
+                                                          oracle):
+    """2,400 samples of 3 tokens at temperature 1 with a proposer that always guesses
+    token 0: the 2nd and 3rd tokens (verified ones) follow the model's distribution
+    (chi-square, p > 1e-4), and most guesses were rejected."""
+    model = _tiny_vocab_model(tmp_path / "v8", tiny_tokenizer_dir)
+    prompt = [3, 5, 4, 6]
+    p2, p3 = _target_marginals(model, prompt)
+    llm = LLM(str(model), dtype="float32", max_num_seqs=256,
+              speculative_config={"method": "constant", "num_speculative_tokens": 2})
+    try:
+        n = 2400
+        params = SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True)
+        out = llm.generate([prompt] * n, params, use_tqdm=False)
+        stats = llm.llm_engine.engine_core.get_stats()
+    finally:
+        llm.shutdown()
+    tokens = torch.tensor([o.outputs[0].token_ids for o in out])
+    assert stats.spec_num_draft_tokens >= n  # every request verified proposals
+    assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
+    for position, p in ((1, p2), (2, p3)):
+        seen = torch.bincount(tokens[:, position], minlength=8).double()
+        expected = p * n
+        keep = expected >= 5  # chi-square's rule of thumb; the rest pooled
+        f_obs = torch.cat([seen[keep], seen[~keep].sum().view(1)])
+        f_exp = torch.cat([expected[keep], expected[~keep].sum().view(1)])
+        if f_exp[-1] < 5:
+            f_obs, f_exp = f_obs[:-1], f_exp[:-1]
+            f_exp = f_exp * f_obs.sum() / f_exp.sum()
+        stat = ((f_obs - f_exp) ** 2 / f_exp).sum()
+        dof = torch.tensor((len(f_obs) - 1) / 2, dtype=torch.float64)
+        pvalue = torch.special.gammaincc(dof, stat / 2).item()  # chi-square's survival
+        assert pvalue > 1e-4, (position, seen, expected, pvalue)
+
+
+def test_structured_output_stop_strings_and_opt_out(default_model_dir):
+    """On the default model with suffix proposals: a JSON-schema request is valid JSON and
+    the same as without speculation, a stop string cuts the same text, and a request
+    that opts out takes no proposals."""
+    schema = {"type": "object", "properties": {"name": {"type": "string"},
+                                               "items": {"type": "array",
+                                                         "items": {"type": "string"}}},
+              "required": ["name", "items"]}
+    from engine.structured.params import StructuredOutputsParams
+    prompt = [{"role": "user", "content": "Give a JSON object with a name and a list of "
+                                          "three fruits. Repeat the fruits twice."}]
+    runs = {}
+    for spec in (None, {"method": "suffix"}):
+        llm = LLM("default", speculative_config=spec)
+        try:
+            so = SamplingParams(temperature=0.0, max_tokens=60,
+                                structured_outputs=StructuredOutputsParams(json=schema))
+            stop = SamplingParams(temperature=0.0, max_tokens=80, stop=["6"])
+            counting = [{"role": "user", "content": "Count from 1 to 10, comma separated."}]
+            runs[spec is None] = (llm.chat([prompt], so, use_tqdm=False)[0].outputs[0],
+                                  llm.chat([counting], stop, use_tqdm=False)[0].outputs[0])
+            if spec is not None:
+                core = llm.llm_engine.engine_core
+                drafted = core.get_stats().spec_num_draft_tokens
+                assert drafted > 0
+                opt_out = SamplingParams(temperature=0.0, max_tokens=30,
+                                         speculative_decoding=False)
+                llm.chat([counting], opt_out, use_tqdm=False)
+                assert core.get_stats().spec_num_draft_tokens == drafted
+        finally:
+            llm.shutdown()
+    (json_plain, stop_plain), (json_spec, stop_spec) = runs[True], runs[False]
+    assert json.loads(json_spec.text)["items"]
+    assert json_spec.token_ids == json_plain.token_ids
+    assert stop_spec.text == stop_plain.text and stop_spec.finish_reason == "stop"
+    assert stop_spec.token_ids == stop_plain.token_ids
+
+
+def test_served_with_metrics(tiny_llama, oracle):
+    """The engine-core server with speculative_config behind the OpenAI app: a completion
+    equals the offline one without speculation, and /metrics counts drafts and accepted
+    tokens."""
+    from engine.config import EngineConfig
+    from engine.core.engine_core import EngineCore
+    from engine.model.loader import load_tokenizer
+    from engine.wire.core_server import EngineCoreServer
+    from tests.test_core_client import free_address
+    from tests.test_openai_app import MODEL, _Real, serve
+    prompt = _repetitive_prompts()[0]
+    llm = _engine(tiny_llama)
+    try:
+        want = _greedy(llm, [prompt], 16)[0]
+    finally:
+        llm.shutdown()
+    oracle.answers = {tuple(prompt): want}
+    core = EngineCore(EngineConfig(model=str(tiny_llama), dtype="float32",
+                                   speculative_config={"method": "oracle"}))
+    address = free_address()
+    server = EngineCoreServer(core, address).start()
+    try:
+        async def test(http, oai):
+            reply = await oai.completions.create(
+                model=MODEL, prompt=prompt, max_tokens=16, temperature=0.0,
+                extra_body={"ignore_eos": True})
+            return reply, (await http.get("/metrics")).text
+        reply, metrics = serve(_Real(address, load_tokenizer(tiny_llama)), test)
+    finally:
+        server.shutdown()
+    assert reply.usage.completion_tokens == 16
+    assert reply.choices[0].text == load_tokenizer(tiny_llama).decode(want)
+    values = {line.split("{")[0]: float(line.split()[-1]) for line in metrics.splitlines()
+              if line.startswith("vllm:spec_decode")}
+    assert values["vllm:spec_decode_num_drafts_total"] > 0
+    assert values["vllm:spec_decode_num_accepted_tokens_total"] > 0
+    assert values["vllm:spec_decode_num_accepted_tokens_per_pos_total"] > 0
+
+
+@pytest.mark.parametrize("spec, match", [
+    ({"method": "eagle3", "model": "x"}, "not served"),
+    ({"method": "ngramx"}, "method must be one of"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ({"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt_lookup"),
+    ({"method": "ngram", "typo": 1}, "unknown or unsupported keys"),
+    ({"num_speculative_tokens": 3}, "needs a method"),
+])
+def test_bad_configs_are_refused(spec, match):
+    from engine.config import EngineConfig
+    with pytest.raises(InvalidRequestError, match=match):
+        EngineConfig(speculative_config=spec)
+
+
+def test_suffix_proposer_follows_the_longest_match_and_shared_responses():
+    """The suffix proposer proposes what followed the longest earlier match, as far as the
+    match is long (max_spec_factor 1), and learns from finished requests' responses."""
+    from engine.core.request import Request
+    config = SpeculativeConfig.from_dict({"method": "suffix", "num_speculative_tokens": 8})
+    proposer = proposers.make_proposer(config)
+    params = SamplingParams()
+    r = Request("a", [5, 6, 7, 8, 9, 1, 2, 5, 6, 7], params, ())
+    assert proposer.propose(r, 8) == [8, 9, 1]  # matched 3 tokens: 3 proposed
+    other = Request("b", [40, 41], params, ())
+    other.append_token(42)
+    for t in (43, 44, 45, 46):
+        other.append_token(t)
+    proposer.finish(other)  # its response 42..46 joins the shared index
+    asking = Request("c", [9, 42, 43, 44], params, ())
+    assert proposer.propose(asking, 8) == [45, 46]
+    ngram = proposers.make_proposer(SpeculativeConfig.from_dict(NGRAM))
+    assert ngram.propose(r, 3) == [8, 9, 1]
