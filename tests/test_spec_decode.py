@@ -81,10 +81,20 @@ def _check_pool_whole(llm):
     assert not core.scheduler.running and not core.scheduler.waiting
 
 
+def _draft(tiny_models, which: str) -> dict:
+    """A draft_model config: the target itself (its proposals are nearly all accepted) or
+    another architecture's random checkpoint over the same vocabulary (mostly not)."""
+    return {"method": "draft_model", "num_speculative_tokens": 3,
+            "model": str(tiny_models["llama" if which == "self" else "qwen2"])}
+
+
 @pytest.mark.parametrize("spec", [NGRAM, SUFFIX, {"method": "oracle",
-                                                  "num_speculative_tokens": 5}],
-                         ids=["ngram", "suffix", "oracle"])
-def test_greedy_tokens_equal_without_speculation(tiny_llama, oracle, spec):
+                                                  "num_speculative_tokens": 5},
+                                  "draft-self", "draft-other"],
+                         ids=["ngram", "suffix", "oracle", "draft-self", "draft-other"])
+def test_greedy_tokens_equal_without_speculation(tiny_models, tiny_llama, oracle, spec):
+    if isinstance(spec, str):
+        spec = _draft(tiny_models, spec.split("-")[1])
     prompts = _repetitive_prompts()
     plain = _engine(tiny_llama, enable_prefix_caching=True)
     try:
@@ -103,6 +113,8 @@ def test_greedy_tokens_equal_without_speculation(tiny_llama, oracle, spec):
         if spec["method"] == "oracle":  # both outcomes happened
             assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
             assert stats.spec_accepted_per_pos[0] >= stats.spec_accepted_per_pos[-1] > 0
+        if spec.get("model") == str(tiny_llama):  # the target as its own draft
+            assert stats.spec_num_accepted_tokens >= 0.9 * stats.spec_num_draft_tokens
         params = SamplingParams(n=2, temperature=0.0, max_tokens=12, ignore_eos=True)
         for got, ref in zip(llm.generate(prompts[:2], params, use_tqdm=False), want):
             assert [list(c.token_ids) for c in got.outputs] == [ref[:12]] * 2
@@ -111,9 +123,11 @@ def test_greedy_tokens_equal_without_speculation(tiny_llama, oracle, spec):
         llm.shutdown()
 
 
-def test_greedy_equal_under_preemption(tiny_llama, oracle):
+@pytest.mark.parametrize("method", ["oracle", "draft_model"])
+def test_greedy_equal_under_preemption(tiny_llama, oracle, method):
     """24 blocks of 8 cannot hold these sequences and their proposals: requests are
-    preempted (their proposals dropped) and recomputed, with the same tokens."""
+    preempted (their proposals dropped; a draft model computes its cache again in the
+    new blocks) and recomputed, with the same tokens."""
     prompts = _prompts([30, 31, 29, 40, 12, 25])
     plain = _engine(tiny_llama, num_gpu_blocks_override=24)
     try:
@@ -121,8 +135,10 @@ def test_greedy_equal_under_preemption(tiny_llama, oracle):
     finally:
         plain.shutdown()
     oracle.answers = {tuple(p): w for p, w in zip(prompts, want)}
-    llm = _engine(tiny_llama, {"method": "oracle", "num_speculative_tokens": 6},
-                  num_gpu_blocks_override=24)
+    spec = {"method": method, "num_speculative_tokens": 6}
+    if method == "draft_model":
+        spec["model"] = str(tiny_llama)
+    llm = _engine(tiny_llama, spec, num_gpu_blocks_override=24)
     try:
         assert _greedy(llm, prompts, 40) == want
         core = llm.llm_engine.engine_core
@@ -303,8 +319,15 @@ def test_served_with_metrics(tiny_llama, oracle):
     assert values["vllm:spec_decode_num_accepted_tokens_per_pos_total"] > 0
 
 
+def test_a_draft_of_another_vocabulary_is_refused(tmp_path, tiny_tokenizer_dir, tiny_llama):
+    draft = _tiny_vocab_model(tmp_path / "v8", tiny_tokenizer_dir)
+    with pytest.raises(InvalidRequestError, match="vocabulary"):
+        LLM(str(tiny_llama), dtype="float32", speculative_config={"model": str(draft)})
+
+
 @pytest.mark.parametrize("spec, match", [
     ({"method": "eagle3", "model": "x"}, "not served"),
+    ({"method": "ngram", "model": "x"}, "only then"),
     ({"method": "ngramx"}, "method must be one of"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
     ({"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt_lookup"),

@@ -43,6 +43,7 @@ from engine.request_checks import check_params, check_prompt
 from engine.request_limits import RequestLimits
 from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.decoder import SpecDecoder
+from engine.spec_decode.proposers import ProposerContext
 from engine.spec_decode.verify import GeneratorRewind, sampling_rows
 from engine.structured.manager import StructuredOutputManager
 from engine.wire.protocol import (
@@ -93,6 +94,12 @@ class EngineCore:
         else:
             self.runner = ModelRunner(config, self.shape, hf_config, self.checkpoint, max_len,
                                       self.device, self.dtype)
+        spec = SpeculativeConfig.from_dict(config.speculative_config)
+        self.spec: SpecDecoder | None = None
+        if spec is not None:  # before the pool is sized: a draft model's cache shares it
+            SpecDecoder.check_model(self.shape)
+            self.spec = SpecDecoder(spec, ProposerContext(config, self.shape, max_len,
+                                                          self.device, self.dtype))
         self.num_blocks = self._num_blocks()
         self.runner.allocate_kv_cache(self.num_blocks)
         # A request must fit in the pool on its own, or it could never be scheduled.
@@ -100,11 +107,8 @@ class EngineCore:
         self.kv = self._kv_manager()
         self.scheduler = Scheduler(config, self.kv, self.max_model_len,
                                    config.step_token_budget(self.device))
-        spec = SpeculativeConfig.from_dict(config.speculative_config)
-        self.spec: SpecDecoder | None = None
-        if spec is not None:
-            SpecDecoder.check_model(self.shape)
-            self.spec = SpecDecoder(spec, self.max_model_len)
+        if self.spec is not None:
+            self.spec.start(self.num_blocks, self.max_model_len)
             self.scheduler.on_finish = self.spec.finish
         kernels = cpu_kernels() if self.device.type == "cpu" else None
         self.sampler = Sampler(self.shape.vocab_size,
@@ -166,7 +170,14 @@ class EngineCore:
         return min(max_len, free // groups.count * bs)
 
     def _num_blocks(self) -> int:
-        return self.runner.max_kv_blocks()  # under TP: what fits on every rank
+        """Blocks of the pool: what fits on every rank (TP), shared with a draft model's
+        cache where there is one (the same block ids index both)."""
+        blocks = self.runner.max_kv_blocks()
+        extra = self.spec.proposer.bytes_per_block() if self.spec is not None else 0
+        if extra and not self.config.num_gpu_blocks_override:
+            own = getattr(self.runner, "runner", self.runner).bytes_per_block()
+            blocks = max(1, blocks * own // (own + extra))
+        return blocks
 
     @property
     def block_size(self) -> int:
@@ -503,6 +514,8 @@ class EngineCore:
             raise InvalidRequestError(f"sleep level must be 1 or 2, got {level}")
         self.abort_requests(list(self.requests))
         self.runner.free_kv_cache()
+        if self.spec is not None:
+            self.spec.proposer.sleep(level)
         self.kv = self._kv_manager()
         self.scheduler.kv = self.kv
         if level == 2:
@@ -527,6 +540,8 @@ class EngineCore:
             self.runner.allocate_kv_cache(self.num_blocks)
         if self.runner.has_weights() and self.runner.kv_caches is not None:
             self._sleep_level = 0
+            if self.spec is not None:  # a draft model's weights and cache come back too
+                self.spec.proposer.wake()
 
     def get_memory_usage(self) -> dict[str, int]:
         """Bytes held on the engine's device by the weights and the KV cache."""

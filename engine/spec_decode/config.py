@@ -11,8 +11,7 @@ from typing import Any
 from engine.errors import InvalidRequestError
 
 # vLLM's method names that name a model-based proposer; not served by this engine yet
-_NOT_SERVED = ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "mtp",
-               "deepseek_mtp")
+_NOT_SERVED = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "deepseek_mtp")
 
 
 @dataclass(frozen=True)
@@ -33,6 +32,10 @@ class SpeculativeConfig:
     suffix_decoding_min_token_prob: float = 0.1
     # no speculation in a step whose batch has more running requests than this
     disable_by_batch_size: int | None = None
+    # draft_model: the draft checkpoint (same vocabulary), and its ranks (1: it runs in
+    # the engine process beside rank 0 of the target)
+    model: str | None = None
+    draft_tensor_parallel_size: int | None = None
 
     @classmethod
     def from_dict(cls, spec: dict[str, Any] | None) -> "SpeculativeConfig | None":
@@ -50,8 +53,11 @@ class SpeculativeConfig:
                 f"speculative_config: unknown or unsupported keys {unknown} (known: "
                 f"{sorted(known)})")
         method = spec.get("method")
-        if method is None:
-            raise InvalidRequestError("speculative_config needs a method (ngram or suffix)")
+        if method is None and spec.get("model") is not None:  # vLLM's inference
+            spec = {**spec, "method": "draft_model"}
+        elif method is None:
+            raise InvalidRequestError("speculative_config needs a method (ngram, suffix, or "
+                                      "draft_model with a model)")
         if spec.get("method") == "suffix" and "num_speculative_tokens" not in spec:
             spec = {**spec, "num_speculative_tokens": spec.get(
                 "suffix_decoding_max_tree_depth", cls.suffix_decoding_max_tree_depth)}
@@ -92,6 +98,10 @@ class SpeculativeConfig:
             (isinstance(self.suffix_decoding_min_token_prob, (int, float))
              and 0 <= self.suffix_decoding_min_token_prob <= 1,
              "suffix_decoding_min_token_prob must be in [0, 1]"),
+            ((self.method == "draft_model") == (self.model is not None),
+             "speculative_config: a model is given with method draft_model, and only then"),
+            (self.draft_tensor_parallel_size in (None, 1),
+             "draft_tensor_parallel_size: the draft runs on one rank (1)"),
             (self.disable_by_batch_size is None
              or (_int(self.disable_by_batch_size) and self.disable_by_batch_size >= 1),
              "disable_by_batch_size must be an int >= 1"),

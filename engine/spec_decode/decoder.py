@@ -13,17 +13,21 @@ from __future__ import annotations
 from engine.core.request import Request
 from engine.errors import InvalidRequestError
 from engine.spec_decode.config import SpeculativeConfig
-from engine.spec_decode.proposers import make_proposer
+from engine.spec_decode.proposers import ProposerContext, make_proposer
 from engine.spec_decode.stats import SpecStats
 from engine.spec_decode.verify import accepted_count
 
 
 class SpecDecoder:
-    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+    def __init__(self, config: SpeculativeConfig, context: ProposerContext) -> None:
         self.config = config
-        self.max_model_len = max_model_len
-        self.proposer = make_proposer(config)
+        self.max_model_len = context.max_model_len  # lowered by start() to the pool's
+        self.proposer = make_proposer(config, context)
         self.stats = SpecStats(config.num_speculative_tokens)
+
+    def start(self, num_blocks: int, max_model_len: int) -> None:
+        self.max_model_len = max_model_len
+        self.proposer.start(num_blocks)
 
     @staticmethod
     def check_model(shape) -> None:
@@ -38,6 +42,7 @@ class SpecDecoder:
         """Each decoding request's proposal for this step (others get none)."""
         limit = self.config.disable_by_batch_size
         off = limit is not None and len(running) > limit
+        asked, rooms = [], []
         for r in running:
             r.spec_tokens = []
             if off or not self._speculates(r):
@@ -46,7 +51,11 @@ class SpecDecoder:
             if r.params.max_tokens is not None:
                 room = min(room, r.params.max_tokens - r.num_output_tokens - 1)
             if room > 0:
-                r.spec_tokens = self.proposer.propose(r, room)[:room]
+                asked.append(r)
+                rooms.append(room)
+        if asked:
+            for r, room, tokens in zip(asked, rooms, self.proposer.propose_batch(asked, rooms)):
+                r.spec_tokens = tokens[:room]
 
     @staticmethod
     def _speculates(r: Request) -> bool:

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from engine.spec_decode.proposers.base import Proposer
+from engine.spec_decode.proposers.base import Proposer, ProposerContext
+from engine.spec_decode.proposers.draft_model import DraftModelProposer
 from engine.spec_decode.proposers.ngram import NgramProposer
 from engine.spec_decode.proposers.suffix import SuffixProposer
 
@@ -17,11 +18,13 @@ if TYPE_CHECKING:
 PROPOSERS: dict[str, type[Proposer]] = {
     "ngram": NgramProposer,
     "suffix": SuffixProposer,
+    "draft_model": DraftModelProposer,
 }
 
 
-def make_proposer(config: "SpeculativeConfig") -> Proposer:
-    return PROPOSERS[config.method](config)
+def make_proposer(config: "SpeculativeConfig", context: ProposerContext | None = None
+                  ) -> Proposer:
+    return PROPOSERS[config.method](config, context)
 
 
-__all__ = ["PROPOSERS", "Proposer", "make_proposer"]
+__all__ = ["PROPOSERS", "Proposer", "ProposerContext", "make_proposer"]

@@ -16,7 +16,7 @@ from engine.spec_decode.token_index import ResponseIndex, follow, longest_match
 
 
 class SuffixProposer(Proposer):
-    def __init__(self, config) -> None:
+    def __init__(self, config, context=None) -> None:
         super().__init__(config)
         self.responses = ResponseIndex(config.suffix_decoding_max_cached_requests)
 
