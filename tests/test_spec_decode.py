@@ -358,3 +358,129 @@ def test_suffix_proposer_follows_the_longest_match_and_shared_responses():
     assert proposer.propose(asking, 8) == [45, 46]
     ngram = proposers.make_proposer(SpeculativeConfig.from_dict(NGRAM))
     assert ngram.propose(r, 3) == [8, 9, 1]
+
+
+def _eagle3_head(folder, target, draft_vocab=512):
+    """A random EAGLE-3 head for the tiny Llama, in the published layout (midlayer.*, fc,
+    d2t over a draft vocabulary of the target's ids), reading layers 0, 1 and 1."""
+    from safetensors.torch import save_file
+    cfg = json.loads((target / "config.json").read_text())
+    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    d = h // heads
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
+        "hidden_size": h, "intermediate_size": inter, "num_attention_heads": heads,
+        "num_key_value_heads": kv, "num_hidden_layers": 1, "rms_norm_eps": 1e-6,
+        "max_position_embeddings": cfg["max_position_embeddings"],
+        "vocab_size": cfg["vocab_size"], "draft_vocab_size": draft_vocab,
+        "eagle_aux_hidden_state_layer_ids": [0, 1, 1]}))
+    g = torch.Generator().manual_seed(5)
+
+    def rand(*shape, scale=0.2):
+        return torch.randn(*shape, generator=g) * scale
+    target_ids = torch.randperm(cfg["vocab_size"], generator=g)[:draft_vocab].sort().values
+    weights = {
+        "fc.weight": rand(h, 3 * h), "norm.weight": 1 + rand(h, scale=0.1),
+        "lm_head.weight": rand(draft_vocab, h, scale=1.0),
+        "d2t": target_ids - torch.arange(draft_vocab),
+        "t2d": torch.zeros(cfg["vocab_size"], dtype=torch.bool),
+        "midlayer.input_layernorm.weight": 1 + rand(h, scale=0.1),
+        "midlayer.hidden_norm.weight": 1 + rand(h, scale=0.1),
+        "midlayer.post_attention_layernorm.weight": 1 + rand(h, scale=0.1),
+        "midlayer.self_attn.q_proj.weight": rand(heads * d, 2 * h),
+        "midlayer.self_attn.k_proj.weight": rand(kv * d, 2 * h),
+        "midlayer.self_attn.v_proj.weight": rand(kv * d, 2 * h),
+        "midlayer.self_attn.o_proj.weight": rand(h, heads * d),
+        "midlayer.mlp.gate_proj.weight": rand(inter, h),
+        "midlayer.mlp.up_proj.weight": rand(inter, h),
+        "midlayer.mlp.down_proj.weight": rand(h, inter)}
+    save_file(weights, str(folder / "model.safetensors"))
+    return folder, weights
+
+
+def _eagle3_reference(target, weights, tokens, k):
+    """The head's k greedy proposals after `tokens`, computed over the whole sequence in
+    plain torch from transformers' hidden states (no paging, no engine code)."""
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval()
+    cfg = hf.config
+    heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    d = cfg.hidden_size // heads
+    w = {n.removeprefix("midlayer."): t.float() for n, t in weights.items()}
+
+    def rms(x, weight):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * weight
+
+    def rope(x, pos):
+        theta = (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+        inv = 1.0 / (theta ** (torch.arange(0, d, 2).float() / d))
+        ang = pos.float()[:, None] * inv[None]
+        cos, sin = torch.cat([ang, ang], -1).cos()[:, None], torch.cat([ang, ang], -1).sin()[:, None]
+        return x * cos + torch.cat([-x[..., d // 2:], x[..., :d // 2]], -1) * sin
+
+    with torch.no_grad():
+        states = hf(torch.tensor([tokens]), output_hidden_states=True).hidden_states
+        streams = torch.cat([states[0][0], states[1][0], states[1][0]], -1)
+        embed = hf.model.embed_tokens.weight
+        hidden = streams[:-1] @ w["fc.weight"].T  # positions 0 .. n-2
+        nxt = list(tokens[1:])
+        proposals = []
+        for _ in range(k):
+            n = hidden.shape[0]
+            x = torch.cat([rms(embed[torch.tensor(nxt)], w["input_layernorm.weight"]),
+                           rms(hidden, w["hidden_norm.weight"])], -1)
+            pos = torch.arange(n)
+            q = rope((x @ w["self_attn.q_proj.weight"].T).view(n, heads, d), pos)
+            kk = rope((x @ w["self_attn.k_proj.weight"].T).view(n, kv, d), pos)
+            vv = (x @ w["self_attn.v_proj.weight"].T).view(n, kv, d)
+            kk, vv = kk.repeat_interleave(heads // kv, 1), vv.repeat_interleave(heads // kv, 1)
+            att = torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(0, 1), kk.transpose(0, 1), vv.transpose(0, 1), is_causal=True)
+            h1 = att.transpose(0, 1).reshape(n, -1) @ w["self_attn.o_proj.weight"].T + hidden
+            m = rms(h1, w["post_attention_layernorm.weight"])
+            out = (torch.nn.functional.silu(m @ w["mlp.gate_proj.weight"].T)
+                   * (m @ w["mlp.up_proj.weight"].T)) @ w["mlp.down_proj.weight"].T + h1
+            draft = int((rms(out[-1], w["norm.weight"]) @ w["lm_head.weight"].T).argmax())
+            token = draft + int(weights["d2t"][draft])
+            proposals.append(token)
+            hidden = torch.cat([hidden, out[-1:]])  # fed back at the next position
+            nxt.append(token)
+    return proposals
+
+
+def test_eagle3_random_head_proposes_what_the_reference_computes(tmp_path, tiny_llama):
+    """A random EAGLE-3 head over the tiny Llama: greedy tokens equal the target's without
+    speculation, and every proposal the engine made equals the plain-torch reference's
+    for the request's tokens at that step (the target's kept hidden states, the head's
+    paged cache, the fed-back passes and the d2t map all exact)."""
+    from engine.spec_decode.proposers.eagle3 import Eagle3Proposer
+    head, weights = _eagle3_head(tmp_path / "eagle3", tiny_llama)
+    prompts = _prompts([9, 21], seed=8)
+    plain = _engine(tiny_llama)
+    try:
+        want = _greedy(plain, prompts, 10)
+    finally:
+        plain.shutdown()
+    seen = []
+    original = Eagle3Proposer.propose_batch
+
+    def recording(self, requests, rooms):
+        out = original(self, requests, rooms)
+        seen.extend((list(r.all_token_ids), k, p) for r, k, p in zip(requests, rooms, out))
+        return out
+    Eagle3Proposer.propose_batch = recording
+    try:
+        llm = _engine(tiny_llama, {"method": "eagle3", "model": str(head),
+                                   "num_speculative_tokens": 3}, enable_prefix_caching=False)
+        try:
+            assert _greedy(llm, prompts, 10) == want
+            _check_pool_whole(llm)
+        finally:
+            llm.shutdown()
+    finally:
+        Eagle3Proposer.propose_batch = original
+    assert len(seen) >= 6
+    for tokens, k, proposal in seen[:6]:
+        assert proposal == _eagle3_reference(tiny_llama, weights, tokens, k)

@@ -98,8 +98,9 @@ class EngineCore:
         self.spec: SpecDecoder | None = None
         if spec is not None:  # before the pool is sized: a draft model's cache shares it
             SpecDecoder.check_model(self.shape)
-            self.spec = SpecDecoder(spec, ProposerContext(config, self.shape, max_len,
-                                                          self.device, self.dtype))
+            self.spec = SpecDecoder(spec, ProposerContext(
+                config, self.shape, max_len, self.device, self.dtype,
+                getattr(self.runner, "runner", self.runner)))
         self.num_blocks = self._num_blocks()
         self.runner.allocate_kv_cache(self.num_blocks)
         # A request must fit in the pool on its own, or it could never be scheduled.
@@ -255,6 +256,8 @@ class EngineCore:
             if not sched:
                 return outputs
         result = self.runner.execute(sched)
+        if self.spec is not None:
+            self.spec.proposer.after_step()
         logits, rows = result.logits, result.sample_rows
         prompt_tokens = 0
         for request, n in zip(sched.requests, sched.num_new_tokens):

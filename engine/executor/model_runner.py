@@ -102,6 +102,10 @@ class ModelRunner(StepMetadataBuilder):
         self.slot_pos: torch.Tensor | None = None  # flex: each slot's position (flex_paged)
         self.layer_caches: list[tuple[torch.Tensor, torch.Tensor]] = []  # views, per layer
         self.num_blocks = 0
+        # an EAGLE-3 head's input (model.aux_layers): the last step's kept streams and
+        # whose rows they are, (request, first position, first row, rows) each
+        self.last_aux: tuple[torch.Tensor, list] | None = None
+        self._aux_spans: list | None = None
 
     def _attention_backend(self) -> str:
         """native (the CPU kernels), triton (CUDA's default where triton imports: on an
@@ -171,6 +175,7 @@ class ModelRunner(StepMetadataBuilder):
                 and not self.config.enforce_eager and self.lora_slots is None
                 and self.tp is None and self._experts_capturable()
                 and self.shape.mamba is None  # its states are gathered by host-side slots
+                and not getattr(self.model, "aux_layers", ())  # an EAGLE-3 head reads them
                 and self.kv_groups.count == 1)  # the graphs hold one group's tables
 
     def _experts_capturable(self) -> bool:
@@ -532,6 +537,7 @@ class ModelRunner(StepMetadataBuilder):
                                   and r.num_output_tokens > 0 for r in sched.requests)
         ids, positions, slots = step.ids, step.positions, step.slots
         rows = StepRows()
+        aux_spans = [] if getattr(self.model, "aux_layers", ()) else None
         for i in order:
             request, n = sched.requests[i], sched.num_new_tokens[i]
             start = request.num_computed_tokens
@@ -554,6 +560,8 @@ class ModelRunner(StepMetadataBuilder):
             if request.state_block >= 0:
                 step.state_slots.append(request.state_block)
             base = len(ids) - n  # flat index of position `start`
+            if aux_spans is not None:
+                aux_spans.append((request, start, base, n))
             slot = request.lora_slot
             if slot >= 0:
                 runs = step.lora_segments
@@ -577,6 +585,7 @@ class ModelRunner(StepMetadataBuilder):
             if end == request.num_tokens + len(spec):  # a row for each proposed token too
                 rows.sample.extend([i] * (1 + len(spec)))
                 step.logit_positions.extend(range(len(ids) - 1 - len(spec), len(ids)))
+        self._aux_spans = aux_spans
         return step, rows
 
     @torch.inference_mode()
@@ -606,6 +615,8 @@ class ModelRunner(StepMetadataBuilder):
                 flex_paged.write_positions(self.slot_pos, meta.slot_mapping, pos,
                                            self.block_size)
             hidden = self.model(input_ids, pos, self.layer_caches, meta)
+            if self._aux_spans is not None:
+                self.last_aux, self._aux_spans = (self.model.aux_hidden, self._aux_spans), None
         pooled = [hidden[start:end].float() for start, end in step.pool_spans]
         prompt_rows = self._prompt_logprobs(hidden, step) if step.prompt_spans else []
         if not step.logit_positions:

@@ -11,7 +11,8 @@ from typing import Any
 from engine.errors import InvalidRequestError
 
 # vLLM's method names that name a model-based proposer; not served by this engine yet
-_NOT_SERVED = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "deepseek_mtp")
+_NOT_SERVED = ("eagle", "medusa", "mlp_speculator", "mtp", "deepseek_mtp")
+_WITH_MODEL = ("draft_model", "eagle3")  # the methods that read a checkpoint
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,7 @@ class SpeculativeConfig:
     # no speculation in a step whose batch has more running requests than this
     disable_by_batch_size: int | None = None
     # draft_model: the draft checkpoint (same vocabulary), and its ranks (1: it runs in
-    # the engine process beside rank 0 of the target)
+    # the engine process beside rank 0 of the target); eagle3: the head's checkpoint
     model: str | None = None
     draft_tensor_parallel_size: int | None = None
 
@@ -54,7 +55,8 @@ class SpeculativeConfig:
                 f"{sorted(known)})")
         method = spec.get("method")
         if method is None and spec.get("model") is not None:  # vLLM's inference
-            spec = {**spec, "method": "draft_model"}
+            spec = {**spec, "method": "eagle3" if "eagle3" in str(spec["model"]).lower()
+                    else "draft_model"}
         elif method is None:
             raise InvalidRequestError("speculative_config needs a method (ngram, suffix, or "
                                       "draft_model with a model)")
@@ -98,8 +100,9 @@ class SpeculativeConfig:
             (isinstance(self.suffix_decoding_min_token_prob, (int, float))
              and 0 <= self.suffix_decoding_min_token_prob <= 1,
              "suffix_decoding_min_token_prob must be in [0, 1]"),
-            ((self.method == "draft_model") == (self.model is not None),
-             "speculative_config: a model is given with method draft_model, and only then"),
+            ((self.method in _WITH_MODEL) == (self.model is not None),
+             "speculative_config: a model is given with method draft_model or eagle3, and "
+             "only then"),
             (self.draft_tensor_parallel_size in (None, 1),
              "draft_tensor_parallel_size: the draft runs on one rank (1)"),
             (self.disable_by_batch_size is None

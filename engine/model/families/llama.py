@@ -222,6 +222,10 @@ class LlamaForCausalLM(nn.Module):
     layer_groups: list[int] = []  # each layer's KV group, where the runner set several
     _stack_caches: tuple = (None, None, None)
     _prompt_step = False  # whether the last forward held prompt tokens
+    # layers whose incoming residual streams a forward keeps (an EAGLE-3 head reads them;
+    # len(layers): the last layer's output), concatenated in this order into aux_hidden
+    aux_layers: tuple[int, ...] = ()
+    aux_hidden: torch.Tensor | None = None
 
     def attach_lora(self, slots) -> None:
         """Have every attention and MLP block add the step's adapter products
@@ -253,17 +257,24 @@ class LlamaForCausalLM(nn.Module):
         (engine.model.layers.attention.cache_views), this rank's kv heads."""
         x = self.embed(input_ids)
         self._prompt_step = meta.num_decodes != x.shape[0] and not meta.generated_only
-        if self.stack is not None and meta.native_attention is not None:
+        if self.stack is not None and meta.native_attention is not None and not self.aux_layers:
             keys, values = self._cache_lists(kv_caches)
             dense_rows = DENSE_ROWS if self._prompt_step else DECODE_DENSE_ROWS
             return self.stack.forward(x, positions, self.rotary.cos, self.rotary.sin, keys,
                                       values, meta.slot_mapping, meta.block_tables,
                                       meta.seq_lens, meta.query_start, dense_rows)
         residual = None
+        kept: dict[int, torch.Tensor] = {}
         for i, (layer, kv_cache, rope) in enumerate(zip(self.layers, kv_caches,
                                                         self.layer_ropes(positions, x.dtype))):
+            if i in self.aux_layers:  # copies: the layers add into their inputs in place
+                kept[i] = x.clone() if residual is None else x + residual
             layer_meta = meta.groups[self.layer_groups[i]] if meta.groups else meta
             x, residual = layer(rope, x, residual, kv_cache, layer_meta)
+        if self.aux_layers:
+            if len(self.layers) in self.aux_layers:
+                kept[len(self.layers)] = x + residual
+            self.aux_hidden = torch.cat([kept[i] for i in self.aux_layers], dim=-1)
         return self.norm(x, residual)[0]
 
     def _cache_lists(self, kv_caches) -> tuple[list, list]:

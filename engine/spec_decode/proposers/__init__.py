@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from engine.spec_decode.proposers.base import Proposer, ProposerContext
 from engine.spec_decode.proposers.draft_model import DraftModelProposer
+from engine.spec_decode.proposers.eagle3 import Eagle3Proposer
 from engine.spec_decode.proposers.ngram import NgramProposer
 from engine.spec_decode.proposers.suffix import SuffixProposer
 
@@ -19,6 +20,7 @@ PROPOSERS: dict[str, type[Proposer]] = {
     "ngram": NgramProposer,
     "suffix": SuffixProposer,
     "draft_model": DraftModelProposer,
+    "eagle3": Eagle3Proposer,
 }
 
 

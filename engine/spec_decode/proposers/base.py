@@ -22,6 +22,7 @@ class ProposerContext:
     max_model_len: int
     device: Any  # torch.device
     dtype: Any  # torch.dtype
+    target_runner: Any = None  # the target's ModelRunner (rank 0's under TP)
 
 
 class Proposer:
@@ -47,6 +48,9 @@ class Proposer:
 
     def start(self, num_blocks: int) -> None:
         """The pool has num_blocks blocks: allocate what goes with them."""
+
+    def after_step(self) -> None:
+        """The target ran a step (an EAGLE head keeps its hidden states)."""
 
     def sleep(self, level: int) -> None:
         """The engine sleeps (level 1: KV freed; 2: weights too)."""
