@@ -188,6 +188,20 @@ def rate(cmd: list[str], env: dict[str, str]) -> tuple[float, str]:
     return float(found[-1]), line
 
 
+def command(args, engine: str, spec: dict | None, workload: str, prompts, concurrency: int
+            ) -> tuple[list[str], dict[str, str]]:
+    """One configuration's process: its command line and environment."""
+    from checkpoints import float_checkpoint
+    from throughput import auto_dtype, vllm_cpu_env
+    if engine == "flotilla":
+        return ([sys.executable, str(Path(__file__).resolve()), "--run", "flotilla",
+                 "--spec", json.dumps(spec), "--workload", workload,
+                 "--concurrency", str(concurrency)], {"PYTHONPATH": str(HERE.parent)})
+    return ([args.vllm_python, "-c", _VLLM_RUN, str(HERE), float_checkpoint("default"),
+             json.dumps(spec), json.dumps(prompts), str(concurrency), auto_dtype(),
+             "1.0" if workload == "random" else "0.0"], vllm_cpu_env())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--run", choices=["flotilla"], help=argparse.SUPPRESS)
@@ -204,8 +218,6 @@ def main() -> None:
     if args.run:
         run_flotilla(json.loads(args.spec), args.workload, args.concurrency[0])
         return
-    from checkpoints import float_checkpoint
-    from throughput import auto_dtype, vllm_cpu_env
     configs = [("flotilla", None), ("flotilla", NGRAM), ("flotilla", SUFFIX)]
     if args.vllm_python:
         configs += [("vllm", None), ("vllm", NGRAM)]
@@ -215,38 +227,35 @@ def main() -> None:
     for workload in workloads:
         prompts = prompts_of(workload)
         for concurrency in args.concurrency:
+            runs: dict[str, list] = {}
+            for _ in range(args.repeats):  # configurations alternate within each round
+                for engine, spec in configs:
+                    name = f"{engine} {spec['method'] if spec else 'none'}"
+                    got = rate(*command(args, engine, spec, workload, prompts, concurrency))
+                    runs.setdefault(name, []).append(got)
+                    print(f"{workload} c={concurrency} {name:16s} {got[1]}", flush=True)
             for engine, spec in configs:
-                if engine == "flotilla":
-                    cmd = [sys.executable, str(Path(__file__).resolve()), "--run", "flotilla",
-                           "--spec", json.dumps(spec), "--workload", workload,
-                           "--concurrency", str(concurrency)]
-                    env = {"PYTHONPATH": str(HERE.parent)}
-                else:
-                    cmd = [args.vllm_python, "-c", _VLLM_RUN, str(HERE),
-                           float_checkpoint("default"), json.dumps(spec),
-                           json.dumps(prompts), str(concurrency), auto_dtype(),
-                           "1.0" if workload == "random" else "0.0"]
-                    env = vllm_cpu_env()
                 name = f"{engine} {spec['method'] if spec else 'none'}"
-                runs = []
-                for _ in range(args.repeats):
-                    runs.append(rate(cmd, env))
-                    print(f"{workload} c={concurrency} {name:16s} {runs[-1][1]}", flush=True)
-                tok_s, line = sorted(runs)[len(runs) // 2]
+                tok_s, line = sorted(runs[name])[len(runs[name]) // 2]
                 results.append({"workload": workload, "concurrency": concurrency,
                                 "engine": engine, "spec": spec["method"] if spec else None,
-                                "tok_s": tok_s, "line": line})
+                                "tok_s": tok_s, "line": line,
+                                "runs": [r[0] for r in runs[name]]})
     figures = {(r["workload"], r["concurrency"], r["engine"], r["spec"]): r["tok_s"]
                for r in results}
     for workload in workloads:
         for c in args.concurrency:
             own = figures[(workload, c, "flotilla", None)]
-            best = max(figures[(workload, c, "flotilla", m)] for m in ("ngram", "suffix"))
-            summary = (f"{workload} c={c} (median of {args.repeats}): best speculation / "
-                       f"none = {best / own:.2f}x")
+            ratios = {m: figures[(workload, c, "flotilla", m)] / own for m in ("ngram", "suffix")}
+            best = max(ratios, key=ratios.get)
+            summary = (f"{workload} c={c} (median of {args.repeats}): flotilla / its own "
+                       "without speculation: " + ", ".join(f"{m} {x:.2f}x"
+                                                           for m, x in ratios.items()))
             theirs = figures.get((workload, c, "vllm", "ngram"))
             if theirs:
-                summary += f"; flotilla best / vllm ngram = {best / theirs:.2f}x"
+                plain = figures[(workload, c, "vllm", None)]
+                summary += (f"; vllm ngram / vllm none {theirs / plain:.2f}x; flotilla "
+                            f"{best} / vllm ngram {figures[(workload, c, 'flotilla', best)] / theirs:.2f}x")
             print(summary, flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))

@@ -326,7 +326,8 @@ def test_a_draft_of_another_vocabulary_is_refused(tmp_path, tiny_tokenizer_dir, 
 
 
 @pytest.mark.parametrize("spec, match", [
-    ({"method": "eagle3", "model": "x"}, "not served"),
+    ({"method": "medusa", "model": "x"}, "not served"),
+    ({"method": "eagle3"}, "only then"),
     ({"method": "ngram", "model": "x"}, "only then"),
     ({"method": "ngramx"}, "method must be one of"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
@@ -484,3 +485,38 @@ def test_eagle3_random_head_proposes_what_the_reference_computes(tmp_path, tiny_
     assert len(seen) >= 6
     for tokens, k, proposal in seen[:6]:
         assert proposal == _eagle3_reference(tiny_llama, weights, tokens, k)
+
+
+def test_a_request_whose_proposals_keep_missing_rests(oracle):
+    """backoff_after_misses 1: after each proposal rejected outright a request rests 1,
+    then 2, then 4 steps; an accepted token ends the rest; 0 turns resting off."""
+    from engine.core.request import Request
+    from engine.spec_decode.decoder import SpecDecoder
+    from engine.spec_decode.proposers import ProposerContext
+
+    def pattern(after, outcomes):
+        config = SpeculativeConfig.from_dict({"method": "constant", "num_speculative_tokens": 2,
+                                              "backoff_after_misses": after})
+        decoder = SpecDecoder(config, ProposerContext(None, None, 1000, "cpu", None))
+        r = Request("r", [5, 6, 7], SamplingParams(max_tokens=500), ())
+        r.append_token(8)
+        r.num_computed_tokens = r.num_tokens - 1
+        asked = []
+        for accept in outcomes:
+            decoder.propose([r])
+            asked.append(bool(r.spec_tokens))
+            emitted = 1
+            if r.spec_tokens:
+                r.num_computed_tokens += 1 + len(r.spec_tokens)
+                emitted += decoder.settle(r, [0, 0, 0] if accept else [1, 1, 1])
+            else:
+                r.num_computed_tokens += 1
+            for _ in range(emitted):
+                r.append_token(9)
+        return asked
+    misses = [False] * 12
+    assert pattern(1, misses) == [True, False, True, False, False, True, False, False, False,
+                                  False, True, False]
+    assert pattern(0, misses) == [True] * 12
+    assert pattern(1, [False, False, True, True, True, True]) == [True, False, True, True,
+                                                                   True, True]

@@ -33,6 +33,10 @@ class SpeculativeConfig:
     suffix_decoding_min_token_prob: float = 0.1
     # no speculation in a step whose batch has more running requests than this
     disable_by_batch_size: int | None = None
+    # Flotilla's: a request whose proposals were rejected outright this many times in a
+    # row rests (1, 2, 4, then 8 steps without proposals) until one is accepted again;
+    # where nothing can be copied, verification rows are then rarely paid for. 0: never
+    backoff_after_misses: int = 1
     # draft_model: the draft checkpoint (same vocabulary), and its ranks (1: it runs in
     # the engine process beside rank 0 of the target); eagle3: the head's checkpoint
     model: str | None = None
@@ -105,6 +109,8 @@ class SpeculativeConfig:
              "only then"),
             (self.draft_tensor_parallel_size in (None, 1),
              "draft_tensor_parallel_size: the draft runs on one rank (1)"),
+            (_int(self.backoff_after_misses) and self.backoff_after_misses >= 0,
+             "backoff_after_misses must be an int >= 0"),
             (self.disable_by_batch_size is None
              or (_int(self.disable_by_batch_size) and self.disable_by_batch_size >= 1),
              "disable_by_batch_size must be an int >= 1"),

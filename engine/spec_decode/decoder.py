@@ -24,6 +24,10 @@ class SpecDecoder:
         self.max_model_len = context.max_model_len  # lowered by start() to the pool's
         self.proposer = make_proposer(config, context)
         self.stats = SpecStats(config.num_speculative_tokens)
+        # backoff_after_misses: per request, proposals in a row with nothing accepted,
+        # and steps left before it is asked again
+        self._misses: dict[str, int] = {}
+        self._resting: dict[str, int] = {}
 
     def start(self, num_blocks: int, max_model_len: int) -> None:
         self.max_model_len = max_model_len
@@ -46,6 +50,10 @@ class SpecDecoder:
         for r in running:
             r.spec_tokens = []
             if off or not self._speculates(r):
+                continue
+            rest = self._resting.get(r.request_id, 0)
+            if rest:
+                self._resting[r.request_id] = rest - 1
                 continue
             room = min(self.config.num_speculative_tokens, self.max_model_len - r.num_tokens)
             if r.params.max_tokens is not None:
@@ -73,8 +81,21 @@ class SpecDecoder:
         request.num_computed_tokens -= len(drafts) - accepted
         request.spec_tokens = []
         self.stats.record(len(drafts), accepted)
+        self._back_off(request.request_id, accepted)
         return accepted
+
+    def _back_off(self, request_id: str, accepted: int) -> None:
+        """Rest a request whose proposals keep missing (backoff_after_misses)."""
+        after = self.config.backoff_after_misses
+        if accepted or not after:
+            self._misses.pop(request_id, None)
+            return
+        misses = self._misses[request_id] = self._misses.get(request_id, 0) + 1
+        if misses >= after:
+            self._resting[request_id] = min(2 ** (misses - after), 8)
 
     def finish(self, request: Request) -> None:
         request.spec_tokens = []
+        self._misses.pop(request.request_id, None)
+        self._resting.pop(request.request_id, None)
         self.proposer.finish(request)
