@@ -75,6 +75,16 @@ def _repetitive_prompts():
     return prompts
 
 
+def _check_cache_holds_known_tokens(llm, sequences):
+    """Every block the prefix cache can hand out holds a block of some request's real
+    tokens at its place: no rejected proposal was ever cached."""
+    kv = llm.llm_engine.engine_core.kv
+    bs = kv.block_size
+    real = {tuple(s[i:i + bs]) for s in sequences for i in range(0, len(s) - bs + 1, bs)}
+    cached = [kv.blocks[b].token_ids for b in kv.cached.values()]
+    assert cached and all(tokens in real for tokens in cached)
+
+
 def _check_pool_whole(llm):
     core = llm.llm_engine.engine_core
     assert core.kv.num_free_blocks == core.kv.usable_blocks
@@ -90,10 +100,15 @@ def _draft(tiny_models, which: str) -> dict:
 
 @pytest.mark.parametrize("spec", [NGRAM, SUFFIX, {"method": "oracle",
                                                   "num_speculative_tokens": 5},
-                                  "draft-self", "draft-other"],
-                         ids=["ngram", "suffix", "oracle", "draft-self", "draft-other"])
-def test_greedy_tokens_equal_without_speculation(tiny_models, tiny_llama, oracle, spec):
-    if isinstance(spec, str):
+                                  "draft-self", "draft-other", "eagle3"],
+                         ids=["ngram", "suffix", "oracle", "draft-self", "draft-other",
+                              "eagle3"])
+def test_greedy_tokens_equal_without_speculation(tiny_models, tiny_llama, oracle, spec,
+                                                 tmp_path):
+    if spec == "eagle3":
+        spec = {"method": "eagle3", "num_speculative_tokens": 3,
+                "model": str(_eagle3_head(tmp_path / "head", tiny_llama)[0])}
+    elif isinstance(spec, str):
         spec = _draft(tiny_models, spec.split("-")[1])
     prompts = _repetitive_prompts()
     plain = _engine(tiny_llama, enable_prefix_caching=True)
@@ -119,12 +134,13 @@ def test_greedy_tokens_equal_without_speculation(tiny_models, tiny_llama, oracle
         for got, ref in zip(llm.generate(prompts[:2], params, use_tqdm=False), want):
             assert [list(c.token_ids) for c in got.outputs] == [ref[:12]] * 2
         _check_pool_whole(llm)
+        _check_cache_holds_known_tokens(llm, [p + w for p, w in zip(prompts, want)])
     finally:
         llm.shutdown()
 
 
-@pytest.mark.parametrize("method", ["oracle", "draft_model"])
-def test_greedy_equal_under_preemption(tiny_llama, oracle, method):
+@pytest.mark.parametrize("method", ["oracle", "draft_model", "eagle3"])
+def test_greedy_equal_under_preemption(tiny_llama, oracle, method, tmp_path):
     """24 blocks of 8 cannot hold these sequences and their proposals: requests are
     preempted (their proposals dropped; a draft model computes its cache again in the
     new blocks) and recomputed, with the same tokens."""
@@ -138,12 +154,16 @@ def test_greedy_equal_under_preemption(tiny_llama, oracle, method):
     spec = {"method": method, "num_speculative_tokens": 6}
     if method == "draft_model":
         spec["model"] = str(tiny_llama)
+    elif method == "eagle3":
+        spec["model"] = str(_eagle3_head(tmp_path / "head", tiny_llama)[0])
     llm = _engine(tiny_llama, spec, num_gpu_blocks_override=24)
     try:
         assert _greedy(llm, prompts, 40) == want
         core = llm.llm_engine.engine_core
         assert core.scheduler.num_preemptions > 0
-        assert core.get_stats().spec_num_accepted_tokens > 0
+        stats = core.get_stats()  # a random EAGLE-3 head's guesses are all rejected
+        assert (stats.spec_num_draft_tokens if method == "eagle3"
+                else stats.spec_num_accepted_tokens) > 0
         _check_pool_whole(llm)
     finally:
         llm.shutdown()
@@ -242,42 +262,50 @@ def test_rejection_sampling_keeps_the_target_distribution(tmp_path, tiny_tokeniz
         assert pvalue > 1e-4, (position, seen, expected, pvalue)
 
 
-def test_structured_output_stop_strings_and_opt_out(default_model_dir):
-    """On the default model with suffix proposals: a JSON-schema request is valid JSON and
-    the same as without speculation, a stop string cuts the same text, and a request
-    that opts out takes no proposals."""
-    schema = {"type": "object", "properties": {"name": {"type": "string"},
-                                               "items": {"type": "array",
-                                                         "items": {"type": "string"}}},
-              "required": ["name", "items"]}
+def test_structured_output_stop_strings_and_opt_out(tiny_llama, oracle):
+    """With the oracle's proposals (every third one wrong, which the grammar may refuse
+    mid-proposal): a regex-constrained JSON object is valid and the same as without
+    speculation; a stop string cuts the same text at the same token; a request that
+    opts out takes no proposals."""
     from engine.structured.params import StructuredOutputsParams
-    prompt = [{"role": "user", "content": "Give a JSON object with a name and a list of "
-                                          "three fruits. Repeat the fruits twice."}]
-    runs = {}
-    for spec in (None, {"method": "suffix"}):
-        llm = LLM("default", speculative_config=spec)
-        try:
-            so = SamplingParams(temperature=0.0, max_tokens=60,
-                                structured_outputs=StructuredOutputsParams(json=schema))
-            stop = SamplingParams(temperature=0.0, max_tokens=80, stop=["6"])
-            counting = [{"role": "user", "content": "Count from 1 to 10, comma separated."}]
-            runs[spec is None] = (llm.chat([prompt], so, use_tqdm=False)[0].outputs[0],
-                                  llm.chat([counting], stop, use_tqdm=False)[0].outputs[0])
-            if spec is not None:
-                core = llm.llm_engine.engine_core
-                drafted = core.get_stats().spec_num_draft_tokens
-                assert drafted > 0
-                opt_out = SamplingParams(temperature=0.0, max_tokens=30,
-                                         speculative_decoding=False)
-                llm.chat([counting], opt_out, use_tqdm=False)
-                assert core.get_stats().spec_num_draft_tokens == drafted
-        finally:
-            llm.shutdown()
-    (json_plain, stop_plain), (json_spec, stop_spec) = runs[True], runs[False]
-    assert json.loads(json_spec.text)["items"]
-    assert json_spec.token_ids == json_plain.token_ids
-    assert stop_spec.text == stop_plain.text and stop_spec.finish_reason == "stop"
-    assert stop_spec.token_ids == stop_plain.token_ids
+    prompts = _prompts([12, 15], seed=9)
+    pattern = r'\{"name": "[a-z]{3,8}", "n": [0-9]{1,2}\}'
+    so = SamplingParams(temperature=0.0, max_tokens=40,
+                        structured_outputs=StructuredOutputsParams(regex=pattern))
+    free = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    plain = _engine(tiny_llama)
+    try:
+        json_plain = [o.outputs[0] for o in plain.generate(prompts, so, use_tqdm=False)]
+        free_plain = [o.outputs[0] for o in plain.generate(prompts, free, use_tqdm=False)]
+        stop = free_plain[0].text[len(free_plain[0].text) // 2:][:3]  # met midway
+        stop_params = SamplingParams(temperature=0.0, max_tokens=24, stop=[stop])
+        stop_plain = plain.generate(prompts[:1], stop_params, use_tqdm=False)[0].outputs[0]
+    finally:
+        plain.shutdown()
+    oracle.answers = {tuple(p): list(j.token_ids) for p, j in zip(prompts, json_plain)}
+    llm = _engine(tiny_llama, {"method": "oracle", "num_speculative_tokens": 4})
+    try:
+        json_spec = [o.outputs[0] for o in llm.generate(prompts, so, use_tqdm=False)]
+        core = llm.llm_engine.engine_core
+        assert core.get_stats().spec_num_accepted_tokens > 0
+        oracle.answers = {tuple(p): list(f.token_ids) for p, f in zip(prompts, free_plain)}
+        stop_spec = llm.generate(prompts[:1], stop_params, use_tqdm=False)[0].outputs[0]
+        drafted = core.get_stats().spec_num_draft_tokens
+        opt_out = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
+                                 speculative_decoding=False)
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, opt_out,
+                                                             use_tqdm=False)] == \
+            [list(f.token_ids[:12]) for f in free_plain]
+        assert core.get_stats().spec_num_draft_tokens == drafted
+        _check_pool_whole(llm)
+    finally:
+        llm.shutdown()
+    for mine, ref in zip(json_spec, json_plain):
+        assert mine.token_ids == ref.token_ids and mine.text == ref.text
+        assert set(json.loads(mine.text)) == {"name", "n"}
+    assert stop in free_plain[0].text and stop_plain.finish_reason == "stop"
+    assert (stop_spec.text, stop_spec.token_ids, stop_spec.finish_reason) == (
+        stop_plain.text, stop_plain.token_ids, "stop")
 
 
 def test_served_with_metrics(tiny_llama, oracle):
@@ -520,3 +548,17 @@ def test_a_request_whose_proposals_keep_missing_rests(oracle):
     assert pattern(0, misses) == [True] * 12
     assert pattern(1, [False, False, True, True, True, True]) == [True, False, True, True,
                                                                    True, True]
+
+
+def test_the_status_line_reports_the_acceptance_rate():
+    from engine.core.stats_logger import StatsLogger
+    from engine.wire.protocol import SchedulerStats
+    now = [0.0]
+    log = StatsLogger(10.0, clock=lambda: now[0])
+    now[0] = 11.0
+    line = log.maybe_log(lambda: SchedulerStats(spec_num_draft_tokens=40,
+                                                spec_num_accepted_tokens=30))
+    assert "spec decode acceptance rate: 75.0% (30/40 tokens)" in line
+    now[0] = 22.0  # nothing proposed in this interval: no such part
+    assert "spec decode" not in log.maybe_log(lambda: SchedulerStats(
+        spec_num_draft_tokens=40, spec_num_accepted_tokens=30))

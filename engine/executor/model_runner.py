@@ -14,7 +14,7 @@ import time
 import torch
 from torch import nn
 
-from engine.config import CPU_DEFAULT_KV_CACHE_BYTES, EngineConfig
+from engine.config import EngineConfig
 from engine.core.scheduler import SchedulerOutput
 from engine.errors import InvalidRequestError, UnsupportedQuantizationError
 from engine.executor.allocator import keep_freed_memory
@@ -25,6 +25,7 @@ from engine.executor.cuda_graphs import (
 )
 from engine.executor.parallel import ShardPlan, TPGroup
 from engine.executor.sampler import prompt_token_logprobs
+from engine.executor.kv_budget import KVBudget
 from engine.executor.step_inputs import StepInput, StepMetadataBuilder, StepResult, StepRows
 from engine.lora.adapter import load_adapter
 from engine.lora.manager import AdapterCache
@@ -54,12 +55,9 @@ logger = logging.getLogger(__name__)
 # Prompt-logprob rows computed at once: 256 x a 128k vocabulary is 128 MiB of logits.
 _PROMPT_LOGIT_ROWS = 256
 
-# GPU memory kept beside the profiled peak for what comes after the profile: the decode
-# CUDA graphs' pool (activations of up to 256 single-token rows) and allocator slack.
-_GPU_GRAPH_RESERVE_BYTES = 512 << 20
 
 
-class ModelRunner(StepMetadataBuilder):
+class ModelRunner(StepMetadataBuilder, KVBudget):
     def __init__(self, config: EngineConfig, shape: ModelShape, hf_config, checkpoint,
                  max_model_len: int, device: torch.device, dtype: torch.dtype,
                  plan: ShardPlan | None = None, tp: TPGroup | None = None) -> None:
@@ -322,94 +320,6 @@ class ModelRunner(StepMetadataBuilder):
         self.lora_cache.drop(lora_id)
 
     # ---- KV cache ---------------------------------------------------------------------
-    def bytes_per_block(self) -> int:
-        s = self.shape
-        elem = torch.empty((), dtype=self.kv_dtype).element_size()
-        return (2 * self.kv_groups.slots * self.block_size * self.plan.num_kv_heads
-                * s.head_dim * elem)
-
-    def max_kv_blocks(self) -> int:
-        """KV blocks that fit this rank's budget: bytes on CPU (kv_cache_memory_bytes,
-        default 2 GiB), a share of free device memory on GPU."""
-        if self.config.num_gpu_blocks_override:
-            return self.config.num_gpu_blocks_override
-        per_block = self.bytes_per_block()
-        if self.device.type == "cuda":
-            budget = self._gpu_kv_budget()
-            if self.config.kv_cache_memory_bytes:
-                budget = min(budget, self.config.kv_cache_memory_bytes)
-        else:
-            budget = self.config.kv_cache_memory_bytes or CPU_DEFAULT_KV_CACHE_BYTES
-        blocks = int(budget // per_block)
-        if self.flex is not None and self.device.type == "cuda":
-            # torch 2.11's FlexAttention kernels index one layer's keys with 32-bit offsets
-            # (a larger cache failed to compile on the H200)
-            limit = (2 ** 31 - 1) // (self.plan.num_kv_heads * self.shape.head_dim
-                                      * self.block_size) - 1
-            if blocks > limit:
-                logger.info("KV cache: %d blocks fit, %d used (32-bit offsets)", blocks, limit)
-                blocks = limit
-        if blocks < 1:
-            raise InvalidRequestError(
-                f"KV cache budget of {int(budget)} bytes holds no block of {per_block} bytes")
-        return blocks
-
-    def _gpu_kv_budget(self) -> float:
-        """Bytes left for the KV cache under gpu_memory_utilization, as vLLM finds it: run
-        the largest step the scheduler can make (its token budget, sampling rows for
-        max_num_seqs) and keep what its peak left of total * utilization, less memory
-        outside torch's allocator (the CUDA context, other processes) and the graphs'
-        reserve."""
-        torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(self.device)
-        outside_torch = (total - free) - torch.cuda.memory_reserved(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        peak = self._profile_peak()
-        budget = (self.config.gpu_memory_utilization * total - peak - outside_torch
-                  - _GPU_GRAPH_RESERVE_BYTES)
-        logger.info("GPU memory: %.2f GiB total, step peak %.2f GiB (weights included), "
-                    "%.2f GiB outside torch: %.2f GiB for the KV cache at utilization %.2f",
-                    total / 2**30, peak / 2**30, outside_torch / 2**30, budget / 2**30,
-                    self.config.gpu_memory_utilization)
-        return budget
-
-    def _profile_peak(self) -> int:
-        """Peak bytes torch holds while running the largest step (the profile's own small
-        cache excluded)."""
-        bs = self.block_size
-        tokens = self.config.step_token_budget(self.device)
-        longest = min(tokens, self.max_model_len)
-        lengths = [longest] * (tokens // longest) + ([tokens % longest] if tokens % longest
-                                                      else [])
-        lengths = lengths[:self.config.max_num_seqs]
-        step = StepInput([], [], [], [], [], [], [])
-        block = 0
-        for n in lengths:
-            table = list(range(block, block - (-n // bs)))
-            block += len(table)
-            step.ids.extend([0] * n)
-            step.positions.extend(range(n))
-            step.slots.extend(table[p // bs] * bs + p % bs for p in range(n))
-            step.query_lens.append(n)
-            step.seq_lens.append(n)
-            step.block_tables.append(table)
-            if self.shape.mamba is not None:  # a hybrid's sequences each hold a state block
-                step.state_slots.append(block)
-                block += 1
-        total = len(step.ids)
-        step.logit_positions = list(range(max(0, total - self.config.max_num_seqs), total))
-        self.allocate_kv_cache(block, capture=False)
-        cache_bytes = self.kv_caches.numel() * self.kv_caches.element_size()
-        try:
-            self.run(step)
-            torch.cuda.synchronize(self.device)
-            return torch.cuda.max_memory_allocated(self.device) - cache_bytes
-        finally:
-            self.free_kv_cache()
-            self.num_blocks = 0
-            torch.cuda.empty_cache()
-
     def allocate_kv_cache(self, num_blocks: int, capture: bool = True) -> None:
         """The cache, in the attention backend's layout; then (CUDA) the decode graphs."""
         s = self.shape
