@@ -136,3 +136,24 @@ def check_served_like_offline(model: Path) -> None:
         server.shutdown()
     assert reply.choices[0].message.content == offline
     assert reply.usage.completion_tokens == 10
+
+
+def served_completion_and_metrics(core, model: Path, prompt, max_tokens: int, **create):
+    """`core` behind the engine-core server and the OpenAI app: one completion (ignore_eos)
+    and the app's /metrics text after it; the server is shut down after."""
+    from engine.model.loader import load_tokenizer
+    from engine.wire.core_server import EngineCoreServer
+    from tests.test_core_client import free_address
+    from tests.test_openai_app import MODEL, _Real, serve
+    address = free_address()
+    server = EngineCoreServer(core, address).start()
+    try:
+        async def test(http, oai):
+            reply = await oai.completions.create(model=MODEL, prompt=prompt,
+                                                 max_tokens=max_tokens,
+                                                 extra_body={"ignore_eos": True}, **create)
+            return reply, (await http.get("/metrics")).text
+        return serve(_Real(address, load_tokenizer(model)), test)
+    finally:
+        server.shutdown()
+

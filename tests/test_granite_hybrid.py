@@ -96,24 +96,11 @@ def test_the_aligned_block_size_reaches_the_frontend_and_metrics(tiny_hybrids):
     vllm:cache_config_info; a completion is served."""
     from engine.config import EngineConfig
     from engine.core.engine_core import EngineCore
-    from engine.model.loader import load_tokenizer
-    from engine.wire.core_server import EngineCoreServer
-    from tests.test_core_client import free_address
-    from tests.test_openai_app import MODEL, _Real, serve
+    from tests.family_checks import served_completion_and_metrics
     model = tiny_hybrids["moe"]
     config = EngineConfig(model=str(model), dtype="float32")
     assert config.block_size == 16
-    core = EngineCore(config)
-    address = free_address()
-    server = EngineCoreServer(core, address).start()
-    try:
-        async def test(http, oai):
-            reply = await oai.completions.create(model=MODEL, prompt="Hello", max_tokens=4,
-                                                 extra_body={"ignore_eos": True})
-            return reply, (await http.get("/metrics")).text
-        reply, metrics = serve(_Real(address, load_tokenizer(model)), test)
-    finally:
-        server.shutdown()
+    reply, metrics = served_completion_and_metrics(EngineCore(config), model, "Hello", 4)
     assert reply.usage.completion_tokens == 4
     info = [line for line in metrics.splitlines() if line.startswith("vllm:cache_config_info{")]
     assert info and f'block_size="{ALIGNED}"' in info[0], info

@@ -315,9 +315,7 @@ def test_served_with_metrics(tiny_llama, oracle):
     from engine.config import EngineConfig
     from engine.core.engine_core import EngineCore
     from engine.model.loader import load_tokenizer
-    from engine.wire.core_server import EngineCoreServer
-    from tests.test_core_client import free_address
-    from tests.test_openai_app import MODEL, _Real, serve
+    from tests.family_checks import served_completion_and_metrics
     prompt = _repetitive_prompts()[0]
     llm = _engine(tiny_llama)
     try:
@@ -327,17 +325,8 @@ def test_served_with_metrics(tiny_llama, oracle):
     oracle.answers = {tuple(prompt): want}
     core = EngineCore(EngineConfig(model=str(tiny_llama), dtype="float32",
                                    speculative_config={"method": "oracle"}))
-    address = free_address()
-    server = EngineCoreServer(core, address).start()
-    try:
-        async def test(http, oai):
-            reply = await oai.completions.create(
-                model=MODEL, prompt=prompt, max_tokens=16, temperature=0.0,
-                extra_body={"ignore_eos": True})
-            return reply, (await http.get("/metrics")).text
-        reply, metrics = serve(_Real(address, load_tokenizer(tiny_llama)), test)
-    finally:
-        server.shutdown()
+    reply, metrics = served_completion_and_metrics(core, tiny_llama, prompt, 16,
+                                                   temperature=0.0)
     assert reply.usage.completion_tokens == 16
     assert reply.choices[0].text == load_tokenizer(tiny_llama).decode(want)
     values = {line.split("{")[0]: float(line.split()[-1]) for line in metrics.splitlines()
@@ -562,3 +551,25 @@ def test_the_status_line_reports_the_acceptance_rate():
     now[0] = 22.0  # nothing proposed in this interval: no such part
     assert "spec decode" not in log.maybe_log(lambda: SchedulerStats(
         spec_num_draft_tokens=40, spec_num_accepted_tokens=30))
+
+
+def test_a_proposal_never_preempts_a_request():
+    """Two decoding requests in a pool that holds their tokens but not one's proposal:
+    the proposal is dropped, nobody is preempted."""
+    from engine.config import EngineConfig
+    from engine.core.kv_cache_manager import KVCacheManager
+    from engine.core.request import Request, RequestStatus
+    from engine.core.scheduler import Scheduler
+    kv = KVCacheManager(2, 4, enable_prefix_caching=False)
+    scheduler = Scheduler(EngineConfig(), kv, 64, 64)
+    requests = [Request(str(i), [1, 2, 3], SamplingParams(), ()) for i in range(2)]
+    for r in requests:
+        r.append_token(4)
+        r.num_computed_tokens = 3
+        r.status = RequestStatus.RUNNING
+        assert kv.allocate(r, 1)
+        scheduler.running.append(r)
+    requests[0].spec_tokens = [5, 6, 7]  # positions 4..6: a block the pool does not have
+    out = scheduler.schedule()
+    assert out.requests == requests and out.num_new_tokens == [1, 1]
+    assert not out.preempted and requests[0].spec_tokens == []

@@ -76,6 +76,10 @@ class Scheduler:
             if spec and n < 1 + len(spec):
                 request.spec_tokens = spec[:max(0, n - 1)]
             while not self.kv.allocate(request, n):
+                if request.spec_tokens:  # a proposal never preempts anyone: dropped first
+                    n -= len(request.spec_tokens)
+                    request.spec_tokens = []
+                    continue
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.preempted.append(victim)
