@@ -573,3 +573,21 @@ def test_a_proposal_never_preempts_a_request():
     out = scheduler.schedule()
     assert out.requests == requests and out.num_new_tokens == [1, 1]
     assert not out.preempted and requests[0].spec_tokens == []
+
+
+def test_checking_a_config_imports_no_torch_and_every_method_resolves():
+    """The CLI and the ingress check speculative_config without importing torch; the
+    engine resolves each method to its proposer class."""
+    import subprocess
+    import sys
+    code = ("import sys; from engine.config import EngineConfig; "
+            "EngineConfig(speculative_config={'method': 'suffix'}); "
+            "EngineConfig(speculative_config={'model': '/m', 'method': 'draft_model'}); "
+            "print('torch' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True).stdout.strip() == "False"
+    import importlib
+    for method, where in proposers.PROPOSERS.items():
+        if isinstance(where, str):
+            module, name = where.split(":")
+            assert issubclass(getattr(importlib.import_module(module), name), Proposer), method

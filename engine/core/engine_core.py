@@ -99,8 +99,7 @@ class EngineCore(EngineLoRA):
         if spec is not None:  # before the pool is sized: a draft model's cache shares it
             SpecDecoder.check_model(self.shape)
             self.spec = SpecDecoder(spec, ProposerContext(
-                config, self.shape, max_len, self.device, self.dtype,
-                getattr(self.runner, "runner", self.runner)))
+                config, self.shape, max_len, self.device, self.dtype, self._rank0_runner))
         self.num_blocks = self._num_blocks()
         self.runner.allocate_kv_cache(self.num_blocks)
         # A request must fit in the pool on its own, or it could never be scheduled.
@@ -147,6 +146,11 @@ class EngineCore(EngineLoRA):
                 f"max_model_len {wanted} exceeds what the model supports ({limit})")
         return wanted or limit
 
+    @property
+    def _rank0_runner(self) -> ModelRunner:
+        """This process's ModelRunner: the runner itself, or rank 0's under TP."""
+        return getattr(self.runner, "runner", self.runner)
+
     def _kv_manager(self) -> KVCacheManager:
         """An empty block pool: a table per KV group; a state block a request (hybrids)."""
         return KVCacheManager(self.num_blocks, self.config.block_size,
@@ -176,7 +180,7 @@ class EngineCore(EngineLoRA):
         blocks = self.runner.max_kv_blocks()
         extra = self.spec.proposer.bytes_per_block() if self.spec is not None else 0
         if extra and not self.config.num_gpu_blocks_override:
-            own = getattr(self.runner, "runner", self.runner).bytes_per_block()
+            own = self._rank0_runner.bytes_per_block()
             blocks = max(1, blocks * own // (own + extra))
         return blocks
 

@@ -9,7 +9,7 @@ import torch
 
 from engine.config import CPU_DEFAULT_KV_CACHE_BYTES
 from engine.errors import InvalidRequestError
-from engine.executor.step_inputs import StepInput
+from engine.executor.step_inputs import StepInput, token_slots
 
 logger = logging.getLogger("engine.executor.model_runner")
 
@@ -87,7 +87,7 @@ class KVBudget:
             block += len(table)
             step.ids.extend([0] * n)
             step.positions.extend(range(n))
-            step.slots.extend(table[p // bs] * bs + p % bs for p in range(n))
+            step.slots.extend(token_slots(table, 0, n, bs))
             step.query_lens.append(n)
             step.seq_lens.append(n)
             step.block_tables.append(table)

@@ -26,7 +26,13 @@ from engine.executor.cuda_graphs import (
 from engine.executor.parallel import ShardPlan, TPGroup
 from engine.executor.sampler import prompt_token_logprobs
 from engine.executor.kv_budget import KVBudget
-from engine.executor.step_inputs import StepInput, StepMetadataBuilder, StepResult, StepRows
+from engine.executor.step_inputs import (
+    StepInput,
+    StepMetadataBuilder,
+    StepResult,
+    StepRows,
+    token_slots,
+)
 from engine.lora.adapter import load_adapter
 from engine.lora.manager import AdapterCache
 from engine.lora.request import LoRARequest
@@ -457,7 +463,7 @@ class ModelRunner(StepMetadataBuilder, KVBudget):
             ids.extend(tokens[start:end])
             positions.extend(range(start, end))
             blocks = request.block_ids
-            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
+            slots.extend(token_slots(blocks, start, end, bs))
             step.query_lens.append(n)
             step.seq_lens.append(end)
             step.block_tables.append(blocks[:-(-end // bs)])
@@ -465,7 +471,7 @@ class ModelRunner(StepMetadataBuilder, KVBudget):
                 if g == len(step.group_tables):
                     step.group_tables.append([])
                     step.group_slots.append([])
-                step.group_slots[g].extend(table[p // bs] * bs + p % bs for p in range(start, end))
+                step.group_slots[g].extend(token_slots(table, start, end, bs))
                 step.group_tables[g].append(table[:-(-end // bs)])
             if request.state_block >= 0:
                 step.state_slots.append(request.state_block)

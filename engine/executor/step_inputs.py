@@ -16,6 +16,12 @@ from engine.model.layers.flex_paged import build_group
 from engine.model.layers.mamba import StateMetadata
 
 
+def token_slots(table: list[int], start: int, end: int, block_size: int) -> list[int]:
+    """The cache slots (block * block_size + offset) of positions [start, end) under a
+    block table."""
+    return [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+
+
 class StepInput(msgspec.Struct, array_like=True, gc=False):
     """One step's batch for the forward pass, the same on every TP rank.
 
@@ -185,4 +191,4 @@ class StepMetadataBuilder:
         return groups
 
 
-__all__ = ["StepInput", "StepMetadataBuilder", "StepResult", "StepRows"]
+__all__ = ["StepInput", "StepMetadataBuilder", "StepResult", "StepRows", "token_slots"]

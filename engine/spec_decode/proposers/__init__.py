@@ -1,32 +1,36 @@
-"""The proposer family: each guesses a request's next tokens without the model's help.
+"""The proposer family: each guesses a request's next tokens without the model's help
+(ngram, suffix) or with a small network of its own (draft_model, eagle3).
 
-PROPOSERS maps speculative_config's method to its class; make_proposer builds the
-configured one.
+PROPOSERS maps speculative_config's method to its class, named as "module:Class" so that
+the processes that only check a config (the CLI, the ingress) never import torch;
+make_proposer imports the configured one.
 """
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING
 
-from engine.spec_decode.proposers.base import Proposer, ProposerContext
-from engine.spec_decode.proposers.draft_model import DraftModelProposer
-from engine.spec_decode.proposers.eagle3 import Eagle3Proposer
-from engine.spec_decode.proposers.ngram import NgramProposer
-from engine.spec_decode.proposers.suffix import SuffixProposer
+from engine.spec_decode.proposers.base import ModelProposer, Proposer, ProposerContext
 
 if TYPE_CHECKING:
     from engine.spec_decode.config import SpeculativeConfig
 
-PROPOSERS: dict[str, type[Proposer]] = {
-    "ngram": NgramProposer,
-    "suffix": SuffixProposer,
-    "draft_model": DraftModelProposer,
-    "eagle3": Eagle3Proposer,
+_HERE = "engine.spec_decode.proposers"
+PROPOSERS: dict[str, str | type[Proposer]] = {
+    "ngram": f"{_HERE}.ngram:NgramProposer",
+    "suffix": f"{_HERE}.suffix:SuffixProposer",
+    "draft_model": f"{_HERE}.draft_model:DraftModelProposer",
+    "eagle3": f"{_HERE}.eagle3:Eagle3Proposer",
 }
 
 
 def make_proposer(config: "SpeculativeConfig", context: ProposerContext | None = None
                   ) -> Proposer:
-    return PROPOSERS[config.method](config, context)
+    cls = PROPOSERS[config.method]
+    if isinstance(cls, str):
+        module, name = cls.split(":")
+        cls = getattr(importlib.import_module(module), name)
+    return cls(config, context)
 
 
-__all__ = ["PROPOSERS", "Proposer", "ProposerContext", "make_proposer"]
+__all__ = ["PROPOSERS", "ModelProposer", "Proposer", "ProposerContext", "make_proposer"]

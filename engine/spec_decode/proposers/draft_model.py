@@ -17,19 +17,15 @@ import dataclasses
 import torch
 
 from engine.errors import InvalidRequestError
-from engine.spec_decode.proposers.base import Proposer
+from engine.spec_decode.proposers.base import ModelProposer
 
 
-class DraftModelProposer(Proposer):
+class DraftModelProposer(ModelProposer):
     def __init__(self, config, context) -> None:
-        super().__init__(config)
-        from engine.core.kv_groups import KVGroups
+        super().__init__(config, context)
         from engine.executor.model_runner import ModelRunner
         from engine.model.loader import load_hf_config, resolve_model
         from engine.model.shape import ModelShape
-        if context is None:
-            raise InvalidRequestError("speculative_config method 'draft_model' runs inside "
-                                      "an engine (no proposer context given)")
         c = context.engine_config
         checkpoint = resolve_model(config.model, weights=c.load_format != "dummy")
         hf_config = load_hf_config(checkpoint)
@@ -42,15 +38,6 @@ class DraftModelProposer(Proposer):
         self.runner = ModelRunner(draft_config, shape, hf_config, checkpoint,
                                   context.max_model_len, context.device, context.dtype)
         self.vocab_size = shape.vocab_size
-        self.block_size = c.block_size
-        # scratch blocks per sequence: positions past its blocks, k - 1 of them at most
-        self.spare = -(-config.num_speculative_tokens // c.block_size) + 1
-        self.max_seqs = c.max_num_seqs
-        self.first_scratch = 0
-        self.num_blocks = 0
-        # request id -> (its preemptions, tokens whose draft keys and values are written)
-        self.seen: dict[str, tuple[int, int]] = {}
-        assert KVGroups.of(shape).count == 1  # checked above: no windows
 
     def bytes_per_block(self) -> int:
         return self.runner.bytes_per_block()
@@ -58,11 +45,9 @@ class DraftModelProposer(Proposer):
     def start(self, num_blocks: int) -> None:
         """The draft's cache: the pool's blocks, then the scratch blocks."""
         self.num_blocks = num_blocks
-        self.first_scratch = num_blocks
         self.runner.allocate_kv_cache(num_blocks + self.max_seqs * self.spare)
 
     def sleep(self, level: int) -> None:
-        self.seen.clear()
         self.runner.free_kv_cache()
         if level == 2:
             self.runner.free_weights()
@@ -74,27 +59,15 @@ class DraftModelProposer(Proposer):
         if self.runner.kv_caches is None:
             self.start(self.num_blocks)
 
-    def finish(self, request) -> None:
-        super().finish(request)
-        self.seen.pop(request.request_id, None)
-
-    def propose(self, request, k: int) -> list[int]:
-        return self.propose_batch([request], [k])[0]
-
     @torch.inference_mode()
     def propose_batch(self, requests, rooms: list[int]) -> list[list[int]]:
-        from engine.executor.step_inputs import StepInput
+        from engine.executor.step_inputs import StepInput, token_slots
         bs = self.block_size
         rows = []  # (request, room, first unseen token, tokens, block table)
         for slot, (r, k) in enumerate((r, k) for r, k in zip(requests, rooms) if k > 0):
-            preempted, seen = self.seen.get(r.request_id, (-1, 0))
             n = r.num_tokens
-            done = min(seen if preempted == r.num_preemptions else 0, n - 1)
-            real = r.block_ids
-            table = real + [self.first_scratch + slot * self.spare + j
-                            for j in range(self.spare)]
-            rows.append((r, k, done, n, table))
-            self.seen[r.request_id] = (r.num_preemptions, min(n, len(real) * bs))
+            rows.append((r, k, min(self.written(r), n - 1), n, self.table(r, slot)))
+            self.mark_written(r, min(n, len(r.block_ids) * bs))
         rows.sort(key=lambda row: row[3] - row[2] != 1)  # one-token queries first
         drafts: dict[int, list[int]] = {}
         for j in range(max((row[1] for row in rows), default=0)):
@@ -108,7 +81,7 @@ class DraftModelProposer(Proposer):
                 end = first + len(ids)
                 step.ids.extend(ids)
                 step.positions.extend(range(first, end))
-                step.slots.extend(table[p // bs] * bs + p % bs for p in range(first, end))
+                step.slots.extend(token_slots(table, first, end, bs))
                 step.query_lens.append(len(ids))
                 step.seq_lens.append(end)
                 step.block_tables.append(table[:-(-end // bs)])

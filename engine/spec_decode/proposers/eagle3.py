@@ -20,18 +20,16 @@ from __future__ import annotations
 import torch
 
 from engine.errors import InvalidRequestError
-from engine.spec_decode.proposers.base import Proposer
+from engine.executor.step_inputs import token_slots
+from engine.spec_decode.proposers.base import ModelProposer
 
 
-class Eagle3Proposer(Proposer):
+class Eagle3Proposer(ModelProposer):
     def __init__(self, config, context) -> None:
-        super().__init__(config)
+        super().__init__(config, context)
         from engine.model.families.llama import LlamaForCausalLM
         from engine.model.loader import iter_weights, load_hf_config, resolve_model
         from engine.spec_decode.eagle3_head import Eagle3Head, aux_layer_ids
-        if context is None or context.target_runner is None:
-            raise InvalidRequestError("speculative_config method 'eagle3' runs inside an "
-                                      "engine (no target runner given)")
         target = context.target_runner
         shape = context.target_shape
         c = context.engine_config
@@ -59,14 +57,9 @@ class Eagle3Proposer(Proposer):
         self.target = target
         self.dtype = context.dtype
         self.device = context.device
-        self.block_size = c.block_size
-        self.spare = -(-config.num_speculative_tokens // c.block_size) + 1
-        self.max_seqs = c.max_num_seqs
-        self.num_blocks = 0
         self.cache: torch.Tensor | None = None
         # request id -> (first position, the target's kept streams from there on)
         self.streams: dict[str, tuple[int, torch.Tensor]] = {}
-        self.seen: dict[str, tuple[int, int]] = {}  # id -> (preemptions, head KV written to)
 
     def bytes_per_block(self) -> int:
         h = self.head
@@ -81,9 +74,7 @@ class Eagle3Proposer(Proposer):
                                  device=self.device)
 
     def sleep(self, level: int) -> None:
-        self.cache = None
-        self.streams.clear()
-        self.seen.clear()
+        self.cache = None  # (its requests were aborted: their streams went with them)
 
     def wake(self) -> None:
         if self.cache is None:
@@ -92,7 +83,6 @@ class Eagle3Proposer(Proposer):
     def finish(self, request) -> None:
         super().finish(request)
         self.streams.pop(request.request_id, None)
-        self.seen.pop(request.request_id, None)
 
     def after_step(self) -> None:
         """Keep the step's streams of each request that may speculate."""
@@ -112,9 +102,6 @@ class Eagle3Proposer(Proposer):
                 self.streams[request.request_id] = (first, torch.cat([kept[:start - first],
                                                                       rows]))
 
-    def propose(self, request, k: int) -> list[int]:
-        return self.propose_batch([request], [k])[0]
-
     @torch.inference_mode()
     def propose_batch(self, requests, rooms: list[int]) -> list[list[int]]:
         bs = self.block_size
@@ -123,16 +110,13 @@ class Eagle3Proposer(Proposer):
             held = self.streams.get(r.request_id)
             if held is None:
                 continue
-            preempted, seen = self.seen.get(r.request_id, (-1, 0))
             first, kept = held
-            done = max(seen if preempted == r.num_preemptions else 0, first)
+            done = max(self.written(r), first)
             last = r.num_tokens - 1  # the newest token's position: no stream for it yet
             if done >= last or first + kept.shape[0] < last:
                 continue
-            table = r.block_ids + [self.num_blocks + slot * self.spare + j
-                                   for j in range(self.spare)]
-            rows.append((r, k, done, last, table))
-            self.seen[r.request_id] = (r.num_preemptions, last)
+            rows.append((r, k, done, last, self.table(r, slot)))
+            self.mark_written(r, last)
         drafts: dict[int, list[int]] = {}
         fed_back: dict[int, torch.Tensor] = {}
         for j in range(max((row[1] for row in rows), default=0)):
@@ -152,8 +136,8 @@ class Eagle3Proposer(Proposer):
                 end = span[-1] + 1
                 spans.append((len(span), end, torch.tensor(table[:-(-end // bs)],
                                                            device=self.device)))
-            slots = [row[4][p // bs] * bs + p % bs
-                     for row, (n, end, _) in zip(live, spans) for p in range(end - n, end)]
+            slots = [s for row, (n, end, _) in zip(live, spans)
+                     for s in token_slots(row[4], end - n, end, bs)]
             ids = torch.tensor(tokens, device=self.device)
             embeds = (self.head.embed_tokens(ids).to(self.dtype)
                       if self.head.embed_tokens is not None else self.target.model.embed(ids))
