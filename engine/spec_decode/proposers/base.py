@@ -98,7 +98,8 @@ class ModelProposer(Proposer):
 
     @abstractmethod
     def propose_batch(self, requests: list["Request"], rooms: list[int]) -> list[list[int]]:
-        ...
+        """Each request's proposal from one batched run of the network (rooms[i] tokens
+        at most; 0: none)."""
 
     def propose(self, request: "Request", k: int) -> list[int]:
         return self.propose_batch([request], [k])[0]
