@@ -41,7 +41,7 @@ ENGINES = ("0", "1")
 GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting",
           "vllm:kv_cache_usage_perc")
 # how old an engine gauge may be: a scrape asks the engines for their stats
-# (deployments/openai_app.py, STATS_WAIT_S) and falls back to the last stats an output
+# (deployments/apis/server.py, STATS_WAIT_S) and falls back to the last stats an output
 # carried; a stream that started or ended within this window may or may not be counted
 STATS_INTERVAL_S = 1.0
 SCALE_OUT_TIMEOUT_S = 120.0

@@ -35,7 +35,7 @@ from bench.serve import _cpu_name, stop_server  # noqa: E402
 
 _SERVER = """
 import asyncio, sys, time
-from deployments.engine_server import build_on_own_thread
+from deployments.serve.engine_server import build_on_own_thread
 from engine.config import EngineConfig
 from engine.core.engine_core import EngineCore
 from engine.wire.core_server import EngineCoreServer

@@ -42,7 +42,7 @@ import httpx
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 from bench.serve import FLOTILLA, Server, start_server, stop_server  # noqa: E402
-from deployments.heap_trim import IDLE_S as TRIM_IDLE_S  # noqa: E402
+from deployments.serve.heap_trim import IDLE_S as TRIM_IDLE_S  # noqa: E402
 
 MODEL = "mock"
 RSS_GROWTH_LIMIT = 0.05
@@ -59,7 +59,7 @@ SELF_SIZING_POOLS = {"event_engine", "default-executo"}
 INGRESS_REPLICAS = 2
 SETTLE_TIMEOUT_S = 120.0
 # once the engines are idle, the ingress replicas hand their free heap back to the OS
-# (deployments/heap_trim.py: TRIM_IDLE_S after their last request, polled every 0.5 s);
+# (deployments/serve/heap_trim.py: TRIM_IDLE_S after their last request, polled every 0.5 s);
 # both samples wait for that, so RSS is what each process holds, not its busiest moment
 TRIM_WAIT_S = TRIM_IDLE_S + 2.0
 KINDS = ("stream", "plain", "chat_stream", "chat", "n", "stop", "disconnect", "timeout")

@@ -13,10 +13,10 @@ from typing import Any
 from ray.serve import Application
 
 from deployments.config import AppArgs, parse_app_args
-from deployments.coordinator import Coordinator
-from deployments.engine_server import EngineServer
-from deployments.heap_trim import allocator_env
-from deployments.ingress import OpenAIIngress
+from deployments.serve.coordinator import Coordinator
+from deployments.serve.engine_server import EngineServer
+from deployments.serve.heap_trim import allocator_env
+from deployments.serve.ingress import OpenAIIngress
 
 # an ingress replica's concurrency cap: none in practice (see build_app)
 INGRESS_MAX_ONGOING_REQUESTS = 1_000_000_000

@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 from deployments import vllm_flags
-from deployments.haproxy_leash import leashed_haproxy
-from deployments.local_ray import LocalRayHead, use_own_auth_token
+from deployments.serve.haproxy_leash import leashed_haproxy
+from deployments.serve.local_ray import LocalRayHead, use_own_auth_token
 from engine.cli import build_parser, run_command
 from engine.options import Option, add_flags, given
 from engine.wire.ports import free_ports

@@ -12,8 +12,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from deployments.autoscaling import EngineAutoscaling
-from deployments.tool_calls import TOOL_PARSERS
+from deployments.serve.autoscaling import EngineAutoscaling
+from deployments.apis.common.tool_calls import TOOL_PARSERS
 from engine.config import EngineConfig
 from engine.options import Option, dataclass_options, option_kind
 from engine.wire.mock import MockConfig, MockTiming

@@ -60,7 +60,7 @@ def serve_app_over_mocks(tokenizer, engines: int = 2, *, processes: bool = False
     without it, as in Serve, only dropped connections and heartbeats reveal a death."""
     import uvicorn
 
-    from deployments.openai_app import IngressOptions, build_openai_app
+    from deployments.apis.server import IngressOptions, build_openai_app
     from engine.wire.core_client import EngineClient
     from engine.wire.core_server import EngineCoreServer
     from engine.wire.mock import MockConfig, MockEngineCore

@@ -38,7 +38,7 @@ def test_serve_build_writes_a_deployable_config(tmp_path):
 def test_the_coordinator_takes_every_concurrent_call():
     """Slow utility calls (waiting on engines) must not take the slots that the engines'
     heartbeats and registrations and the ingress's membership polls need."""
-    from deployments.coordinator import Coordinator
+    from deployments.serve.coordinator import Coordinator
     assert Coordinator.max_ongoing_requests >= 1000
 
 

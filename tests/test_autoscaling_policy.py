@@ -6,7 +6,7 @@ from ray._common.utils import import_attr
 from ray.serve._private.common import DeploymentID, ReplicaID
 from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
-from deployments.autoscaling import (
+from deployments.serve.autoscaling import (
     KV_USAGE_KEY,
     RUNNING_KEY,
     WAITING_KEY,

@@ -1,7 +1,7 @@
 """A coordinator that Serve restarts (issue 40, finding 4): it used to start with no
 ranks owned, so a new engine replica could take the rank of a live engine that had not
 re-registered yet, and it listed no engine until data_parallel_size had registered,
-though fewer might be alive. The rank table now outlives it (deployments/rank_store.py)."""
+though fewer might be alive. The rank table now outlives it (deployments/serve/rank_store.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -9,8 +9,8 @@ import socket
 
 import pytest
 
-from deployments import coordinator as coordinator_module
-from deployments.rank_store import RankStore, RankTable
+from deployments.serve import coordinator as coordinator_module
+from deployments.serve.rank_store import RankStore, RankTable
 
 
 class MemoryRankStore:

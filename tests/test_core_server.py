@@ -374,7 +374,7 @@ def test_a_handshake_is_answered_during_a_long_step_and_the_step_is_timed(tokeni
 def test_the_engine_replica_fails_its_health_check_on_a_step_past_the_timeout():
     from types import SimpleNamespace
 
-    from deployments import engine_server
+    from deployments.serve import engine_server
     from deployments.config import AppArgs
     cls = engine_server.EngineServer.func_or_class
     cls = cls if "check_health" in vars(cls) else cls.__mro__[1]

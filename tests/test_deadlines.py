@@ -201,7 +201,7 @@ def test_requests_have_a_deadline_by_default():
     """A wedged engine cannot hold a request for ever: the served app's default deadline
     is 10 minutes (issue 40, finding 5); none only when asked for."""
     from deployments.config import AppArgs
-    from deployments.openai_app import IngressOptions
+    from deployments.apis.server import IngressOptions
     assert AppArgs().request_timeout_s == 600.0
     assert IngressOptions("m").request_timeout_s == 600.0
     assert AppArgs(request_timeout_s=None).request_timeout_s is None

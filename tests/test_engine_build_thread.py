@@ -1,5 +1,5 @@
 """The engine replica builds its engine on a thread of its own that exits afterwards
-(deployments.engine_server.build_on_own_thread): the build's OpenMP pool must not outlive
+(deployments.serve.engine_server.build_on_own_thread): the build's OpenMP pool must not outlive
 it, so that the engine-core thread's pool is the only one (two pools on the engine's CPUs
 made libgomp stop spinning, which cost a quarter of the engine's time under load)."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from deployments.engine_server import build_on_own_thread
+from deployments.serve.engine_server import build_on_own_thread
 
 
 def _threads() -> set[str]:

@@ -1,4 +1,4 @@
-"""HAProxy started through the leash (deployments/haproxy_leash.py) dies with the process
+"""HAProxy started through the leash (deployments/serve/haproxy_leash.py) dies with the process
 that started it, as Serve's HAProxyManager actor does; without it, it outlived a SIGKILL
 of the server and kept its port."""
 import shutil
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from deployments.haproxy_leash import leashed_haproxy
+from deployments.serve.haproxy_leash import leashed_haproxy
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
                                 reason="PR_SET_PDEATHSIG is Linux's")

@@ -5,7 +5,7 @@ import asyncio
 
 import httpx
 
-from deployments.openai_app import IngressOptions, build_openai_app
+from deployments.apis.server import IngressOptions, build_openai_app
 from engine.errors import NoEnginesError
 from tests.test_openai_app import engines, tokenizer  # noqa: F401 - fixtures
 

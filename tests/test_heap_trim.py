@@ -3,7 +3,7 @@ after it has gone idle, never while a request is in flight."""
 import platform
 import threading
 
-from deployments.heap_trim import IdleHeapTrim, malloc_trim, rss_bytes
+from deployments.serve.heap_trim import IdleHeapTrim, malloc_trim, rss_bytes
 
 
 class CountingTrim:

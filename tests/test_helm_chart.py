@@ -206,7 +206,7 @@ def test_serve_config_is_a_valid_flotilla_app(helm):
         build_app(app.args)  # AppArgs accepts them
         # ServeDeploySchema lets bad autoscaling values through; Serve's own model does not
         AutoscalingConfig(**app.args["ingress_autoscaling"])
-        from deployments.autoscaling import EngineAutoscaling
+        from deployments.serve.autoscaling import EngineAutoscaling
         engine_scaling = EngineAutoscaling(**app.args["engine_autoscaling"])
         AutoscalingConfig(**engine_scaling.serve_config(app.args["data_parallel_size"]))
         for deployment in app.deployments:

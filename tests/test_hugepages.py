@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from deployments.heap_trim import rss_bytes
+from deployments.serve.heap_trim import rss_bytes
 from engine.model.hugepages import anonymous_regions, collapse_new_regions
 
 _THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")

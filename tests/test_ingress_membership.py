@@ -1,11 +1,11 @@
-"""An ingress replica's engine set follows the coordinator (deployments/ingress.py),
+"""An ingress replica's engine set follows the coordinator (deployments/serve/ingress.py),
 driven here without Ray: the replica's class over in-process mock engines and a stand-in
 coordinator that answers `membership`."""
 from __future__ import annotations
 
 import asyncio
 
-import deployments.ingress as ingress
+import deployments.serve.ingress as ingress
 from tests.test_openai_app import engines, tokenizer  # noqa: F401 - fixtures
 
 

@@ -1,4 +1,4 @@
-"""Request metrics summed over ingress replicas (deployments/metrics_sum.py): whichever
+"""Request metrics summed over ingress replicas (deployments/serve/metrics_sum.py): whichever
 replica a scrape reaches, counters and histograms are the sum over all of them and
 never go backwards, also when a replica goes away."""
 import asyncio
@@ -6,8 +6,8 @@ import asyncio
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from deployments.metrics_sum import MetricsSum, at_least
-from deployments.openai_app import ClientControl, IngressOptions, build_openai_app
+from deployments.serve.metrics_sum import MetricsSum, at_least
+from deployments.apis.server import ClientControl, IngressOptions, build_openai_app
 from tests.test_openai_app import MODEL
 
 

@@ -5,7 +5,7 @@ import httpx
 import openai
 import pytest
 
-from deployments.openai_app import IngressOptions, build_openai_app
+from deployments.apis.server import IngressOptions, build_openai_app
 from engine.wire.core_client import EngineClient
 from tests.test_core_client import Engines
 

@@ -260,8 +260,8 @@ def test_auto_tool_calls_are_parsed_and_a_tool_result_conversation_runs(real):
 def test_prompt_renders_tools_and_tool_results(tiny_llama):
     """A template without a tools section gets the default tool prompt; earlier calls and
     results are in the text; a template with one gets tools= instead."""
-    from deployments.chat_tools import plan_tools, render_chat_prompt
-    from deployments.openai_protocol import ChatCompletionRequest
+    from deployments.apis.common.tools import plan_tools, render_chat_prompt
+    from deployments.apis.openai.protocol import ChatCompletionRequest
     from engine.frontend.processor import Processor
     from engine.model.loader import load_tokenizer
     processor = Processor(load_tokenizer(tiny_llama), 512, 49152)

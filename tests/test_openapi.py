@@ -2,7 +2,7 @@
 response models match what the app really sends (mock engines, no Ray)."""
 import json
 
-from deployments.openai_schema import (
+from deployments.apis.openai.schema import (
     ChatCompletionChunk,
     ChatCompletionResponse,
     CompletionResponse,

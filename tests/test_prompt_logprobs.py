@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from deployments.openai_schema import ChatCompletionResponse, CompletionResponse
+from deployments.apis.openai.schema import ChatCompletionResponse, CompletionResponse
 from engine import LLM, SamplingParams
 from engine.errors import InvalidRequestError
 from tests.test_openai_app import MODEL, _Real, engines, serve, tiny_server, tokenizer  # noqa: F401

@@ -17,7 +17,7 @@ def _heavy(modules: set[str]) -> set[str]:
 
 
 @pytest.mark.parametrize("module", ["deployments.cli", "deployments.app",
-                                    "deployments.coordinator"])
+                                    "deployments.serve.coordinator"])
 def test_the_processes_that_only_configure_engines_load_neither_torch_nor_transformers(module):
     code = f"import {module}"
     if module == "deployments.cli":  # and parse a command line, as `flotilla serve` does

@@ -16,7 +16,7 @@ import re
 import jsonschema
 import pytest
 
-from deployments.tool_calls import (
+from deployments.apis.common.tool_calls import (
     TOOL_PARSERS,
     ContentDelta,
     NamedToolParser,
@@ -27,7 +27,7 @@ from deployments.tool_calls import (
     ToolCallParser,
     get_tool_parser,
 )
-from deployments.tool_prompt import (
+from deployments.apis.common.tool_prompt import (
     conversation_with_tools,
     named_tool_schema,
     render_tools_system_prompt,

@@ -3,7 +3,7 @@
 Rank 0 is the engine-core process itself (it prepares each step and samples);
 ranks 1..N-1 are workers started by a launcher: local processes by default
 (ProcessLauncher), Ray actors in the engine replica's placement group when served
-(deployments.tp_workers). Every call the engine core makes on its model runner
+(deployments.serve.tp_workers). Every call the engine core makes on its model runner
 goes through here: rank 0 first broadcasts a small msgpack message (the step's
 StepInput, or a sleep/wake/allocate command) over gloo, then all ranks run it.
 

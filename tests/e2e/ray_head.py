@@ -18,7 +18,7 @@ from typing import Callable, Iterator
 
 import httpx
 
-from deployments.local_ray import pids_naming
+from deployments.serve.local_ray import pids_naming
 from engine.wire import ports
 
 BIN = Path(sys.executable).parent

@@ -12,9 +12,9 @@ import uuid
 from ray import serve
 
 from deployments.config import AppArgs
-from deployments.coordinator import COORDINATOR_CALL_TIMEOUT_S
-from deployments.heap_trim import IdleHeapTrim
-from deployments.openai_app import IngressOptions, build_openai_app
+from deployments.serve.coordinator import COORDINATOR_CALL_TIMEOUT_S
+from deployments.serve.heap_trim import IdleHeapTrim
+from deployments.apis.server import IngressOptions, build_openai_app
 from deployments.tokenizers import tokenizer_for
 from engine.errors import NoEnginesError
 from engine.wire.core_client import EngineClient

@@ -2,7 +2,7 @@
 objects joined by `;`, optionally after <|python_tag|> (Llama 3.1+ JSON tool calling)."""
 from __future__ import annotations
 
-from deployments.tool_calls.base import (
+from deployments.apis.common.tool_calls.base import (
     ContentDelta,
     Delta,
     ToolCall,
@@ -11,7 +11,7 @@ from deployments.tool_calls.base import (
     ToolCallStreamer,
     append_delta,
 )
-from deployments.tool_calls.text_scan import Stripper, call_from_json, value_end
+from deployments.apis.common.tool_calls.text_scan import Stripper, call_from_json, value_end
 
 _PYTHON_TAG = "<|python_tag|>"
 

@@ -7,7 +7,7 @@ tool_choice "none"), the structured-outputs constraint that enforces tool_choice
 function's parameters schema), and the parser that reads calls back out of the
 generated text ("auto" uses the server's tool_call_parser, as vLLM's
 --tool-call-parser). render_chat_prompt() uses the chat template's own tools section
-when it has one, else Flotilla's default tool prompt (deployments.tool_prompt).
+when it has one, else Flotilla's default tool prompt (deployments.apis.common.tool_prompt).
 """
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from deployments.openai_protocol import ChatCompletionRequest, NamedToolChoice
-from deployments.tool_calls import (
+from deployments.apis.openai.protocol import ChatCompletionRequest, NamedToolChoice
+from deployments.apis.common.tool_calls import (
     ContentDelta,
     NamedToolParser,
     RequiredToolParser,
@@ -26,7 +26,7 @@ from deployments.tool_calls import (
     ToolCallStreamer,
     get_tool_parser,
 )
-from deployments.tool_prompt import (
+from deployments.apis.common.tool_prompt import (
     conversation_with_tools,
     named_tool_schema,
     required_tools_schema,

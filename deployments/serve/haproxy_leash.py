@@ -18,7 +18,7 @@ from pathlib import Path
 
 _SCRIPT = '''#!{python}
 # HAProxy for one `flotilla serve`: SIGTERM when the Serve actor that started it dies
-# (deployments/haproxy_leash.py), then the real binary in this process's place.
+# (deployments/serve/haproxy_leash.py), then the real binary in this process's place.
 import ctypes, os, signal, sys
 parent = os.getppid()
 ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG

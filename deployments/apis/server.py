@@ -24,24 +24,24 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from deployments.chat_tools import (
+from deployments.apis.common.tools import (
     ToolDeltaStream,
     ToolPlan,
     plan_tools,
     render_chat_prompt,
     tool_message,
 )
-from deployments.logprob_format import (
+from deployments.apis.openai.logprob_format import (
     completion_entries,
     format_logprobs,
     prompt_entries,
     prompt_logprobs_json,
     text_length,
 )
-from deployments.lora_admin import AdapterDirectory
-from deployments.metrics import IngressMetrics
-from deployments.metrics_sum import Snapshot
-from deployments.openai_protocol import (
+from deployments.apis.lora_admin import AdapterDirectory
+from deployments.serve.metrics import IngressMetrics
+from deployments.serve.metrics_sum import Snapshot
+from deployments.apis.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -51,7 +51,7 @@ from deployments.openai_protocol import (
     TokenizeRequest,
     UnloadLoRAAdapterRequest,
 )
-from deployments.prompt_batch import echo_prompt, merge_prompt_streams
+from deployments.apis.openai.prompt_batch import echo_prompt, merge_prompt_streams
 from engine import tracing
 from engine.errors import (
     EngineDeadError,
@@ -94,7 +94,7 @@ class IngressOptions:
     max_body_bytes: int = 1 << 20
     metrics_need_api_key: bool = False  # /metrics behind api_key (off: open to scrapers)
     chat_template: str | None = None  # Jinja text; None: the tokenizer's
-    tool_call_parser: str = "hermes"  # how tool_choice "auto" reads calls (deployments/tool_calls/)
+    tool_call_parser: str = "hermes"  # how tool_choice "auto" reads calls (deployments/apis/common/tool_calls/)
     request_timeout_s: float | None = 600.0  # a request's deadline when it names none
 
 
@@ -688,7 +688,7 @@ def build_openai_app(get_client: Callable[[], Awaitable[EngineClient]],
         return JSONResponse({"version": __version__})
 
     async def openapi(request: Request, rid: str) -> Response:
-        from deployments.openai_schema import openapi_document
+        from deployments.apis.openai.schema import openapi_document
         from engine import __version__
         return JSONResponse(openapi_document(__version__))
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from deployments.tool_calls.base import ToolCall
+from deployments.apis.common.tool_calls.base import ToolCall
 
 JSON_WS = " \t\n\r"
 SCALAR_END = JSON_WS + ",:]}"

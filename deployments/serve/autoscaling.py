@@ -49,7 +49,7 @@ DOWNSCALE_KV_FRACTION = 0.5
 # deprecated in 2.60 and any other value logs a DeprecationWarning.
 METRICS_INTERVAL_S = 10.0
 
-POLICY_PATH = "deployments.autoscaling:EngineQueuePolicy"
+POLICY_PATH = "deployments.serve.autoscaling:EngineQueuePolicy"
 
 # policy_state keys: the direction of a pending wish and when it began.
 _PENDING_KEY = "flotilla_engine_scale_direction"

@@ -2,7 +2,7 @@
 chat templates that have no tools section.
 
 tool_choice naming a function or "required" is enforced with structured output: the
-reply must match `named_tool_schema` (then deployments.tool_calls.NamedToolParser reads
+reply must match `named_tool_schema` (then deployments.apis.common.tool_calls.NamedToolParser reads
 it) or `required_tools_schema` (RequiredToolParser). Models whose chat template knows no
 tools get `conversation_with_tools`: our Hermes-style prompt and history, which the
 "hermes" parser reads back. Tools are OpenAI tool dicts:

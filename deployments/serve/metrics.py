@@ -2,7 +2,7 @@
 (existing vLLM dashboards work) plus flotilla:* for the time-to-first-token split.
 
 Request metrics are recorded as requests finish, and summed over the ingress replicas
-at scrape time (deployments/metrics_sum.py); engine gauges and counters are read from
+at scrape time (deployments/serve/metrics_sum.py); engine gauges and counters are read from
 the EngineClient at scrape time (the engines' last reported stats, which ride on every
 output, and their READY values), labelled by engine rank.
 """
@@ -18,7 +18,7 @@ from prometheus_client.core import (
     HistogramMetricFamily,
 )
 
-from deployments.metrics_sum import Snapshot, SnapshotCollector, at_least, snapshot_of
+from deployments.serve.metrics_sum import Snapshot, SnapshotCollector, at_least, snapshot_of
 from engine.outputs import RequestMetrics
 from engine.wire.core_client import EngineClient
 from engine.wire.protocol import ITERATION_TOKENS_BUCKETS

@@ -4,7 +4,7 @@ The app builds its JSON bodies directly (pydantic on every SSE chunk would cost 
 than the chunk), so these models describe the responses rather than build them;
 tests/test_openapi.py validates real responses against them, which keeps the two
 honest. openapi_document() assembles /openapi.json from ROUTES: each route's request
-model (deployments/openai_protocol.py), its response model here, and the error shape
+model (deployments/apis/openai/protocol.py), its response model here, and the error shape
 every route shares. Nothing in the document is written by hand.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from deployments.openai_protocol import (
+from deployments.apis.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,

@@ -10,7 +10,7 @@
 - Fans utility calls out to every engine over its own EngineClient, with the
   aggregation rules of docs/architecture.md (is_sleeping must agree, reset is an AND,
   sleep / wake_up must succeed everywhere and failures name the rank).
-- Keeps the rank table in Ray's GCS (deployments/rank_store.py): a coordinator that
+- Keeps the rank table in Ray's GCS (deployments/serve/rank_store.py): a coordinator that
   Serve restarts hands out no rank twice and lists whichever engines re-register.
 - Sums the ingress replicas' request metrics, so that /metrics never goes backwards
   whichever replica a scrape reaches.
@@ -26,8 +26,8 @@ import msgspec
 from ray import serve
 
 from deployments.config import AppArgs
-from deployments.metrics_sum import MetricsSum
-from deployments.rank_store import RankStore, RankTable
+from deployments.serve.metrics_sum import MetricsSum
+from deployments.serve.rank_store import RankStore, RankTable
 from engine.errors import NoEnginesError
 from engine.wire.core_client import EngineClient
 from engine.wire.curve_auth import ClientKeys, client_keys
@@ -107,7 +107,7 @@ class Coordinator:
         self._client_addresses: list[str] = []
         self._lock = asyncio.Lock()
         self._metrics = MetricsSum()
-        # ranks survive a restart (deployments/rank_store.py): the engines that own them
+        # ranks survive a restart (deployments/serve/rank_store.py): the engines that own them
         # count as seen at the restart, and come back at their next health check
         self._store = self._rank_store()
         self._restored_at = 0.0
@@ -271,7 +271,7 @@ class Coordinator:
 
     async def report_metrics(self, replica_id: str, snapshot: list) -> list:
         """An ingress replica's request metrics in; the sum over all replicas out
-        (deployments/metrics_sum.py)."""
+        (deployments/serve/metrics_sum.py)."""
         return self._metrics.report(replica_id, snapshot)
 
     async def stats(self) -> list[dict]:

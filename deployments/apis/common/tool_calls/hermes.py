@@ -2,7 +2,7 @@
 among plain text (Qwen2.5, Qwen3, and our default tool prompt)."""
 from __future__ import annotations
 
-from deployments.tool_calls.base import (
+from deployments.apis.common.tool_calls.base import (
     ContentDelta,
     Delta,
     ToolCallDelta,
@@ -10,7 +10,7 @@ from deployments.tool_calls.base import (
     ToolCallStreamer,
     append_delta,
 )
-from deployments.tool_calls.text_scan import Stripper, call_from_json, partial_suffix
+from deployments.apis.common.tool_calls.text_scan import Stripper, call_from_json, partial_suffix
 
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 

@@ -9,11 +9,11 @@ is not finished, whitespace that may turn out to border a call) and nothing more
 Formats (pick with `get_tool_parser`):
 
 - "hermes": `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks among
-  plain text (Qwen2.5, Qwen3, and our default tool prompt in deployments.tool_prompt).
+  plain text (Qwen2.5, Qwen3, and our default tool prompt in deployments.apis.common.tool_prompt).
 - "llama3_json": the whole reply is `{"name": ..., "parameters": {...}}`, or several
   joined by `;`, optionally after `<|python_tag|>` (Llama 3.1+ JSON tool calling).
 - `NamedToolParser` / `RequiredToolParser`: the reply was forced by the JSON schemas
-  of deployments.tool_prompt (tool_choice naming a function, or "required"), so it is
+  of deployments.apis.common.tool_prompt (tool_choice naming a function, or "required"), so it is
   tool calls by construction; each call is sent when its arguments object is complete,
   and one cut short by max_tokens is dropped.
 
@@ -27,7 +27,7 @@ could be contradicted later, so a call is sent as one delta, the moment it is de
 Even a schema-forced call can be cut by max_tokens mid-arguments; an argument chunk
 already streamed then leaves the client holding text that is not JSON.
 """
-from deployments.tool_calls.base import (
+from deployments.apis.common.tool_calls.base import (
     ContentDelta,
     Delta,
     ParsedMessage,
@@ -36,9 +36,9 @@ from deployments.tool_calls.base import (
     ToolCallParser,
     ToolCallStreamer,
 )
-from deployments.tool_calls.forced import NamedToolParser, RequiredToolParser
-from deployments.tool_calls.hermes import HermesToolParser
-from deployments.tool_calls.llama3_json import Llama3JsonToolParser
+from deployments.apis.common.tool_calls.forced import NamedToolParser, RequiredToolParser
+from deployments.apis.common.tool_calls.hermes import HermesToolParser
+from deployments.apis.common.tool_calls.llama3_json import Llama3JsonToolParser
 
 __all__ = ["TOOL_PARSERS", "ContentDelta", "Delta", "HermesToolParser", "Llama3JsonToolParser",
            "NamedToolParser", "ParsedMessage", "RequiredToolParser", "ToolCall",

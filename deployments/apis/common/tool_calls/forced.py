@@ -1,11 +1,11 @@
-"""Replies forced by the tool schemas of deployments.tool_prompt (tool_choice naming a
+"""Replies forced by the tool schemas of deployments.apis.common.tool_prompt (tool_choice naming a
 function, or "required"): tool calls by construction, each sent once it is whole."""
 from __future__ import annotations
 
 import json
 
-from deployments.tool_calls.base import Delta, ToolCallDelta, ToolCallParser, ToolCallStreamer
-from deployments.tool_calls.text_scan import JSON_WS, ValueScanner, json_object
+from deployments.apis.common.tool_calls.base import Delta, ToolCallDelta, ToolCallParser, ToolCallStreamer
+from deployments.apis.common.tool_calls.text_scan import JSON_WS, ValueScanner, json_object
 
 
 class NamedToolParser(ToolCallParser):

@@ -16,9 +16,9 @@ from typing import Callable, TypeVar
 import ray
 from ray import serve
 
-from deployments.autoscaling import autoscaling_stats
+from deployments.serve.autoscaling import autoscaling_stats
 from deployments.config import AppArgs
-from deployments.coordinator import COORDINATOR_CALL_TIMEOUT_S
+from deployments.serve.coordinator import COORDINATOR_CALL_TIMEOUT_S
 from deployments.tokenizers import tokenizer_for
 from engine.wire.core_server import EngineCoreServer
 from engine.wire.ports import free_port
@@ -76,7 +76,7 @@ class EngineServer:
             from engine.core.engine_core import EngineCore
             launcher = None
             if self.args.tensor_parallel_size > 1:  # ranks 1..N-1 in our placement group
-                from deployments.tp_workers import RayWorkerLauncher
+                from deployments.serve.tp_workers import RayWorkerLauncher
                 launcher = RayWorkerLauncher(self.args.engine_cpus, self.args.engine_num_gpus)
             config = self.args.engine_config(self.rank)
             core = await build_on_own_thread(lambda: EngineCore(config, launcher))
@@ -103,7 +103,7 @@ class EngineServer:
                 "actor_name": ray.get_runtime_context().get_actor_name()}
 
     def record_autoscaling_stats(self) -> dict[str, float]:
-        """This engine's load for the engine autoscaling policy (deployments.autoscaling);
+        """This engine's load for the engine autoscaling policy (deployments.serve.autoscaling);
         Serve calls it only when engine_autoscaling is configured."""
         if self.server is None:
             return {}
