@@ -25,6 +25,9 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True, 
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    # Token ids that end a reasoning model's thinking (e.g. `</think>`): the constraint
+    # holds from the token after them; before, the output is free. None: from the start.
+    reasoning_end: list[int] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.json, dict):
