@@ -13,6 +13,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from deployments.serve.autoscaling import EngineAutoscaling
+from deployments.apis.common.reasoning import REASONING_PARSERS
 from deployments.apis.common.tool_calls import TOOL_PARSERS
 from engine.config import EngineConfig
 from engine.options import Option, dataclass_options, option_kind
@@ -102,6 +103,11 @@ class AppArgs(BaseModel):
     tool_call_parser: str = Field(
         "hermes", description="how tool calls are read from the model's text when "
         "tool_choice is auto", json_schema_extra={"enum": list(TOOL_PARSERS)})
+    reasoning_parser: str | None = Field(
+        None, description="how a reasoning model's thinking is split from its answer in "
+        "chat completions (reasoning_content), as vLLM's --reasoning-parser: "
+        + ", ".join(REASONING_PARSERS) + "; none: not split",
+        json_schema_extra={"enum": [*REASONING_PARSERS, None]})
     request_timeout_s: float | None = Field(
         600.0, gt=0, description="seconds a request may take from arrival when it names no "
         "timeout of its own; past it the request is aborted and answered with 408, so a "
@@ -145,6 +151,10 @@ class AppArgs(BaseModel):
     def _checks(self) -> "AppArgs":
         if self.tool_call_parser not in TOOL_PARSERS:
             raise ValueError("tool_call_parser must be " + ", ".join(TOOL_PARSERS))
+        reasoning = self.reasoning_parser
+        if reasoning is not None and reasoning not in REASONING_PARSERS:
+            raise ValueError(f"unknown reasoning_parser {reasoning!r}; known: "
+                             + ", ".join(REASONING_PARSERS))
         if self.routing not in ROUTING_POLICIES:
             raise ValueError("routing must be " + ", ".join(ROUTING_POLICIES))
         self.chat_template_text()  # a missing template file fails at build time

@@ -44,8 +44,9 @@ def check_openai_error(status: int, body: dict, where: str = "") -> None:
 
 
 def _mock_process(address: str, vocab_size: int, itl_s: float,
-                  ttft_s: float | None = None) -> subprocess.Popen:
-    extra = [] if ttft_s is None else ["--ttft-s", str(ttft_s)]
+                  ttft_s: float | None = None, scripted: bool = False) -> subprocess.Popen:
+    extra = ([] if ttft_s is None else ["--ttft-s", str(ttft_s)]) + (
+        ["--scripted"] if scripted else [])
     return subprocess.Popen([sys.executable, "-m", "engine.wire.mock", "--address", address,
                              "--vocab-size", str(vocab_size), "--itl-s", str(itl_s), *extra],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -54,13 +55,16 @@ def _mock_process(address: str, vocab_size: int, itl_s: float,
 @contextlib.contextmanager
 def serve_app_over_mocks(tokenizer, engines: int = 2, *, processes: bool = False,
                          itl_s: float = 0.0, heartbeat_timeout_s: float = 10.0,
-                         watch_processes: bool = False, **options) -> Iterator[AppServer]:
+                         watch_processes: bool = False, scripted: bool = False,
+                         **options) -> Iterator[AppServer]:
     """Yields the running server; stops the app, its client and the engines after.
     watch_processes: the client also polls the engine processes (a local deployment);
-    without it, as in Serve, only dropped connections and heartbeats reveal a death."""
+    without it, as in Serve, only dropped connections and heartbeats reveal a death.
+    scripted: the engines emit a prompt's last [[emit]]text[[/emit]] directive, then
+    EOS (engine/wire/mock_script.py; in processes, the default model's tokenizer)."""
     import uvicorn
 
-    from deployments.apis.server import IngressOptions, build_openai_app
+    from deployments.apis.server import IngressOptions, build_api_app
     from engine.wire.core_client import EngineClient
     from engine.wire.core_server import EngineCoreServer
     from engine.wire.mock import MockConfig, MockEngineCore
@@ -68,11 +72,13 @@ def serve_app_over_mocks(tokenizer, engines: int = 2, *, processes: bool = False
     addresses = [f"tcp://127.0.0.1:{free_tcp_port()}" for _ in range(engines)]
     servers, procs = [], []
     if processes:
-        procs = [_mock_process(a, len(tokenizer), itl_s) for a in addresses]
+        procs = [_mock_process(a, len(tokenizer), itl_s, scripted=scripted)
+                 for a in addresses]
     else:
         for i, address in enumerate(addresses):
             core = MockEngineCore(MockConfig(engine_index=i, vocab_size=len(tokenizer),
-                                             itl_s=itl_s))
+                                             itl_s=itl_s, scripted=scripted),
+                                  tokenizer=tokenizer if scripted else None)
             servers.append(EngineCoreServer(core, address, i, heartbeat_interval_s=0.2).start())
     server = AppServer("", addresses, procs)
     lock = None
@@ -90,7 +96,7 @@ def serve_app_over_mocks(tokenizer, engines: int = 2, *, processes: bool = False
                     heartbeat_timeout_s=heartbeat_timeout_s, is_alive=alive))
         return server.clients[-1]
 
-    app = build_openai_app(get_client, IngressOptions(MODEL, **options))
+    app = build_api_app(get_client, IngressOptions(MODEL, **options))
 
     async def with_client_shutdown(scope, receive, send):
         """The app, plus: the engine client closes in the server's loop as it stops."""

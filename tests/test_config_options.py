@@ -23,7 +23,8 @@ SAMPLES = {
     "ingress_autoscaling": json.dumps({"min_replicas": 1, "max_replicas": 2}),
     "engine_autoscaling": json.dumps({"min_replicas": 1, "max_replicas": 3}),
     "max_body_bytes": "4096", "mock_output_chunk_size": "4",
-    "tool_call_parser": "llama3_json", "chat_template": "{{ messages }}",
+    "tool_call_parser": "llama3_json", "reasoning_parser": "qwen3",
+    "chat_template": "{{ messages }}",
     "generation_config": "vllm", "override_generation_config": '{"temperature": 0.5}',
     "lora_modules": json.dumps({"ad": "/adapters/ad"}), "scheduling_policy": "priority",
     "routing": "round_robin", "attention_backend": "torch", "load_format": "dummy",
@@ -143,6 +144,22 @@ def test_bad_values_name_their_option():
         parse_app_args({"no_such_option": 1})
     with pytest.raises(ValueError, match="engine_autoscaling: not valid JSON"):
         parse_app_args({"model": "mock", "engine_autoscaling": "{"})
+
+
+def test_reasoning_parser_names_a_known_parser():
+    """vLLM's --reasoning-parser names are taken; others are refused naming the known
+    ones, by `serve run key=value` and `flotilla serve` alike (exit 2)."""
+    from deployments.apis.common.reasoning import REASONING_PARSERS
+    assert parse_app_args({}).reasoning_parser is None  # off unless asked for
+    for name in ("qwen3", "deepseek_r1"):
+        assert parse_app_args({"reasoning_parser": name}).reasoning_parser == name
+    with pytest.raises(ValueError, match="unknown reasoning_parser 'granite'; known: "
+                       + ", ".join(REASONING_PARSERS)):
+        parse_app_args({"reasoning_parser": "granite"})
+    parser, options = _serve_parser()
+    from engine.options import given
+    args = given(parser.parse_args(["serve", "--reasoning-parser", "deepseek_r1"]), options)
+    assert parse_app_args(args).reasoning_parser == "deepseek_r1"
 
 
 def test_app_args_round_trip_through_the_serve_config():

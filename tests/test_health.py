@@ -5,13 +5,13 @@ import asyncio
 
 import httpx
 
-from deployments.apis.server import IngressOptions, build_openai_app
+from deployments.apis.server import IngressOptions, build_api_app
 from engine.errors import NoEnginesError
 from tests.test_openai_app import engines, tokenizer  # noqa: F401 - fixtures
 
 
 def _app(get_client):
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=build_openai_app(
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=build_api_app(
         get_client, IngressOptions("m"))), base_url="http://flotilla")
 
 
@@ -84,7 +84,7 @@ def test_a_stopping_server_fails_health_and_refuses_new_requests_but_serves_metr
 
         async def get_client():
             return client
-        app = build_openai_app(get_client, IngressOptions("m"))
+        app = build_api_app(get_client, IngressOptions("m"))
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
                                      base_url="http://flotilla") as http:
             before = await http.get("/health")

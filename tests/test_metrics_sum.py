@@ -7,7 +7,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from deployments.serve.metrics_sum import MetricsSum, at_least
-from deployments.apis.server import ClientControl, IngressOptions, build_openai_app
+from deployments.apis.server import ClientControl, IngressOptions, build_api_app
 from tests.test_openai_app import MODEL
 
 
@@ -70,7 +70,7 @@ def test_two_ingress_replicas_scraped_in_turn_never_go_backwards(engines):
         hub = MetricsSum()
         replicas = []
         for name in ("ingress-a", "ingress-b"):
-            app = build_openai_app(get_client, IngressOptions(MODEL),
+            app = build_api_app(get_client, IngressOptions(MODEL),
                                    SharedControl(get_client, hub, name))
             replicas.append(httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
                                               base_url="http://flotilla"))

@@ -5,7 +5,7 @@ import httpx
 import openai
 import pytest
 
-from deployments.apis.server import IngressOptions, build_openai_app
+from deployments.apis.server import IngressOptions, build_api_app
 from engine.wire.core_client import EngineClient
 from tests.test_core_client import Engines
 
@@ -32,7 +32,7 @@ def serve(engines, test, **options):
 
         async def get_client():
             return client
-        app = build_openai_app(get_client, IngressOptions(MODEL, **options))
+        app = build_api_app(get_client, IngressOptions(MODEL, **options))
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://flotilla") as http:
             oai = openai.AsyncOpenAI(base_url="http://flotilla/v1", api_key=options.get(

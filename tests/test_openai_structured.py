@@ -261,6 +261,7 @@ def test_prompt_renders_tools_and_tool_results(tiny_llama):
     """A template without a tools section gets the default tool prompt; earlier calls and
     results are in the text; a template with one gets tools= instead."""
     from deployments.apis.common.tools import plan_tools, render_chat_prompt
+    from deployments.apis.openai.routes import chat_input
     from deployments.apis.openai.protocol import ChatCompletionRequest
     from engine.frontend.processor import Processor
     from engine.model.loader import load_tokenizer
@@ -271,7 +272,7 @@ def test_prompt_renders_tools_and_tool_results(tiny_llama):
                 "name": "get_weather", "arguments": '{"city": "Paris", "unit": "C"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees"}]
     body = ChatCompletionRequest(messages=history, tools=TOOLS)
-    text = render_chat_prompt(processor, body.conversation(), plan_tools(body, "hermes"),
+    text = render_chat_prompt(processor, body.conversation(), plan_tools(chat_input(body).tools, "auto", None, "hermes"),
                               None, True, {})
     assert "<tools>" in text and '"get_time"' in text
     assert '<tool_call>\n{"name": "get_weather"' in text and "18 degrees" in text
@@ -279,7 +280,7 @@ def test_prompt_renders_tools_and_tool_results(tiny_llama):
            "{% for m in messages %}[{{ m.role }}] {{ m.content }}"
            "{% for c in m.tool_calls or [] %}CALL {{ c.function.arguments.city }}"
            "{% endfor %}{% endfor %}")
-    text = render_chat_prompt(processor, body.conversation(), plan_tools(body, "hermes"),
+    text = render_chat_prompt(processor, body.conversation(), plan_tools(chat_input(body).tools, "auto", None, "hermes"),
                               own, True, {})
     assert text.startswith("TOOL get_weather;TOOL get_time;") and "<tools>" not in text
     assert "CALL Paris" in text  # arguments reach the template as an object, not text

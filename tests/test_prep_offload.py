@@ -58,7 +58,7 @@ def test_a_long_conversation_is_rendered_on_a_thread(engines, monkeypatch):  # n
                 model=MODEL, max_tokens=2, messages=[{"role": "user", "content": content}])
             assert reply.choices[0].finish_reason in ("length", "stop")
 
-    import deployments.apis.server as app_module
+    import deployments.apis.common.chat_prep as app_module
     real = app_module.render_chat_prompt
 
     def spy(*args, **kwargs):

@@ -36,6 +36,9 @@ DOC_LINES = [
       "chat_template": "examples/tool_chat_template_llama3.1_json.jinja"}),
     ("serve NousResearch/Hermes-2-Pro-Llama-3-8B --enable-auto-tool-choice "
      "--tool-call-parser hermes", {"tool_call_parser": "hermes"}),
+    ("serve Qwen/Qwen3-8B --reasoning-parser qwen3", {"reasoning_parser": "qwen3"}),
+    ("serve deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B --reasoning-parser deepseek_r1",
+     {"reasoning_parser": "deepseek_r1"}),
     ("serve m --generation-config vllm", {"generation_config": "vllm"}),
     ("serve m --generation-config auto --override-generation-config "
      "'{\"temperature\": 0.5, \"top_p\": 0.9}'",
@@ -101,6 +104,17 @@ def test_other_unknown_arguments_are_still_unrecognized(capsys):
     err = capsys.readouterr().err
     assert "--cpu-offload-gb is a vllm serve flag" in err
     assert "unrecognized arguments: --frobnicate" in err
+
+
+def test_an_unknown_reasoning_parser_exits_2_naming_the_known_ones(capsys, monkeypatch):
+    from deployments import cli
+    monkeypatch.setenv("RAY_ADDRESS", "unused")  # the check runs before Ray is touched
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["serve", "m", "--reasoning-parser", "granite"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "unknown reasoning_parser 'granite'; known: deepseek_r1, qwen3" in err
+    assert "does not support" not in err  # --reasoning-parser is a flotilla serve flag
 
 
 def test_the_model_given_twice_differently_is_refused(capsys):

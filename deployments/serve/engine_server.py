@@ -70,8 +70,9 @@ class EngineServer:
         self.rank = await self.coordinator.assign_rank.remote(self.replica_id)
         if self.args.is_mock:
             from engine.wire.mock import MockEngineCore
-            core = MockEngineCore(self.args.mock_config(self.rank,
-                                                        len(tokenizer_for(self.args))))
+            tokenizer = tokenizer_for(self.args)  # the ingress decodes with it too
+            core = MockEngineCore(self.args.mock_config(self.rank, len(tokenizer)),
+                                  tokenizer=tokenizer if self.args.mock.scripted else None)
         else:
             from engine.core.engine_core import EngineCore
             launcher = None

@@ -14,7 +14,7 @@ from ray import serve
 from deployments.config import AppArgs
 from deployments.serve.coordinator import COORDINATOR_CALL_TIMEOUT_S
 from deployments.serve.heap_trim import IdleHeapTrim
-from deployments.apis.server import IngressOptions, build_openai_app
+from deployments.apis.server import IngressOptions, build_api_app
 from deployments.tokenizers import tokenizer_for
 from engine.errors import NoEnginesError
 from engine.wire.core_client import EngineClient
@@ -243,9 +243,10 @@ class OpenAIIngress:
                                  metrics_need_api_key=a.metrics_need_api_key,
                                  chat_template=a.chat_template_text(),
                                  tool_call_parser=a.tool_call_parser,
+                                 reasoning_parser=a.reasoning_parser,
                                  request_timeout_s=a.request_timeout_s)
         self._control = CoordinatorControl(self.coordinator)
-        self._app = build_openai_app(self.get_client, options, self._control)
+        self._app = build_api_app(self.get_client, options, self._control)
         return self._app
 
     async def check_health(self) -> None:

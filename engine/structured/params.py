@@ -44,6 +44,14 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True, 
                 not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
             raise InvalidRequestError("structured outputs choice must be a non-empty list of "
                                       "non-empty strings")
+        if self.reasoning_end is not None:
+            ids = self.reasoning_end
+            if (not isinstance(ids, (list, tuple)) or not ids
+                    or not all(type(t) is int and t >= 0 for t in ids)):
+                raise InvalidRequestError("structured outputs reasoning_end must be a "
+                                          "non-empty list of token ids (ints >= 0)")
+            if isinstance(ids, tuple):
+                msgspec.structs.force_setattr(self, "reasoning_end", list(ids))
 
     @property
     def kind(self) -> str:
@@ -52,5 +60,9 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True, 
             if getattr(self, name) is not None)
 
     def cache_key(self) -> bytes:
-        """The same constraint gives the same key (the compiled grammar is reused)."""
+        """The same constraint gives the same key (the compiled grammar is reused).
+        reasoning_end is left out: it says when the grammar starts, not what it is, so
+        one grammar compiles once whatever ends the thinking before it."""
+        if self.reasoning_end is not None:
+            return msgspec.msgpack.encode(msgspec.structs.replace(self, reasoning_end=None))
         return msgspec.msgpack.encode(self)

@@ -13,6 +13,10 @@ on a compute-bound engine, so a queue of prompts delays the next one). step() re
 as a real step); next_step_delay() says when the next output will be, so the
 server can block on its socket in between.
 
+Scripted (MockConfig.scripted, with the frontends' tokenizer): a prompt's last
+`[[emit]]text[[/emit]]` directive is its output (then EOS), its structured outputs
+checked against it (engine/wire/mock_script.py); stop rules apply as to drawn tokens.
+
 Kept from a real engine: request validation and its typed errors, the stop rules
 (EOS, stop_token_ids, min_tokens masking both, max_tokens, max_model_len), at
 most max_num_seqs running requests (the rest wait, first come first served), KV
@@ -27,6 +31,7 @@ the right shape).
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import time
@@ -46,6 +51,7 @@ from engine.options import add_flags, dataclass_options, given, option
 from engine.request_checks import check_prompt
 from engine.request_limits import RequestLimits, check_limits
 from engine.sampling_params import SamplingParams
+from engine.wire.mock_script import MockScript, default_tokenizer
 from engine.wire.protocol import (
     FINISH_ABORT,
     FINISH_LENGTH,
@@ -83,6 +89,8 @@ class MockTiming:
     emit_eos_after: int | None = option(None, "output index where EOS is drawn (not before "
                                               "min_tokens); none: only stop rules end a request")
     num_blocks: int = option(1024, "KV blocks the mock accounts for (stats and autoscaling)")
+    scripted: bool = option(False, "a prompt's last [[emit]]text[[/emit]] directive is its "
+                                   "output, then EOS (in the default model's tokens)")
 
     def __post_init__(self) -> None:
         _check([
@@ -131,11 +139,12 @@ class MockConfig(MockTiming):
 _NO_LORA = "the mock engine serves no LoRA adapters (it has no model); use a real model"
 
 
-def _refuse_model_controls(params: SamplingParams) -> None:
+def _refuse_model_controls(params: SamplingParams, scripted: bool) -> None:
     """The mock draws tokens without logits, so it cannot honour a request that
-    restricts them: it says so rather than answer something else."""
+    restricts them: it says so rather than answer something else (a scripted request's
+    structured outputs are checked against its script instead)."""
     asked = [name for name, on in (
-        ("structured outputs", params.structured_outputs is not None),
+        ("structured outputs", params.structured_outputs is not None and not scripted),
         ("logit_bias", bool(params.logit_bias)),
         ("allowed_token_ids", params.allowed_token_ids is not None),
         ("bad_words", bool(params.bad_words_token_ids)),
@@ -167,6 +176,7 @@ class _Request:
     finish_reason: str | None = None  # of the next output
     stop_reason: int | None = None
     due: float = 0.0  # when the next output is due: the time of its last token
+    script: list[int] | None = None  # its directive's tokens (scripted mode), EOS after
 
 
 class MockEngineCore:
@@ -176,8 +186,15 @@ class MockEngineCore:
     model_name = "mock"
 
     def __init__(self, config: MockConfig | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.config = c = config or MockConfig()
+                 clock: Callable[[], float] = time.monotonic, tokenizer=None) -> None:
+        """tokenizer (HF): the frontends', needed when config.scripted, and then the
+        mock takes its vocabulary size and EOS id."""
+        c = config or MockConfig()
+        self._script = MockScript(tokenizer, c.eos_token_id) if c.scripted else None
+        if self._script is not None:
+            c = dataclasses.replace(c, vocab_size=self._script.vocab_size,
+                                    eos_token_id=self._script.eos_token_id)
+        self.config = c
         self.limits = RequestLimits.defaults()  # what one request may ask, as an engine's
         self.num_blocks = c.num_blocks
         self.block_size = c.block_size
@@ -211,7 +228,8 @@ class MockEngineCore:
                 "requests, max_waiting_requests); retry shortly")
         check_prompt(ids, self.max_model_len, self.config.vocab_size)
         check_limits(req.sampling_params, self.limits)
-        _refuse_model_controls(req.sampling_params)
+        text = self._script.find(ids) if self._script is not None else None
+        _refuse_model_controls(req.sampling_params, scripted=text is not None)
         if req.lora_request is not None:
             raise InvalidRequestError(_NO_LORA)
         if req.priority != 0:
@@ -220,9 +238,11 @@ class MockEngineCore:
         room = self.max_model_len - len(ids)
         max_tokens = req.sampling_params.max_tokens
         limit = room if max_tokens is None else min(max_tokens, room)
+        script = None if text is None else self._script.tokens(
+            text, req.sampling_params.structured_outputs)
         now = self._clock()
         self._waiting[rid] = _Request(rid, len(ids), req.sampling_params, limit, now,
-                                      self._block_hashes(ids))
+                                      self._block_hashes(ids), script=script)
         self._admit(now)
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -340,9 +360,15 @@ class MockEngineCore:
 
     def _token(self, r: _Request, pos: int) -> int:
         """Output token `pos` of r. Before min_tokens, EOS and stop tokens are masked
-        (redrawn), as the real sampler masks them."""
-        c, p = self.config, r.params
-        eos_at = c.emit_eos_after
+        (redrawn), as the real sampler masks them. A script comes first, then EOS (once
+        past min_tokens); past it with ignore_eos, tokens are drawn as without one."""
+        c, p, script = self.config, r.params, r.script
+        if script is not None and not (p.ignore_eos and pos >= len(script)):
+            if pos < len(script):
+                return script[pos]
+            if pos == max(len(script), p.min_tokens):
+                return c.eos_token_id
+        eos_at = None if script is not None else c.emit_eos_after
         if eos_at is not None and not p.ignore_eos:
             eos_at = max(eos_at, p.min_tokens)
         if pos == eos_at:
@@ -504,7 +530,8 @@ def serve_one(config: MockConfig, address: str, keys_file: str | None = None) ->
     from engine.wire.core_server import EngineCoreServer
     from engine.wire.curve_auth import EngineKeys
     keys = EngineKeys.load(keys_file) if keys_file else None
-    server = EngineCoreServer(MockEngineCore(config), address, config.engine_index, keys=keys)
+    core = MockEngineCore(config, tokenizer=default_tokenizer() if config.scripted else None)
+    server = EngineCoreServer(core, address, config.engine_index, keys=keys)
     signal.signal(signal.SIGTERM, lambda *_: server.shutdown())
     try:
         server.run()

@@ -1,4 +1,4 @@
-"""Tool calling on /v1/chat/completions: what a request's tools change in its prompt,
+"""Tool calling (chat completions, Responses, Messages): what a request's tools change in its prompt,
 its output constraint, and its response.
 
 plan_tools() decides, per request: the tools rendered into the prompt (none with
@@ -12,18 +12,13 @@ when it has one, else Flotilla's default tool prompt (deployments.apis.common.to
 from __future__ import annotations
 
 import json
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from deployments.apis.openai.protocol import ChatCompletionRequest, NamedToolChoice
 from deployments.apis.common.tool_calls import (
-    ContentDelta,
     NamedToolParser,
     RequiredToolParser,
-    ToolCallDelta,
     ToolCallParser,
-    ToolCallStreamer,
     get_tool_parser,
 )
 from deployments.apis.common.tool_prompt import (
@@ -43,21 +38,25 @@ class ToolPlan:
     max_calls: int | None = None  # parallel_tool_calls=false with auto: later calls dropped
 
 
-def plan_tools(body: ChatCompletionRequest, tool_call_parser: str) -> ToolPlan:
-    choice = body.effective_tool_choice
-    if choice == "none" or not body.tools:
-        return ToolPlan([], None, None)
-    tools = [t.model_dump(exclude_none=True) for t in body.tools]
+NO_TOOLS = ToolPlan([], None, None)
+
+
+def plan_tools(tools: list[dict[str, Any]] | None, choice: str, parallel: bool | None,
+               tool_call_parser: str) -> ToolPlan:
+    """tools: OpenAI function tools ({"type": "function", "function": {...}}); choice:
+    "none", "auto", "required", or the name of the function that must be called (each
+    API maps its own tool_choice shape to these)."""
+    if choice == "none" or not tools:
+        return NO_TOOLS
     if choice == "required":
-        schema = required_tools_schema(tools, parallel=body.parallel_tool_calls is not False)
+        schema = required_tools_schema(tools, parallel=parallel is not False)
         return ToolPlan(tools, RequiredToolParser(), StructuredOutputsParams(json=schema))
-    if isinstance(choice, NamedToolChoice):
-        name = choice.function.name
-        tool = next(t for t in tools if t["function"]["name"] == name)
-        return ToolPlan(tools, NamedToolParser(name),
+    if choice != "auto":
+        tool = next(t for t in tools if t["function"]["name"] == choice)
+        return ToolPlan(tools, NamedToolParser(choice),
                         StructuredOutputsParams(json=named_tool_schema(tool)))
     return ToolPlan(tools, get_tool_parser(tool_call_parser), None,
-                    1 if body.parallel_tool_calls is False else None)
+                    1 if parallel is False else None)
 
 
 def render_chat_prompt(processor: Any, conversation: list[dict[str, Any]], plan: ToolPlan,
@@ -96,61 +95,3 @@ def _arguments_as_objects(message: dict[str, Any]) -> dict[str, Any]:
             pass  # not JSON: the template gets the text as it came
         calls.append({**call, "function": function})
     return {**message, "tool_calls": calls}
-
-
-def new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
-
-
-def tool_message(text: str, plan: ToolPlan) -> tuple[str | None, list[dict[str, Any]]]:
-    """(content, tool_calls in OpenAI's shape) of one finished choice."""
-    parsed = plan.parser.parse(text)
-    calls = [{"id": new_call_id(), "type": "function",
-              "function": {"name": c.name, "arguments": c.arguments}}
-             for c in parsed.tool_calls[:plan.max_calls]]
-    return parsed.content, calls
-
-
-class ToolDeltaStream:
-    """One streamed choice: generated text in, chat `delta` dicts out."""
-
-    def __init__(self, plan: ToolPlan) -> None:
-        self._streamer: ToolCallStreamer = plan.parser.streamer()
-        self._max_calls = plan.max_calls
-        self._ids: dict[int, str] = {}
-
-    @property
-    def made_calls(self) -> bool:
-        return bool(self._ids)
-
-    def feed(self, text: str) -> dict[str, Any] | None:
-        return self._delta(self._streamer.feed(text) if text else [])
-
-    def finish(self) -> dict[str, Any] | None:
-        return self._delta(self._streamer.finish())
-
-    def _delta(self, pieces: list[ContentDelta | ToolCallDelta]) -> dict[str, Any] | None:
-        content = "".join(p.text for p in pieces if isinstance(p, ContentDelta))
-        calls: list[dict[str, Any]] = []
-        for p in pieces:
-            if not isinstance(p, ToolCallDelta):
-                continue
-            if self._max_calls is not None and p.index >= self._max_calls:
-                continue
-            if calls and calls[-1]["index"] == p.index and p.name is None:
-                calls[-1]["function"]["arguments"] += p.arguments  # merge one call's chunks
-                continue
-            call: dict[str, Any] = {"index": p.index, "function": {"arguments": p.arguments}}
-            if p.name is not None:
-                self._ids[p.index] = call["id"] = new_call_id()
-                call["type"] = "function"
-                call["function"]["name"] = p.name
-            calls.append(call)
-        if not content and not calls:
-            return None
-        delta: dict[str, Any] = {}
-        if content:
-            delta["content"] = content
-        if calls:
-            delta["tool_calls"] = calls
-        return delta

@@ -16,17 +16,10 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from deployments.apis.errors import ParamError
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
 from engine.structured.params import StructuredOutputsParams
-
-
-class ParamError(InvalidRequestError):
-    """A request field that is valid JSON but cannot be honoured; `param` names it."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 def _one_or_many(value: str | list) -> list[str | list[int]]:

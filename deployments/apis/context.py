@@ -1,0 +1,219 @@
+"""ApiContext: what every HTTP API's handlers share over the engines.
+
+One object per app: the engine client (through the replica's get_client), the
+options, the control plane (coordinator in Serve, else the client itself), LoRA
+adapter names, the ingress metrics and the response store. Its `endpoint` wrapper
+gives every route the same request id, tracing, auth, stopping check and error
+mapping; each API passes its own error renderer (OpenAI's JSON, Anthropic's), so a
+bad request is answered in the shape its client parses, and the app keeps serving.
+"""
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+import uuid
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+from pydantic import ValidationError
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from deployments.apis.errors import HTTPError, map_error, openai_error_response
+from deployments.apis.lora_admin import AdapterDirectory
+from deployments.apis.options import IngressOptions
+from deployments.serve.metrics import IngressMetrics
+from engine import tracing
+from engine.lora.request import LoRARequest
+from engine.outputs import RequestOutput
+from engine.wire.core_client import EngineClient
+
+logger = logging.getLogger(__name__)
+
+ErrorRenderer = Callable[[HTTPError], Response]
+Handler = Callable[[Request, str], Awaitable[Response]]
+
+
+async def read_capped(request: Request, limit: int) -> bytes:
+    """The body, refused with 413 as soon as it passes `limit` bytes: a chunked upload
+    (no content-length) is not buffered whole before the check."""
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise HTTPError(413, f"request body over {limit} bytes", "RequestTooLargeError")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _http_span(request: Request, rid: str):
+    """A traced POST's SERVER span (the caller's child); None for other methods, or
+    if it cannot be made (tracing never fails a request)."""
+    if request.method != "POST":
+        return None
+    try:
+        span = tracing.start_http_span(f"POST {request.url.path}", request.headers, {
+            "http.request.method": "POST", "url.path": request.url.path,
+            "http.request.header.x_request_id": rid})
+    except Exception:  # noqa: BLE001
+        logger.exception("tracing: no span for this request")
+        return None
+    request.state.trace_span = span  # scheduling() sends its context to the engine
+    return span
+
+
+def _end_with(span, response: Response) -> None:
+    """End the HTTP span with the response: a stream's when its last event is sent."""
+    span.set_attribute("http.response.status_code", response.status_code)
+    if not isinstance(response, StreamingResponse):
+        span.end()
+        return
+    events = response.body_iterator
+
+    async def ending():
+        try:
+            async for event in events:
+                yield event
+        finally:
+            span.end()
+    response.body_iterator = ending()
+
+
+class ApiContext:
+    """Shared by the routes of every API in one app (see the module docstring)."""
+
+    def __init__(self, get_client: Callable[[], Awaitable[EngineClient]],
+                 options: IngressOptions, control: Any, store: Any) -> None:
+        self.options = options
+        self.model = options.served_model_name
+        self._raw_get_client = get_client
+        self.seen: dict[str, EngineClient] = {}
+        self.control = control
+        self.store = store  # stored Responses (deployments.apis.responses.store)
+        self.adapters = AdapterDirectory(control)
+        self.metrics = IngressMetrics(self.model, lambda: self.seen.get("client"))
+        self.traced = tracing.enabled()  # read once: off costs one check per request
+
+    async def get_client(self) -> EngineClient:
+        self.seen["client"] = client = await self._raw_get_client()
+        return client
+
+    # ---- request bodies ---------------------------------------------------------------------
+    async def body(self, request: Request, schema):
+        """The body validated against `schema` (pydantic): a 400 naming the first bad
+        field, unsupported fields refused, an unknown model a 404."""
+        limit = self.options.max_body_bytes
+        length = request.headers.get("content-length")
+        if length and length.isdigit() and int(length) > limit:
+            raise HTTPError(413, f"request body over {limit} bytes", "RequestTooLargeError")
+        raw = await read_capped(request, limit)
+        request.state.body_bytes = len(raw)  # a large one is prepared off the event loop
+        try:
+            body = schema.model_validate_json(raw)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            param = ".".join(str(p) for p in first.get("loc", ()))
+            message = first.get("msg", "invalid request").removeprefix("Value error, ")
+            if first.get("type") == "extra_forbidden":
+                message = "unknown field (not part of this API; docs/api.md lists the fields)"
+            raise HTTPError(400, f"{param}: {message}" if param else message,
+                            "BadRequestError", param or None) from None
+        unsupported = getattr(body, "unsupported_param", None)
+        if unsupported is not None and (err := unsupported()) is not None:
+            raise err
+        await self.adapter(body)  # an unknown model is a 404 before anything else
+        return body
+
+    async def adapter(self, body) -> LoRARequest | None:
+        """The LoRA adapter the request's `model` names; None for the base model."""
+        name = getattr(body, "model", None)
+        if name in (None, self.model):
+            return None
+        lora = await self.adapters.resolve(name)
+        if lora is None:
+            raise HTTPError(404, f"The model `{name}` does not exist.", "NotFoundError",
+                            "model")
+        return lora
+
+    def scheduling(self, body, request: Request) -> dict[str, Any]:
+        """The request's priority and deadline, counted from now (call it as soon as
+        the body is read: tokenizing and templating count against the deadline), its
+        trace context when traced, and its engine affinity headers."""
+        timeout = getattr(body, "timeout", None) or self.options.request_timeout_s
+        out: dict[str, Any] = {
+            "priority": getattr(body, "priority", 0),
+            "deadline": None if timeout is None else time.monotonic() + timeout,
+            "session_id": request.headers.get("x-session-id")}  # the same engine
+        span = getattr(request.state, "trace_span", None)
+        if span is not None:
+            out["trace_headers"] = tracing.headers_of(span)
+        rank = request.headers.get("x-data-parallel-rank")
+        if rank is not None:  # vLLM's header: this engine, or an error (none other)
+            if not rank.strip().isdigit():
+                raise HTTPError(400, f"x-data-parallel-rank: {rank!r} is not a rank "
+                                "(0, 1, ...)", "BadRequestError", "x-data-parallel-rank")
+            out["data_parallel_rank"] = int(rank)
+        return out
+
+    # ---- outputs ----------------------------------------------------------------------------
+    def record(self, out: RequestOutput | None) -> None:
+        """A finished request in the ingress metrics."""
+        if out is not None:
+            self.metrics.record(out.metrics, len(out.prompt_token_ids),
+                                [c.finish_reason for c in out.outputs])
+
+    @staticmethod
+    async def first(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
+        """The first output: errors before it stay HTTP errors (no stream sent yet)."""
+        try:
+            return await stream.__anext__()
+        except BaseException:
+            await stream.aclose()
+            raise
+
+    # ---- auth and the endpoint wrapper ------------------------------------------------------
+    def check_key(self, request: Request, key: str | None, x_api_key: bool = False) -> None:
+        """Bearer `key` in Authorization (or, for Anthropic's clients, in x-api-key)."""
+        if key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+            return
+        if x_api_key and hmac.compare_digest(request.headers.get("x-api-key", "").encode(),
+                                             key.encode()):
+            return
+        raise HTTPError(401, "invalid or missing API key", "AuthenticationError")
+
+    def check_admin(self, request: Request) -> None:
+        if self.options.admin_key is not None:
+            self.check_key(request, self.options.admin_key)
+        elif not self.options.dev_mode:
+            raise HTTPError(404, "control endpoints are disabled (set an admin key or dev mode)",
+                            "NotFoundError")
+
+    def endpoint(self, handler: Handler, *, auth: bool = True, admin: bool = False,
+                 errors: ErrorRenderer = openai_error_response, x_api_key: bool = False):
+        """The route's handler with the shared request handling around it."""
+        async def wrapped(request: Request) -> Response:
+            rid = request.headers.get("x-request-id") or uuid.uuid4().hex
+            span = _http_span(request, rid) if self.traced else None
+            try:
+                if admin:
+                    self.check_admin(request)
+                elif auth:
+                    self.check_key(request, self.options.api_key, x_api_key)
+                if request.method == "POST" and request.app.state.stopping:
+                    raise HTTPError(503, "the server is stopping; retry on another replica",
+                                    "ServiceUnavailableError")
+                response = await handler(request, rid)
+            except Exception as exc:  # noqa: BLE001 - every error becomes the API's JSON
+                response = errors(map_error(exc))
+            except BaseException:  # cancelled (the client left): the span ends here
+                if span is not None:
+                    span.end()
+                raise
+            response.headers["x-request-id"] = rid
+            if span is not None:
+                _end_with(span, response)
+            return response
+        return wrapped

@@ -1,0 +1,244 @@
+"""The service endpoints beside the generation APIs: models, LoRA adapters, tokenize,
+health, metrics, version, the OpenAPI document, and the control (admin) endpoints.
+
+The control endpoints act on every engine through `ctx.control` (the coordinator in
+Serve, which owns the aggregation rules; ClientControl elsewhere).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, Awaitable, Callable
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from deployments.apis.common.tools import NO_TOOLS, render_chat_prompt
+from deployments.apis.context import ApiContext
+from deployments.apis.errors import HTTPError, cause
+from deployments.apis.openai.protocol import (
+    ChatCompletionRequest,
+    DetokenizeRequest,
+    LoadLoRAAdapterRequest,
+    TokenizeRequest,
+    UnloadLoRAAdapterRequest,
+)
+from deployments.serve.metrics_sum import Snapshot
+from engine.errors import UtilityCallError
+from engine.lora.request import LoRARequest
+from engine.wire.core_client import EngineClient
+
+logger = logging.getLogger(__name__)
+HEALTH_WAIT_S = 0.9  # /health answers within a second, connected or not
+STATS_WAIT_S = 0.5  # a scrape asks the engines for their stats, waiting this long at most
+STATS_MAX_AGE_S = 1.0  # ... when their last (from outputs, heartbeats) are older than this
+SUM_WAIT_S = 0.5  # and waits this long for the sum over the replicas (else its last, raised)
+SLOW_SCRAPE_S = 1.0  # a scrape slower than this is logged with where its time went
+
+
+
+class ClientControl:
+    """Control calls answered by the ingress's own EngineClient (no coordinator)."""
+
+    def __init__(self, get_client: Callable[[], Awaitable[EngineClient]]) -> None:
+        self.get_client = get_client
+
+    async def is_sleeping(self) -> bool:
+        return await (await self.get_client()).is_sleeping()
+
+    async def sleep(self, level: int) -> None:
+        await (await self.get_client()).call_utility("sleep", level)
+
+    async def wake_up(self, tags: list[str] | None) -> None:
+        await (await self.get_client()).call_utility("wake_up", tags)
+
+    async def reset_prefix_cache(self, reset_running_requests: bool, reset_external: bool) -> bool:
+        return await (await self.get_client()).reset_prefix_cache(reset_running_requests,
+                                                                  reset_external)
+
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        await (await self.get_client()).add_lora(lora_request)
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        return await (await self.get_client()).remove_lora(lora_id)
+
+    async def list_loras(self) -> list[LoRARequest]:
+        return await (await self.get_client()).list_loras()
+
+    async def sum_metrics(self, snapshot: Snapshot, timeout_s: float) -> Snapshot | None:
+        """The request metrics over every ingress replica: this one is the only one."""
+        return None
+
+
+
+
+def service_routes(ctx: ApiContext) -> list[Route]:
+    # ---- other routes -------------------------------------------------------------------------
+    async def model_card() -> dict[str, Any]:
+        client = await ctx.get_client()
+        return {"id": ctx.model, "object": "model", "created": 0, "owned_by": "flotilla",
+                "max_model_len": client.max_model_len}
+
+    def adapter_card(lora: LoRARequest, base: dict[str, Any]) -> dict[str, Any]:
+        # root names the adapter, not its folder: paths are the server's business
+        return {**base, "id": lora.lora_name, "root": lora.lora_name, "parent": model}
+
+    async def models(request: Request, rid: str) -> Response:
+        base = await model_card()
+        cards = [base] + [adapter_card(a, base) for a in await ctx.adapters.refresh()]
+        return JSONResponse({"object": "list", "data": cards})
+
+    async def retrieve_model(request: Request, rid: str) -> Response:
+        name = request.path_params["model_id"]
+        if name == ctx.model:
+            return JSONResponse(await model_card())
+        lora = await ctx.adapters.resolve(name)
+        if lora is None:
+            raise HTTPError(404, f"The ctx.model `{name}` does not exist.", "NotFoundError", "model")
+        return JSONResponse(adapter_card(lora, await model_card()))
+
+    async def load_lora_adapter(request: Request, rid: str) -> Response:
+        body = await ctx.body(request, LoadLoRAAdapterRequest)
+        try:
+            await ctx.adapters.load(body.lora_name, body.lora_path)
+        except Exception as exc:  # a name taken, or an engine refused it (it says why)
+            cause = cause(exc)
+            if isinstance(cause, (ValueError, UtilityCallError)):
+                raise HTTPError(400, str(cause), "BadRequestError", "lora_path") from None
+            raise
+        return JSONResponse({"success": True,
+                             "message": f"LoRA adapter {body.lora_name!r} loaded"})
+
+    async def unload_lora_adapter(request: Request, rid: str) -> Response:
+        body = await ctx.body(request, UnloadLoRAAdapterRequest)
+        if not await ctx.adapters.unload(body.lora_name):
+            raise HTTPError(404, f"The LoRA adapter `{body.lora_name}` is not loaded.",
+                            "NotFoundError", "lora_name")
+        return JSONResponse({"success": True,
+                             "message": f"LoRA adapter {body.lora_name!r} unloaded"})
+
+    async def version(request: Request, rid: str) -> Response:
+        from engine import __version__
+        return JSONResponse({"version": __version__})
+
+    async def openapi(request: Request, rid: str) -> Response:
+        from deployments.apis.openai.schema import openapi_document
+        from engine import __version__
+        return JSONResponse(openapi_document(__version__))
+
+    async def metrics_endpoint(request: Request, rid: str) -> Response:
+        # the replica's current client: it may have moved to another engine set since its
+        # last request (the gauges were those of the retired client, the chaos run found)
+        began = time.monotonic()
+        try:
+            client = await asyncio.wait_for(asyncio.shield(ctx.get_client()), STATS_WAIT_S)
+        except Exception:  # noqa: BLE001 - no engines yet: serve what there is
+            client = ctx.seen.get("client")
+        connected = time.monotonic()
+        if client is not None:  # the engines' values at most a stats interval old
+            try:
+                await client.refresh_stats(STATS_MAX_AGE_S, STATS_WAIT_S)
+            except Exception as exc:  # noqa: BLE001 - serve what the outputs last brought
+                logger.debug("metrics: engine stats not refreshed: %s", exc)
+        refreshed = time.monotonic()
+        summed = await ctx.control.sum_metrics(ctx.metrics.snapshot(), SUM_WAIT_S)
+        body = ctx.metrics.exposition(summed)
+        took = time.monotonic() - began
+        if took > SLOW_SCRAPE_S:
+            logger.warning("metrics: a scrape took %.2f s (client %.2f s, engine stats "
+                           "%.2f s, the replicas' sum %.2f s)", took, connected - began,
+                           refreshed - connected, time.monotonic() - refreshed)
+        return Response(body, media_type="text/plain; version=0.0.4")
+
+    connecting: dict[str, asyncio.Task] = {}
+
+    async def health(request: Request, rid: str) -> Response:
+        """Readiness: 200 once the engines are connected and healthy, else 503 within
+        HEALTH_WAIT_S. It never waits for engines to register (that can take minutes
+        while a cluster scales up): the connection attempt goes on in the background
+        and the next probe sees how it went."""
+        if request.app.state.stopping:  # load balancers take this replica out
+            raise HTTPError(503, "the server is stopping", "ServiceUnavailableError")
+        task = connecting.get("task")
+        if task is None or task.done():
+            task = connecting["task"] = asyncio.ensure_future(ctx.get_client())
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())  # seen here
+        done, _ = await asyncio.wait({task}, timeout=HEALTH_WAIT_S)
+        if not done:
+            raise HTTPError(503, "the engines are not connected yet", "ServiceUnavailableError")
+        client = task.result()  # a failed connection is its own (mapped) error
+        if not client.healthy:
+            raise HTTPError(503, str(client.dead_error or "unhealthy"), "ServiceUnavailableError")
+        return Response(status_code=200)
+
+    async def tokenize(request: Request, rid: str) -> Response:
+        body = await ctx.body(request, TokenizeRequest)
+        client = await ctx.get_client()
+        processor = client.processor
+        if body.messages is not None:  # the prompt /v1/chat/completions would build
+            conversation = ChatCompletionRequest(messages=body.messages).conversation()
+            text = render_chat_prompt(processor, conversation, NO_TOOLS,
+                                      ctx.options.chat_template, body.add_generation_prompt, {})
+            special = ("add_special_tokens" in body.model_fields_set
+                       and body.add_special_tokens)
+            ids = processor.tokenizer.encode(text, add_special_tokens=special)
+        elif body.prompt is not None:
+            ids = processor.tokenizer.encode(body.prompt,
+                                             add_special_tokens=body.add_special_tokens)
+        else:
+            raise HTTPError(400, "give a prompt or messages", "BadRequestError")
+        return JSONResponse({"tokens": ids, "count": len(ids),
+                             "max_model_len": client.max_model_len})
+
+    async def detokenize(request: Request, rid: str) -> Response:
+        body = await ctx.body(request, DetokenizeRequest)
+        client = await ctx.get_client()
+        vocab = client.processor.vocab_size
+        if any(not 0 <= t < vocab for t in body.tokens):
+            raise HTTPError(400, f"token ids must be in [0, {vocab})", "BadRequestError", "tokens")
+        return JSONResponse({"prompt": client.processor.tokenizer.decode(body.tokens)})
+
+    # ---- control (admin) ------------------------------------------------------------------------
+    async def is_sleeping(request: Request, rid: str) -> Response:
+        return JSONResponse({"is_sleeping": await ctx.control.is_sleeping()})
+
+    async def sleep(request: Request, rid: str) -> Response:
+        level = request.query_params.get("level", "1")
+        if level not in ("1", "2"):
+            raise HTTPError(400, "level must be 1 or 2", "BadRequestError", "level")
+        await ctx.control.sleep(int(level))
+        return Response(status_code=200)
+
+    async def wake_up(request: Request, rid: str) -> Response:
+        tags = request.query_params.getlist("tags") or None
+        await ctx.control.wake_up(tags)
+        return Response(status_code=200)
+
+    async def reset_prefix_cache(request: Request, rid: str) -> Response:
+        flag = lambda name: request.query_params.get(name, "false").lower() in ("1", "true")
+        ok = await ctx.control.reset_prefix_cache(flag("reset_running_requests"),
+                                              flag("reset_external"))
+        return JSONResponse({"success": ok}, status_code=200)
+
+    endpoint = ctx.endpoint
+    return [
+        Route("/v1/models", endpoint(models), methods=["GET"]),
+        Route("/v1/models/{model_id:path}", endpoint(retrieve_model), methods=["GET"]),
+        Route("/v1/load_lora_adapter", endpoint(load_lora_adapter, admin=True),
+              methods=["POST"]),
+        Route("/v1/unload_lora_adapter", endpoint(unload_lora_adapter, admin=True),
+              methods=["POST"]),
+        Route("/version", endpoint(version, auth=False), methods=["GET"]),
+        Route("/openapi.json", endpoint(openapi, auth=False), methods=["GET"]),
+        Route("/tokenize", endpoint(tokenize), methods=["POST"]),
+        Route("/detokenize", endpoint(detokenize), methods=["POST"]),
+        Route("/health", endpoint(health, auth=False), methods=["GET"]),
+        Route("/metrics", endpoint(metrics_endpoint, auth=ctx.options.metrics_need_api_key),
+              methods=["GET"]),
+        Route("/is_sleeping", endpoint(is_sleeping, admin=True), methods=["GET"]),
+        Route("/sleep", endpoint(sleep, admin=True), methods=["POST"]),
+        Route("/wake_up", endpoint(wake_up, admin=True), methods=["POST"]),
+        Route("/reset_prefix_cache", endpoint(reset_prefix_cache, admin=True), methods=["POST"]),
+    ]
