@@ -105,9 +105,16 @@ class AppArgs(BaseModel):
         "tool_choice is auto", json_schema_extra={"enum": list(TOOL_PARSERS)})
     reasoning_parser: str | None = Field(
         None, description="how a reasoning model's thinking is split from its answer in "
-        "chat completions (reasoning_content), as vLLM's --reasoning-parser: "
+        "chat completions (reasoning_content), Responses (reasoning items) and Messages "
+        "(thinking blocks), as vLLM's --reasoning-parser: "
         + ", ".join(REASONING_PARSERS) + "; none: not split",
         json_schema_extra={"enum": [*REASONING_PARSERS, None]})
+    response_store_max: int = Field(
+        10_000, ge=1, description="stored Responses (POST /v1/responses with store) kept "
+        "at most, in the coordinator, reachable from every ingress replica; the oldest go "
+        "first")
+    response_store_ttl_s: float = Field(
+        3600.0, gt=0, description="seconds a stored Response is kept")
     request_timeout_s: float | None = Field(
         600.0, gt=0, description="seconds a request may take from arrival when it names no "
         "timeout of its own; past it the request is aborted and answered with 408, so a "

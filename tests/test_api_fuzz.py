@@ -45,7 +45,9 @@ def test_no_input_gets_a_5xx_and_every_4xx_is_an_openai_error(base_url):
     from hypothesis.errors import Unsatisfiable
 
     schema = schemathesis.openapi.from_url(f"{base_url}/openapi.json")
-    operations = [result.ok() for result in schema.get_all_operations()]
+    # the agent APIs' operations are fuzzed through Serve (tests/e2e/agent_api_checks.py)
+    operations = [result.ok() for result in schema.get_all_operations()
+                  if not result.ok().path.startswith(("/v1/responses", "/v1/messages"))]
     assert len(operations) >= 10, [op.label for op in operations]
     failures, statuses = {}, Counter()
     cases = [(op, mode) for op in operations for mode in GenerationMode]

@@ -19,11 +19,13 @@ from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from deployments.apis.common.chat_prep import ChatInput, PreparedChat, prepare_chat
 from deployments.apis.errors import HTTPError, map_error, openai_error_response
 from deployments.apis.lora_admin import AdapterDirectory
 from deployments.apis.options import IngressOptions
 from deployments.serve.metrics import IngressMetrics
 from engine import tracing
+from engine.frontend.prep_offload import INLINE_CHARS
 from engine.lora.request import LoRARequest
 from engine.outputs import RequestOutput
 from engine.wire.core_client import EngineClient
@@ -155,6 +157,13 @@ class ApiContext:
             out["data_parallel_rank"] = int(rank)
         return out
 
+    async def prepare_chat(self, request: Request, chat: ChatInput) -> PreparedChat:
+        """The chat prompt (deployments.apis.common.chat_prep), off the event loop when
+        the request is large or has tools (templating and tokenizing are CPU work)."""
+        client = await self.get_client()
+        heavy = request.state.body_bytes > INLINE_CHARS or bool(chat.tools)
+        return await client.prep.run(heavy, prepare_chat, client.processor, chat, self.options)
+
     # ---- outputs ----------------------------------------------------------------------------
     def record(self, out: RequestOutput | None) -> None:
         """A finished request in the ingress metrics."""
@@ -213,6 +222,8 @@ class ApiContext:
                     span.end()
                 raise
             response.headers["x-request-id"] = rid
+            if self.options.replica_name is not None:
+                response.headers["x-flotilla-replica"] = self.options.replica_name
             if span is not None:
                 _end_with(span, response)
             return response

@@ -92,7 +92,6 @@ class ChoiceSplitter:
         self._tools = parser.streamer() if parser is not None else None
         self._max_calls = plan.tools.max_calls if plan.tools is not None else None
         self.calls = 0  # tool calls made so far
-        self.reasoning = False  # the last text fed went to reasoning
 
     def feed(self, text: str) -> list[Event]:
         return self._split(self._reasoning.feed(text) if self._reasoning else
@@ -105,11 +104,9 @@ class ChoiceSplitter:
         events: list[Event] = []
         for piece in pieces:
             if isinstance(piece, ParsedReasoning):
-                self.reasoning = True
                 if piece.text:
                     events.append(ReasoningDelta(self.choice, piece.text))
                 continue
-            self.reasoning = False
             events += self._answer(piece.text)
         if final and self._tools is not None:
             events += self._tool_events(self._tools.finish())
@@ -150,19 +147,24 @@ class Step:
 
 
 class Generation:
-    """An engine stream read as Steps; `usage` holds what was used so far (also after
-    an error, for the error's report). record: called with each finished output
-    (the ingress metrics)."""
+    """An engine stream read as Steps; `usage` is what was used so far (also after an
+    error, for the error's report). record: called with each finished output (the
+    ingress metrics)."""
 
     def __init__(self, stream: AsyncIterator[RequestOutput], plan: OutputPlan,
-                 record: Callable[[RequestOutput], Any]) -> None:
+                 record: Callable[[RequestOutput], Any],
+                 count_tokens: Callable[[str], int] | None = None) -> None:
+        """count_tokens: how many tokens a text is (the reasoning's count in usage:
+        an engine output may hold both thinking and answer tokens)."""
         self.stream = stream
+        self._count_tokens = count_tokens
+        self._reasoning_chars: list[str] = []
         self.plan = plan
         self._record = record
         self._splitters: dict[int, ChoiceSplitter] = {}
         self._prompt_tokens: dict[str, int] = {}  # per prompt's request: usage sums them
         self._cached_tokens: dict[str, int] = {}
-        self.usage = Usage()
+        self._usage = Usage()
 
     def splitter(self, choice: int) -> ChoiceSplitter:
         s = self._splitters.get(choice)
@@ -192,19 +194,28 @@ class Generation:
         step = Step(out)
         for c in out.outputs:
             s = self.splitter(c.index)
-            self.usage.completion_tokens += len(c.token_ids)
+            self._usage.completion_tokens += len(c.token_ids)
             step.events += s.feed(c.text)
-            if s.reasoning:
-                self.usage.reasoning_tokens += len(c.token_ids)
             if c.finish_reason is not None:
                 step.events += s.finish()
                 reason = c.finish_reason
                 if s.calls and reason == "stop":
                     reason = "tool_calls"
                 step.events.append(ChoiceEnd(c.index, reason, c.stop_reason))
+        self._reasoning_chars += [e.text for e in step.events if isinstance(e, ReasoningDelta)]
         self._sum()
         return step
 
     def _sum(self) -> None:
-        self.usage.prompt_tokens = sum(self._prompt_tokens.values())
-        self.usage.cached_tokens = sum(self._cached_tokens.values())
+        self._usage.prompt_tokens = sum(self._prompt_tokens.values())
+        self._usage.cached_tokens = sum(self._cached_tokens.values())
+
+    @property
+    def usage(self) -> Usage:
+        """What was used so far (the reasoning's tokens counted from its text, on
+        demand: renderers read usage once, at the end)."""
+        u = self._usage
+        if self._count_tokens is not None and self._reasoning_chars:
+            u.reasoning_tokens = min(self._count_tokens("".join(self._reasoning_chars)),
+                                     u.completion_tokens)
+        return u

@@ -15,9 +15,12 @@ from typing import Any, Awaitable, Callable
 
 from starlette.applications import Starlette
 
+from deployments.apis.anthropic.routes import anthropic_routes
 from deployments.apis.context import ApiContext
 from deployments.apis.openai.routes import openai_routes
 from deployments.apis.options import IngressOptions
+from deployments.apis.responses.routes import responses_routes
+from deployments.apis.responses.store import LocalResponses
 from deployments.apis.service_routes import ClientControl, service_routes
 from engine.wire.core_client import EngineClient
 
@@ -34,10 +37,12 @@ def build_api_app(get_client: Callable[[], Awaitable[EngineClient]],
     Responses live (the coordinator in Serve, so every ingress replica reaches them); by
     default one in this process.
     """
+    store = store or LocalResponses(options.response_store_max, options.response_store_ttl_s)
     ctx = ApiContext(get_client, options, None, store)
     ctx.control = control or ClientControl(ctx.get_client)
     ctx.adapters.control = ctx.control
-    app = Starlette(routes=openai_routes(ctx) + service_routes(ctx))
+    app = Starlette(routes=openai_routes(ctx) + responses_routes(ctx) + anthropic_routes(ctx)
+                    + service_routes(ctx))
     app.state.metrics = ctx.metrics  # the ingress reports its snapshot from here too
     app.state.stopping = False  # set when the server stops: /health and new requests 503
     return app

@@ -83,7 +83,7 @@ def service_routes(ctx: ApiContext) -> list[Route]:
 
     def adapter_card(lora: LoRARequest, base: dict[str, Any]) -> dict[str, Any]:
         # root names the adapter, not its folder: paths are the server's business
-        return {**base, "id": lora.lora_name, "root": lora.lora_name, "parent": model}
+        return {**base, "id": lora.lora_name, "root": lora.lora_name, "parent": ctx.model}
 
     async def models(request: Request, rid: str) -> Response:
         base = await model_card()
@@ -104,9 +104,9 @@ def service_routes(ctx: ApiContext) -> list[Route]:
         try:
             await ctx.adapters.load(body.lora_name, body.lora_path)
         except Exception as exc:  # a name taken, or an engine refused it (it says why)
-            cause = cause(exc)
-            if isinstance(cause, (ValueError, UtilityCallError)):
-                raise HTTPError(400, str(cause), "BadRequestError", "lora_path") from None
+            inner = cause(exc)
+            if isinstance(inner, (ValueError, UtilityCallError)):
+                raise HTTPError(400, str(inner), "BadRequestError", "lora_path") from None
             raise
         return JSONResponse({"success": True,
                              "message": f"LoRA adapter {body.lora_name!r} loaded"})
@@ -124,7 +124,7 @@ def service_routes(ctx: ApiContext) -> list[Route]:
         return JSONResponse({"version": __version__})
 
     async def openapi(request: Request, rid: str) -> Response:
-        from deployments.apis.openai.schema import openapi_document
+        from deployments.apis.openapi import openapi_document
         from engine import __version__
         return JSONResponse(openapi_document(__version__))
 

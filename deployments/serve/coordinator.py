@@ -25,6 +25,7 @@ from typing import Any
 import msgspec
 from ray import serve
 
+from deployments.apis.responses.store import ResponseStore
 from deployments.config import AppArgs
 from deployments.serve.metrics_sum import MetricsSum
 from deployments.serve.rank_store import RankStore, RankTable
@@ -107,6 +108,9 @@ class Coordinator:
         self._client_addresses: list[str] = []
         self._lock = asyncio.Lock()
         self._metrics = MetricsSum()
+        # stored Responses, one store for every ingress replica (its module says why)
+        self._responses = ResponseStore(self.args.response_store_max,
+                                        self.args.response_store_ttl_s)
         # ranks survive a restart (deployments/serve/rank_store.py): the engines that own them
         # count as seen at the restart, and come back at their next health check
         self._store = self._rank_store()
@@ -273,6 +277,15 @@ class Coordinator:
         """An ingress replica's request metrics in; the sum over all replicas out
         (deployments/serve/metrics_sum.py)."""
         return self._metrics.report(replica_id, snapshot)
+
+    async def put_response(self, response_id: str, record: dict) -> None:
+        self._responses.put(response_id, record)
+
+    async def get_response(self, response_id: str) -> dict | None:
+        return self._responses.get(response_id)
+
+    async def delete_response(self, response_id: str) -> bool:
+        return self._responses.delete(response_id)
 
     async def stats(self) -> list[dict]:
         client = await self._engine_client()

@@ -92,6 +92,34 @@ class CoordinatorControl:
             return None
 
 
+def _replica_name() -> str | None:
+    """This Serve replica's id (x-flotilla-replica), None outside a replica."""
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # noqa: BLE001 - no replica context (built outside Serve)
+        return None
+
+
+class CoordinatorResponses:
+    """Stored Responses in the coordinator, so that every ingress replica reaches them
+    (deployments/apis/responses/store.py says why there)."""
+
+    def __init__(self, coordinator) -> None:
+        self.coordinator = coordinator
+
+    async def put_response(self, response_id: str, record: dict) -> None:
+        await asyncio.wait_for(self.coordinator.put_response.remote(response_id, record),
+                               COORDINATOR_CALL_TIMEOUT_S)
+
+    async def get_response(self, response_id: str) -> dict | None:
+        return await asyncio.wait_for(self.coordinator.get_response.remote(response_id),
+                                      COORDINATOR_CALL_TIMEOUT_S)
+
+    async def delete_response(self, response_id: str) -> bool:
+        return await asyncio.wait_for(self.coordinator.delete_response.remote(response_id),
+                                      COORDINATOR_CALL_TIMEOUT_S)
+
+
 @serve.deployment
 @serve.ingress()
 class OpenAIIngress:
@@ -244,9 +272,13 @@ class OpenAIIngress:
                                  chat_template=a.chat_template_text(),
                                  tool_call_parser=a.tool_call_parser,
                                  reasoning_parser=a.reasoning_parser,
-                                 request_timeout_s=a.request_timeout_s)
+                                 request_timeout_s=a.request_timeout_s,
+                                 response_store_max=a.response_store_max,
+                                 response_store_ttl_s=a.response_store_ttl_s,
+                                 replica_name=_replica_name())
         self._control = CoordinatorControl(self.coordinator)
-        self._app = build_api_app(self.get_client, options, self._control)
+        self._app = build_api_app(self.get_client, options, self._control,
+                                  CoordinatorResponses(self.coordinator))
         return self._app
 
     async def check_health(self) -> None:

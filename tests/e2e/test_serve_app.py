@@ -1,5 +1,6 @@
 """End to end through Ray Serve: mock engines, DP=2, two ingress replicas, one Ray session
-for the module."""
+for the module. The agent APIs (Responses, Messages, reasoning output) are checked here
+with the official SDKs (tests/e2e/agent_api_checks.py), on scripted mock engines."""
 import asyncio
 import tempfile
 
@@ -8,6 +9,7 @@ import openai
 import pytest
 
 from engine.wire.ports import free_port
+from tests.e2e import agent_api_checks as agent
 
 
 @pytest.fixture(scope="module")
@@ -23,13 +25,16 @@ def base_url():
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app({"model": "mock", "data_parallel_size": 2, "engine_num_cpus": 0,
                              "ingress_num_cpus": 0, "dev_mode": True, "mock_itl_s": 0.002,
-                             "served_model_name": "mock",
+                             "served_model_name": "mock", "mock_scripted": True,
+                             "reasoning_parser": "qwen3",
                              "ingress_autoscaling": {"min_replicas": 2, "max_replicas": 2}}),
                   name="flotilla", route_prefix="/")
         serve.run(build_app({"model": "mock", "data_parallel_size": 2, "engine_num_cpus": 0,
                              "ingress_num_cpus": 0, "dev_mode": True,
                              "mock_force_is_sleeping_rank": 1,
-                             "mock_force_reset_false_rank": 1}),
+                             "mock_force_reset_false_rank": 1, "served_model_name": "mock",
+                             "mock_scripted": True, "reasoning_parser": "deepseek_r1",
+                             "ingress_autoscaling": {"min_replicas": 2, "max_replicas": 2}}),
                   name="disagree", route_prefix="/disagree")
         yield f"http://127.0.0.1:{port}"
     finally:
@@ -115,6 +120,26 @@ def _wait_idle(coordinator) -> list[dict]:
             break
         time.sleep(0.2)
     return stats
+
+
+def test_responses_api_with_the_openai_sdk(base_url):
+    agent.responses_sdk(base_url)
+
+
+def test_messages_api_with_the_anthropic_sdk(base_url):
+    agent.messages_sdk(base_url)
+
+
+@pytest.mark.parametrize("prefix, script", [
+    ("", "<think>Step one.</think>\n\nThe answer."),  # qwen3: the model opens the block
+    ("/disagree", "Step one.</think>The answer."),  # deepseek_r1: the template opened it
+])
+def test_reasoning_is_split_from_the_answer(base_url, prefix, script):
+    agent.reasoning_split(base_url, prefix, script, "Step one.", "The answer.")
+
+
+def test_schemathesis_finds_no_server_error_on_the_agent_apis(base_url):
+    agent.fuzz_new_endpoints(base_url)
 
 
 @pytest.mark.parametrize("prompts", [1, 4], ids=["one_prompt", "four_prompts"])

@@ -17,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from deployments.apis.common.chat_prep import ChatInput, PreparedChat, prepare_chat
+from deployments.apis.common.chat_prep import ChatInput
 from deployments.apis.context import ApiContext
 from deployments.apis.events import Generation, OutputPlan
 from deployments.apis.openai.prompt_batch import echo_prompt, merge_prompt_streams
@@ -29,7 +29,6 @@ from deployments.apis.openai.protocol import (
 )
 from deployments.apis.openai.render import Shape, full_response, sse_chunks
 from engine.errors import EngineRequestError
-from engine.frontend.prep_offload import INLINE_CHARS
 from engine.outputs import OutputKind, RequestOutput
 from engine.pooling import PoolingParams
 from engine.request_limits import check_fanout
@@ -56,13 +55,6 @@ def _constraint_field(body: ChatCompletionRequest) -> str:
         if getattr(body, name) is not None:
             return name
     return "response_format"
-
-
-async def prepare(ctx: ApiContext, request: Request, chat: ChatInput) -> PreparedChat:
-    """The chat prompt, off the event loop when the request is large or has tools."""
-    client = await ctx.get_client()
-    heavy = request.state.body_bytes > INLINE_CHARS or bool(chat.tools)
-    return await client.prep.run(heavy, prepare_chat, client.processor, chat, ctx.options)
 
 
 def openai_routes(ctx: ApiContext) -> list[Route]:
@@ -100,7 +92,7 @@ def openai_routes(ctx: ApiContext) -> list[Route]:
         scheduling = ctx.scheduling(body, request)
         client = await ctx.get_client()
         chat = chat_input(body)
-        prepared = await prepare(ctx, request, chat)
+        prepared = await ctx.prepare_chat(request, chat)
         params = body.sampling_params(body.token_limit(), body.logprob_count(),
                                       prepared.structured, client.sampling_defaults,
                                       body.prompt_logprobs)
