@@ -1,4 +1,5 @@
-"""POST /v1/responses (+ GET / DELETE) on the in-process app over scripted mock engines,
+"""POST /v1/responses (+ GET / DELETE), and chat completions with a reasoning parser, on
+the in-process app over scripted mock engines,
 driven by the official openai SDK: plain and streamed text, function tools (auto,
 required through the grammar check of the mock), text.format json_schema parsed into
 a pydantic model, reasoning items (qwen3 parser), previous_response_id, store=false,
@@ -169,3 +170,33 @@ def test_unsupported_fields_are_refused_by_name(server, field, value, param):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param or param in err["message"], err
+
+
+def test_chat_completions_reasoning_with_tools_and_a_schema(server):
+    """The thinking goes to reasoning_content, the call after it is parsed (streamed and
+    not), and a response format is enforced after the thinking only."""
+    async def test(oai):
+        tools = [{"type": "function", "function": {k: v for k, v in TOOLS[0].items()
+                                                   if k != "type"}}]
+        script = CALL.replace("[[emit]]", "[[emit]]<think>Weather needs a tool.</think>")
+        messages = [{"role": "user", "content": script}]
+        r = await oai.chat.completions.create(model=MODEL, messages=messages, tools=tools)
+        message = r.choices[0].message
+        assert message.reasoning_content == "Weather needs a tool."
+        assert message.tool_calls[0].function.name == "get_weather"
+        assert r.choices[0].finish_reason == "tool_calls" and not message.content
+        reasoning, calls = "", []
+        async for chunk in await oai.chat.completions.create(
+                model=MODEL, messages=messages, tools=tools, stream=True):
+            delta = chunk.choices[0].delta
+            reasoning += getattr(delta, "reasoning_content", None) or ""
+            calls += delta.tool_calls or []
+        assert reasoning == "Weather needs a tool." and calls[0].function.name == "get_weather"
+        schema = {"type": "json_schema", "json_schema": {"name": "city", "schema":
+                                                         City.model_json_schema()}}
+        ok = await oai.chat.completions.create(model=MODEL, response_format=schema, messages=[
+            {"role": "user", "content": '[[emit]]<think>{not json}</think>'
+                                        '{"name": "Oslo", "population": 700000}[[/emit]]'}])
+        assert ok.choices[0].message.reasoning_content == "{not json}"
+        assert City.model_validate_json(ok.choices[0].message.content).name == "Oslo"
+    run(server, test)
