@@ -4,7 +4,7 @@ driven by the official openai SDK: plain and streamed text, function tools (auto
 required through the grammar check of the mock), text.format json_schema parsed into
 a pydantic model, reasoning items (qwen3 parser), previous_response_id, store=false,
 and the 400s for what is not implemented. The same flows through Serve (DP=2, two
-ingress replicas, the store shared by both) are in tests/e2e/test_agent_apis.py."""
+ingress replicas, the store shared by both) are in tests/e2e/agent_api_checks.py."""
 from __future__ import annotations
 
 import asyncio
@@ -200,3 +200,24 @@ def test_chat_completions_reasoning_with_tools_and_a_schema(server):
         assert ok.choices[0].message.reasoning_content == "{not json}"
         assert City.model_validate_json(ok.choices[0].message.content).name == "Oslo"
     run(server, test)
+
+
+def test_a_stream_closed_by_its_client_is_aborted(tokenizer):
+    """Responses and Messages streams left mid-way abort their engine requests (nothing
+    stays in flight at the engine client)."""
+    import time
+
+    with serve_app_over_mocks(tokenizer, engines=1, itl_s=0.01) as s:
+        bodies = {"/v1/responses": {"model": MODEL, "input": "hi", "stream": True,
+                                    "max_output_tokens": 2000},
+                  "/v1/messages": {"model": MODEL, "max_tokens": 2000, "stream": True,
+                                   "messages": [{"role": "user", "content": "hi"}]}}
+        for path, body in bodies.items():
+            with httpx.stream("POST", f"{s.url}{path}", json=body, timeout=30) as r:
+                assert r.status_code == 200
+                next(r.iter_lines())
+            client = s.clients[-1]
+            deadline = time.monotonic() + 10
+            while client.num_in_flight and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert client.num_in_flight == 0, path

@@ -186,6 +186,12 @@ class Generation:
         finally:
             await self.stream.aclose()
 
+    async def aclose(self) -> None:
+        """Close the engine stream now (its requests aborted at the engines): a renderer
+        calls it when its client goes away mid-stream, rather than leaving it to the
+        garbage collector's finalizing of steps()."""
+        await self.stream.aclose()
+
     def _step(self, out: RequestOutput) -> Step:
         self._prompt_tokens[out.request_id] = len(out.prompt_token_ids)
         self._cached_tokens[out.request_id] = out.num_cached_tokens or 0

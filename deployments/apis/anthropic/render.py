@@ -267,3 +267,5 @@ async def sse_events(gen: Generation, first: RequestOutput,
     except Exception as exc:  # noqa: BLE001 - reported in-band: the status is already sent
         err = _timeout(gen) if isinstance(exc, RequestTimeoutError) else map_error(exc)
         yield _sse(anthropic_error_body(err))
+    finally:
+        await gen.aclose()

@@ -186,6 +186,8 @@ async def sse_chunks(gen: Generation, first: RequestOutput, request_id: str, cre
         if err.usage is not None:
             payload["usage"] = err.usage
         yield _event(payload)
+    finally:
+        await gen.aclose()
     yield b"data: [DONE]\n\n"
 
 

@@ -137,6 +137,8 @@ class ResponsesRequest(_Strict):
 
     @model_validator(mode="after")
     def _check(self) -> "ResponsesRequest":
+        if isinstance(self.input, list) and not self.input:
+            raise ValueError("input: give a string or at least one item")
         if isinstance(self.tool_choice, NamedFunction):
             if self.tool_choice.name not in {t.name for t in self.tools or ()}:
                 raise ValueError(f"tool_choice names {self.tool_choice.name!r}, which is "

@@ -108,6 +108,8 @@ def responses_routes(ctx: ApiContext) -> list[Route]:
                 failed = builder.response("failed", gen.usage, {"code": "server_error",
                                                                 "message": err.message})
                 yield _sse(builder.event("response.failed", response=failed))
+            finally:
+                await gen.aclose()
         return StreamingResponse(events(), media_type="text/event-stream")
 
     async def retrieve(request: Request, rid: str) -> Response:
