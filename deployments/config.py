@@ -115,6 +115,9 @@ class AppArgs(BaseModel):
         "first")
     response_store_ttl_s: float = Field(
         3600.0, gt=0, description="seconds a stored Response is kept")
+    response_store_max_bytes: int = Field(
+        256 << 20, ge=1, description="bytes of stored Responses kept at most (their JSON, "
+        "each holding its conversation so far); the oldest go first")
     request_timeout_s: float | None = Field(
         600.0, gt=0, description="seconds a request may take from arrival when it names no "
         "timeout of its own; past it the request is aborted and answered with 408, so a "

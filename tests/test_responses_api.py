@@ -58,6 +58,8 @@ def test_text_plain_and_streamed(server):
                                         instructions="Be brief.") as stream:
             async for event in stream:
                 kinds.append(event.type)
+                if event.type == "response.output_item.added":
+                    assert event.item.content == []  # the part comes with its own event
                 if event.type == "response.output_text.delta":
                     text += event.delta
             final = await stream.get_final_response()
@@ -161,6 +163,7 @@ def test_store_get_delete_and_limits(server):
     ("input", [{"role": "user", "content": [{"type": "input_image"}]}], "input.0.content.0"),
     ("conversation", "conv_1", "conversation"),
     ("frequency_penalty", 0.5, "frequency_penalty"),
+    ("chat_template_kwargs", {"tokenize": True}, "chat_template_kwargs"),
 ])
 def test_unsupported_fields_are_refused_by_name(server, field, value, param):
     body = {"model": MODEL, "input": "hi", field: value}
@@ -192,6 +195,12 @@ def test_chat_completions_reasoning_with_tools_and_a_schema(server):
             reasoning += getattr(delta, "reasoning_content", None) or ""
             calls += delta.tool_calls or []
         assert reasoning == "Weather needs a tool." and calls[0].function.name == "get_weather"
+        # the message goes back as it came, reasoning_content included (the SDK's loop)
+        follow = messages + [message.model_dump(exclude_none=True), {
+            "role": "tool", "tool_call_id": message.tool_calls[0].id,
+            "content": "[[emit]]Sunny.[[/emit]]"}]
+        after = await oai.chat.completions.create(model=MODEL, messages=follow, tools=tools)
+        assert after.choices[0].message.content == "Sunny."
         schema = {"type": "json_schema", "json_schema": {"name": "city", "schema":
                                                          City.model_json_schema()}}
         ok = await oai.chat.completions.create(model=MODEL, response_format=schema, messages=[

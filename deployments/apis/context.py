@@ -48,6 +48,26 @@ async def read_capped(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
+class ClosingStreamingResponse(StreamingResponse):
+    """A stream that closes its body, and the engine stream behind it, however it ends:
+    when the client goes away mid-stream Starlette stops iterating and leaves the body
+    generator suspended until it is garbage-collected, and a body never started would
+    never close the engine stream its request opened. close: that engine stream's."""
+
+    def __init__(self, content, close: Callable[[], Awaitable[None]], **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self._close = close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            closing = getattr(self.body_iterator, "aclose", None)
+            if closing is not None:
+                await closing()
+            await self._close()
+
+
 def _http_span(request: Request, rid: str):
     """A traced POST's SERVER span (the caller's child); None for other methods, or
     if it cannot be made (tracing never fails a request)."""
@@ -78,6 +98,9 @@ def _end_with(span, response: Response) -> None:
                 yield event
         finally:
             span.end()
+            closing = getattr(events, "aclose", None)
+            if closing is not None:
+                await closing()
     response.body_iterator = ending()
 
 
@@ -159,9 +182,13 @@ class ApiContext:
 
     async def prepare_chat(self, request: Request, chat: ChatInput) -> PreparedChat:
         """The chat prompt (deployments.apis.common.chat_prep), off the event loop when
-        the request is large or has tools (templating and tokenizing are CPU work)."""
+        the request is large or has tools (templating and tokenizing are CPU work), or
+        its conversation is (a short follow-up of a long stored one)."""
         client = await self.get_client()
-        heavy = request.state.body_bytes > INLINE_CHARS or bool(chat.tools)
+        heavy = (request.state.body_bytes > INLINE_CHARS or bool(chat.tools)
+                 or len(chat.conversation) > 8
+                 or sum(len(str(m.get("content") or "")) for m in chat.conversation)
+                 > INLINE_CHARS)
         return await client.prep.run(heavy, prepare_chat, client.processor, chat, self.options)
 
     # ---- outputs ----------------------------------------------------------------------------

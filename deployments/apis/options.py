@@ -22,6 +22,7 @@ class IngressOptions:
     # stored Responses (POST /v1/responses with store): the most kept, and for how long
     response_store_max: int = 10_000
     response_store_ttl_s: float = 3600.0
+    response_store_max_bytes: int = 256 << 20
     # the Serve replica answering, sent as x-flotilla-replica (operators tracing a
     # request; tests checking which replica answered); None: no header
     replica_name: str | None = None

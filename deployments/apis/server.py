@@ -37,7 +37,8 @@ def build_api_app(get_client: Callable[[], Awaitable[EngineClient]],
     Responses live (the coordinator in Serve, so every ingress replica reaches them); by
     default one in this process.
     """
-    store = store or LocalResponses(options.response_store_max, options.response_store_ttl_s)
+    store = store or LocalResponses(options.response_store_max, options.response_store_ttl_s,
+                                    options.response_store_max_bytes)
     ctx = ApiContext(get_client, options, None, store)
     ctx.control = control or ClientControl(ctx.get_client)
     ctx.adapters.control = ctx.control

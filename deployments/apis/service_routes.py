@@ -96,7 +96,7 @@ def service_routes(ctx: ApiContext) -> list[Route]:
             return JSONResponse(await model_card())
         lora = await ctx.adapters.resolve(name)
         if lora is None:
-            raise HTTPError(404, f"The ctx.model `{name}` does not exist.", "NotFoundError", "model")
+            raise HTTPError(404, f"The model `{name}` does not exist.", "NotFoundError", "model")
         return JSONResponse(adapter_card(lora, await model_card()))
 
     async def load_lora_adapter(request: Request, rid: str) -> Response:

@@ -110,7 +110,8 @@ class Coordinator:
         self._metrics = MetricsSum()
         # stored Responses, one store for every ingress replica (its module says why)
         self._responses = ResponseStore(self.args.response_store_max,
-                                        self.args.response_store_ttl_s)
+                                        self.args.response_store_ttl_s,
+                                        self.args.response_store_max_bytes)
         # ranks survive a restart (deployments/serve/rank_store.py): the engines that own them
         # count as seen at the restart, and come back at their next health check
         self._store = self._rank_store()
@@ -278,8 +279,8 @@ class Coordinator:
         (deployments/serve/metrics_sum.py)."""
         return self._metrics.report(replica_id, snapshot)
 
-    async def put_response(self, response_id: str, record: dict) -> None:
-        self._responses.put(response_id, record)
+    async def put_response(self, response_id: str, record: dict) -> bool:
+        return self._responses.put(response_id, record)
 
     async def get_response(self, response_id: str) -> dict | None:
         return self._responses.get(response_id)

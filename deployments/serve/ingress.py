@@ -14,6 +14,7 @@ from ray import serve
 from deployments.config import AppArgs
 from deployments.serve.coordinator import COORDINATOR_CALL_TIMEOUT_S
 from deployments.serve.heap_trim import IdleHeapTrim
+from deployments.apis.errors import HTTPError
 from deployments.apis.server import IngressOptions, build_api_app
 from deployments.tokenizers import tokenizer_for
 from engine.errors import NoEnginesError
@@ -107,17 +108,25 @@ class CoordinatorResponses:
     def __init__(self, coordinator) -> None:
         self.coordinator = coordinator
 
-    async def put_response(self, response_id: str, record: dict) -> None:
-        await asyncio.wait_for(self.coordinator.put_response.remote(response_id, record),
-                               COORDINATOR_CALL_TIMEOUT_S)
+    async def put_response(self, response_id: str, record: dict) -> bool:
+        return await asyncio.wait_for(
+            self.coordinator.put_response.remote(response_id, record),
+            COORDINATOR_CALL_TIMEOUT_S)
 
     async def get_response(self, response_id: str) -> dict | None:
-        return await asyncio.wait_for(self.coordinator.get_response.remote(response_id),
-                                      COORDINATOR_CALL_TIMEOUT_S)
+        return await self._call(self.coordinator.get_response.remote(response_id))
 
     async def delete_response(self, response_id: str) -> bool:
-        return await asyncio.wait_for(self.coordinator.delete_response.remote(response_id),
-                                      COORDINATOR_CALL_TIMEOUT_S)
+        return await self._call(self.coordinator.delete_response.remote(response_id))
+
+    @staticmethod
+    async def _call(call):
+        """A store call; the coordinator restarting or not answering is a 503."""
+        try:
+            return await asyncio.wait_for(call, COORDINATOR_CALL_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001
+            raise HTTPError(503, f"the response store is not answering ({type(exc).__name__}); "
+                            "retry", "ServiceUnavailableError") from None
 
 
 @serve.deployment
@@ -275,6 +284,7 @@ class OpenAIIngress:
                                  request_timeout_s=a.request_timeout_s,
                                  response_store_max=a.response_store_max,
                                  response_store_ttl_s=a.response_store_ttl_s,
+                                 response_store_max_bytes=a.response_store_max_bytes,
                                  replica_name=_replica_name())
         self._control = CoordinatorControl(self.coordinator)
         self._app = build_api_app(self.get_client, options, self._control,

@@ -57,9 +57,14 @@ class Processor:
             raise InvalidRequestError("messages must be a list of {role, content} objects")
         if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequestError("this model's tokenizer has no chat template")
-        return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-            chat_template=chat_template, **kwargs)
+        from jinja2.exceptions import TemplateError
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                chat_template=chat_template, **kwargs)
+        except TemplateError as exc:  # the template refused the conversation (its raise_exception)
+            raise InvalidRequestError(f"the chat template refused the conversation: {exc}") \
+                from None
 
     def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
         """Each word's token ids as it would appear first in a text and after a space

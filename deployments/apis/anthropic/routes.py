@@ -12,7 +12,7 @@ from __future__ import annotations
 import uuid
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from deployments.apis.anthropic.protocol import CountTokensRequest, MessagesRequest
@@ -23,7 +23,7 @@ from deployments.apis.anthropic.render import (
     new_message_id,
     sse_events,
 )
-from deployments.apis.context import ApiContext
+from deployments.apis.context import ApiContext, ClosingStreamingResponse
 from deployments.apis.events import Generation
 
 
@@ -43,8 +43,8 @@ def anthropic_routes(ctx: ApiContext) -> list[Route]:
                              tuple(body.stop_sequences or ()), body.omit_thinking)
         if body.stream:
             first = await ctx.first(stream)  # errors before the first token: HTTP errors
-            return StreamingResponse(sse_events(gen, first, shape),
-                                     media_type="text/event-stream")
+            return ClosingStreamingResponse(sse_events(gen, first, shape), gen.aclose,
+                                            media_type="text/event-stream")
         return JSONResponse(await full_message(gen, shape))
 
     async def count_tokens(request: Request, rid: str) -> Response:

@@ -49,6 +49,8 @@ def prepare_chat(processor: Any, chat: ChatInput, options: IngressOptions) -> Pr
     tools = plan_tools(chat.tools, chat.tool_choice, chat.parallel_tool_calls,
                        options.tool_call_parser) if chat.tools else NO_TOOLS
     structured = chat.structured
+    # with tool_choice auto a constraint shapes the whole answer, calls included: the
+    # parser reads whatever calls the constraint lets the model write (docs/api.md)
     if tools.forced is not None:
         if structured is not None:
             raise ParamError(chat.structured_param, f"{chat.structured_param} cannot be "

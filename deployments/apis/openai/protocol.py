@@ -267,6 +267,10 @@ class ChatMessage(_Strict):
     name: str | None = None
     tool_calls: list[MessageToolCall] | None = None
     tool_call_id: str | None = None
+    # an assistant message sent back as it came (with a reasoning parser): its thinking
+    # is left out of the prompt, as chat templates drop earlier reasoning
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class FunctionDefinition(_Strict):
@@ -288,6 +292,16 @@ class NamedFunction(_Strict):
 class NamedToolChoice(_Strict):
     type: Literal["function"]
     function: NamedFunction
+
+
+def check_template_kwargs(kwargs: dict[str, Any] | None) -> None:
+    """chat_template_kwargs may not set apply_chat_template's own arguments (a clash is
+    a TypeError, or a template that returns ids: a 500 otherwise)."""
+    reserved = sorted(set(kwargs or ()) & _TEMPLATE_CALL_ARGS)
+    if reserved:
+        raise ValueError(f"chat_template_kwargs: {', '.join(map(repr, reserved))} "
+                         "cannot be set there (the server sets it, or the request's own "
+                         "field does)")
 
 
 # apply_chat_template's own arguments: as chat_template_kwargs they clashed with the
@@ -322,11 +336,7 @@ class ChatCompletionRequest(_SamplingFields):
 
     @model_validator(mode="after")
     def _template_kwargs(self) -> "ChatCompletionRequest":
-        reserved = sorted(set(self.chat_template_kwargs or ()) & _TEMPLATE_CALL_ARGS)
-        if reserved:
-            raise ValueError(f"chat_template_kwargs: {', '.join(map(repr, reserved))} "
-                             "cannot be set there (the server sets it, or the request's own "
-                             "field does)")
+        check_template_kwargs(self.chat_template_kwargs)
         return self
 
     @model_validator(mode="after")

@@ -14,11 +14,11 @@ import uuid
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from deployments.apis.common.chat_prep import ChatInput
-from deployments.apis.context import ApiContext
+from deployments.apis.context import ApiContext, ClosingStreamingResponse
 from deployments.apis.events import Generation, OutputPlan
 from deployments.apis.openai.prompt_batch import echo_prompt, merge_prompt_streams
 from deployments.apis.openai.protocol import (
@@ -113,9 +113,9 @@ def openai_routes(ctx: ApiContext) -> list[Route]:
         if body.stream:
             first = await ctx.first(stream)  # errors before the first token: HTTP errors
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(
+            return ClosingStreamingResponse(
                 sse_chunks(gen, first, request_id, created, model, include_usage, shape),
-                media_type="text/event-stream")
+                gen.aclose, media_type="text/event-stream")
         return JSONResponse(await full_response(gen, request_id, created, model, choices,
                                                 shape))
 

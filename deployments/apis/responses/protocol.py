@@ -19,7 +19,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from deployments.apis.errors import ParamError
-from deployments.apis.openai.protocol import Int64
+from deployments.apis.openai.protocol import Int64, check_template_kwargs
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
 from engine.structured.params import StructuredOutputsParams
@@ -101,7 +101,7 @@ class ResponsesRequest(_Strict):
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
     parallel_tool_calls: bool | None = None
-    store: bool = True
+    store: bool | None = True  # null: the default (stored)
     previous_response_id: str | None = None
     stream: bool | None = False
     metadata: dict[str, str] | None = None
@@ -139,6 +139,7 @@ class ResponsesRequest(_Strict):
     def _check(self) -> "ResponsesRequest":
         if isinstance(self.input, list) and not self.input:
             raise ValueError("input: give a string or at least one item")
+        check_template_kwargs(self.chat_template_kwargs)
         if isinstance(self.tool_choice, NamedFunction):
             if self.tool_choice.name not in {t.name for t in self.tools or ()}:
                 raise ValueError(f"tool_choice names {self.tool_choice.name!r}, which is "
@@ -219,13 +220,15 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             role = item.get("role")
             if role not in ("user", "assistant", "system", "developer"):
                 raise ParamError(f"{where}.role", f"unknown role {role!r}")
-            out.append({"role": role, "content": _text_of(item.get("content"), where)})
+            # OpenAI's developer role is the system role of chat templates
+            out.append({"role": "system" if role == "developer" else role,
+                        "content": _text_of(item.get("content"), where)})
         elif kind == "function_call":
             call = {"id": _field(item, "call_id", where), "type": "function", "function": {
                 "name": _field(item, "name", where),
                 "arguments": _field(item, "arguments", where)}}
-            if out and out[-1]["role"] == "assistant" and "tool_calls" in out[-1]:
-                out[-1]["tool_calls"].append(call)
+            if out and out[-1]["role"] == "assistant":  # the turn that made the call
+                out[-1].setdefault("tool_calls", []).append(call)
             else:
                 out.append({"role": "assistant", "content": "", "tool_calls": [call]})
         elif kind == "function_call_output":

@@ -126,8 +126,10 @@ class ResponseBuilder:
         self.output.append(item)
         self._open = item
         index = len(self.output) - 1
-        out = [self.event("response.output_item.added", output_index=index,
-                          item=_snapshot(item))]
+        added = _snapshot(item)
+        if "content" in added:  # the part comes with response.content_part.added
+            added["content"] = []
+        out = [self.event("response.output_item.added", output_index=index, item=added)]
         if item["type"] != "function_call":
             part = {**item["content"][0], "text": ""}
             out.append(self.event("response.content_part.added", item_id=item["id"],
@@ -181,7 +183,7 @@ class ResponseBuilder:
             if status != "in_progress" else [],
             "parallel_tool_calls": b.parallel_tool_calls is not False,
             "previous_response_id": b.previous_response_id,
-            "reasoning": {"effort": None, "summary": None}, "store": b.store,
+            "reasoning": {"effort": None, "summary": None}, "store": b.store is not False,
             "temperature": b.temperature, "text": {"format": fmt},
             "tool_choice": (b.tool_choice.model_dump() if hasattr(b.tool_choice, "model_dump")
                             else b.tool_choice or ("auto" if b.tools else "none")),

@@ -9,15 +9,16 @@ naming it as `previous_response_id` may land anywhere.
 """
 from __future__ import annotations
 
+import logging
 from typing import Any, AsyncIterator
 
 import msgspec
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from deployments.apis.common.chat_prep import ChatInput
-from deployments.apis.context import ApiContext
+from deployments.apis.context import ApiContext, ClosingStreamingResponse
 from deployments.apis.errors import HTTPError, map_error
 from deployments.apis.events import Generation
 from deployments.apis.responses.protocol import ResponsesRequest, input_messages
@@ -25,6 +26,7 @@ from deployments.apis.responses.render import ResponseBuilder, new_id
 from engine.errors import RequestTimeoutError
 
 _JSON = msgspec.json.Encoder()
+logger = logging.getLogger(__name__)
 
 
 def _sse(event: dict[str, Any]) -> bytes:
@@ -69,8 +71,8 @@ def responses_routes(ctx: ApiContext) -> list[Route]:
 
         async def finish() -> dict[str, Any]:
             final = builder.response(builder.status(), gen.usage)
-            if body.store:
-                await ctx.store.put_response(response_id, {
+            if body.store is not False:
+                final["store"] = await _put(ctx, response_id, {
                     "response": final,
                     "conversation": conversation + builder.assistant_messages()})
             return final
@@ -110,7 +112,7 @@ def responses_routes(ctx: ApiContext) -> list[Route]:
                 yield _sse(builder.event("response.failed", response=failed))
             finally:
                 await gen.aclose()
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return ClosingStreamingResponse(events(), gen.aclose, media_type="text/event-stream")
 
     async def retrieve(request: Request, rid: str) -> Response:
         record = await ctx.store.get_response(request.path_params["response_id"])
@@ -129,6 +131,18 @@ def responses_routes(ctx: ApiContext) -> list[Route]:
         Route("/v1/responses/{response_id}", ctx.endpoint(retrieve), methods=["GET"]),
         Route("/v1/responses/{response_id}", ctx.endpoint(delete), methods=["DELETE"]),
     ]
+
+
+async def _put(ctx: ApiContext, response_id: str, record: dict[str, Any]) -> bool:
+    """Store a finished response; False (and the response says `store: false`) when the
+    store could not keep it: the generation is not failed for it."""
+    try:
+        if await ctx.store.put_response(response_id, record):
+            return True
+        logger.warning("response %s not stored: larger than the response store", response_id)
+    except Exception as exc:  # noqa: BLE001 - the coordinator restarting or not answering
+        logger.warning("response %s not stored: %s", response_id, exc)
+    return False
 
 
 def _not_found(response_id: str) -> HTTPError:
