@@ -37,6 +37,17 @@ class ParamError(InvalidRequestError):
         self.param = param
 
 
+def first_unsupported(body: Any, table: dict[str, Any]) -> ParamError | None:
+    """The first field of `body` set to something Flotilla does not implement: table
+    maps each such field to the value (or tuple of values) that is accepted, its "off"."""
+    for name, accepted in table.items():
+        value = getattr(body, name)
+        ok = accepted if isinstance(accepted, tuple) else (accepted,)
+        if value not in ok:
+            return ParamError(name, f"{name} is not supported by this server")
+    return None
+
+
 class HTTPError(Exception):
     """usage: what a request that failed part way used (a timed-out one's tokens)."""
 

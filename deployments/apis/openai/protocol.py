@@ -16,7 +16,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from deployments.apis.errors import ParamError
+from deployments.apis.errors import ParamError, first_unsupported
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
 from engine.structured.params import StructuredOutputsParams
@@ -151,12 +151,7 @@ class _SamplingFields(_SchedulingFields):
 
     def unsupported_param(self) -> ParamError | None:
         """The first field set to something Flotilla does not implement, as a ParamError."""
-        for name, accepted in self.UNSUPPORTED.items():
-            value = getattr(self, name)
-            ok = accepted if isinstance(accepted, tuple) else (accepted,)
-            if value not in ok:
-                return ParamError(name, f"{name} is not supported by this server")
-        return None
+        return first_unsupported(self, self.UNSUPPORTED)
 
     def structured_outputs_params(self, forced: StructuredOutputsParams | None = None,
                                   forced_by: str = "") -> StructuredOutputsParams | None:

@@ -18,7 +18,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from deployments.apis.errors import ParamError
+from deployments.apis.errors import ParamError, first_unsupported
 from deployments.apis.openai.protocol import Int64, check_template_kwargs
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
@@ -151,11 +151,9 @@ class ResponsesRequest(_Strict):
         return self
 
     def unsupported_param(self) -> ParamError | None:
-        for name, accepted in self.UNSUPPORTED.items():
-            value = getattr(self, name)
-            ok = accepted if isinstance(accepted, tuple) else (accepted,)
-            if value not in ok:
-                return ParamError(name, f"{name} is not supported by this server")
+        refused = first_unsupported(self, self.UNSUPPORTED)
+        if refused is not None:
+            return refused
         for i, tool in enumerate(self.tools or ()):
             if tool.type != "function":
                 what = ("built-in" if tool.type in BUILT_IN_TOOLS else "unknown")
