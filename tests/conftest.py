@@ -31,6 +31,36 @@ torch.set_num_threads(1)
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Engines that tests build in this process (LLM, EngineCore) get a CPU KV cache of at
+# most 512 MiB and 16,384 blocks unless the test sizes it (kv_cache_memory_bytes,
+# num_gpu_blocks_override), not the product's 2 GiB: a tiny model's 2 GiB is
+# 260,000-520,000 blocks, a Python object each in the block manager, and the default
+# model's is 2 GiB of pages written at start (ModelRunner._prefault_kv); 1-2 s an
+# engine on this 2-core machine, and the suite builds hundreds. The pool still holds a
+# full batch (256) of max-length sequences of every tiny model (512 tokens, blocks of 8
+# or more) and leaves the default model its max_model_len (728 blocks of 16 tokens in
+# float32). Engines in other processes (Ray replicas, the CLIs) keep the product's
+# default; TP worker processes do too, but a pool is the smallest of its ranks' and
+# rank 0 runs here.
+TEST_KV_CACHE_BYTES = 512 << 20
+TEST_KV_CACHE_BLOCKS = 16384
+from engine.executor import kv_budget  # noqa: E402
+
+assert hasattr(kv_budget, "CPU_DEFAULT_KV_CACHE_BYTES"), "what KVBudget reads on CPU"
+kv_budget.CPU_DEFAULT_KV_CACHE_BYTES = TEST_KV_CACHE_BYTES
+_product_max_kv_blocks = kv_budget.KVBudget.max_kv_blocks
+
+
+def _test_max_kv_blocks(runner) -> int:
+    blocks = _product_max_kv_blocks(runner)
+    if runner.device.type != "cpu" or runner.config.kv_cache_memory_bytes or \
+            runner.config.num_gpu_blocks_override:
+        return blocks
+    return min(blocks, TEST_KV_CACHE_BLOCKS)
+
+
+kv_budget.KVBudget.max_kv_blocks = _test_max_kv_blocks
+
 
 # Every vector path of the native CPU kernels, built on this host: the native one and the
 # narrower ones of its CPU family (an AVX-512 host also runs the AVX2 and SSE2 builds;
