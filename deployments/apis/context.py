@@ -24,6 +24,7 @@ from deployments.apis.errors import HTTPError, map_error, openai_error_response
 from deployments.apis.lora_admin import AdapterDirectory
 from deployments.apis.options import IngressOptions
 from deployments.serve.metrics import IngressMetrics
+from deployments.serve.metrics_sum import Snapshot
 from engine import tracing
 from engine.frontend.prep_offload import INLINE_CHARS
 from engine.lora.request import LoRARequest
@@ -104,6 +105,41 @@ def _end_with(span, response: Response) -> None:
     response.body_iterator = ending()
 
 
+class ClientControl:
+    """Control calls answered by the ingress's own EngineClient (no coordinator)."""
+
+    def __init__(self, get_client: Callable[[], Awaitable[EngineClient]]) -> None:
+        self.get_client = get_client
+
+    async def is_sleeping(self) -> bool:
+        return await (await self.get_client()).is_sleeping()
+
+    async def sleep(self, level: int) -> None:
+        await (await self.get_client()).call_utility("sleep", level)
+
+    async def wake_up(self, tags: list[str] | None) -> None:
+        await (await self.get_client()).call_utility("wake_up", tags)
+
+    async def reset_prefix_cache(self, reset_running_requests: bool, reset_external: bool) -> bool:
+        return await (await self.get_client()).reset_prefix_cache(reset_running_requests,
+                                                                  reset_external)
+
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        await (await self.get_client()).add_lora(lora_request)
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        return await (await self.get_client()).remove_lora(lora_id)
+
+    async def list_loras(self) -> list[LoRARequest]:
+        return await (await self.get_client()).list_loras()
+
+    async def sum_metrics(self, snapshot: Snapshot, timeout_s: float) -> Snapshot | None:
+        """The request metrics over every ingress replica: this one is the only one."""
+        return None
+
+
+
+
 class ApiContext:
     """Shared by the routes of every API in one app (see the module docstring)."""
 
@@ -113,9 +149,10 @@ class ApiContext:
         self.model = options.served_model_name
         self._raw_get_client = get_client
         self.seen: dict[str, EngineClient] = {}
-        self.control = control
+        # the coordinator in Serve; by default the client itself, with the same rules
+        self.control = control or ClientControl(self.get_client)
         self.store = store  # stored Responses (deployments.apis.responses.store)
-        self.adapters = AdapterDirectory(control)
+        self.adapters = AdapterDirectory(self.control)
         self.metrics = IngressMetrics(self.model, lambda: self.seen.get("client"))
         self.traced = tracing.enabled()  # read once: off costs one check per request
 

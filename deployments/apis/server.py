@@ -16,12 +16,12 @@ from typing import Any, Awaitable, Callable
 from starlette.applications import Starlette
 
 from deployments.apis.anthropic.routes import anthropic_routes
-from deployments.apis.context import ApiContext
+from deployments.apis.context import ApiContext, ClientControl
 from deployments.apis.openai.routes import openai_routes
 from deployments.apis.options import IngressOptions
 from deployments.apis.responses.routes import responses_routes
 from deployments.apis.responses.store import LocalResponses
-from deployments.apis.service_routes import ClientControl, service_routes
+from deployments.apis.service_routes import service_routes
 from engine.wire.core_client import EngineClient
 
 __all__ = ["ClientControl", "IngressOptions", "build_api_app"]
@@ -39,9 +39,7 @@ def build_api_app(get_client: Callable[[], Awaitable[EngineClient]],
     """
     store = store or LocalResponses(options.response_store_max, options.response_store_ttl_s,
                                     options.response_store_max_bytes)
-    ctx = ApiContext(get_client, options, None, store)
-    ctx.control = control or ClientControl(ctx.get_client)
-    ctx.adapters.control = ctx.control
+    ctx = ApiContext(get_client, options, control, store)
     app = Starlette(routes=openai_routes(ctx) + responses_routes(ctx) + anthropic_routes(ctx)
                     + service_routes(ctx))
     app.state.metrics = ctx.metrics  # the ingress reports its snapshot from here too

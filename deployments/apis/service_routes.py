@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -25,10 +25,8 @@ from deployments.apis.openai.protocol import (
     TokenizeRequest,
     UnloadLoRAAdapterRequest,
 )
-from deployments.serve.metrics_sum import Snapshot
 from engine.errors import UtilityCallError
 from engine.lora.request import LoRARequest
-from engine.wire.core_client import EngineClient
 
 logger = logging.getLogger(__name__)
 HEALTH_WAIT_S = 0.9  # /health answers within a second, connected or not
@@ -36,41 +34,6 @@ STATS_WAIT_S = 0.5  # a scrape asks the engines for their stats, waiting this lo
 STATS_MAX_AGE_S = 1.0  # ... when their last (from outputs, heartbeats) are older than this
 SUM_WAIT_S = 0.5  # and waits this long for the sum over the replicas (else its last, raised)
 SLOW_SCRAPE_S = 1.0  # a scrape slower than this is logged with where its time went
-
-
-
-class ClientControl:
-    """Control calls answered by the ingress's own EngineClient (no coordinator)."""
-
-    def __init__(self, get_client: Callable[[], Awaitable[EngineClient]]) -> None:
-        self.get_client = get_client
-
-    async def is_sleeping(self) -> bool:
-        return await (await self.get_client()).is_sleeping()
-
-    async def sleep(self, level: int) -> None:
-        await (await self.get_client()).call_utility("sleep", level)
-
-    async def wake_up(self, tags: list[str] | None) -> None:
-        await (await self.get_client()).call_utility("wake_up", tags)
-
-    async def reset_prefix_cache(self, reset_running_requests: bool, reset_external: bool) -> bool:
-        return await (await self.get_client()).reset_prefix_cache(reset_running_requests,
-                                                                  reset_external)
-
-    async def add_lora(self, lora_request: LoRARequest) -> None:
-        await (await self.get_client()).add_lora(lora_request)
-
-    async def remove_lora(self, lora_id: int) -> bool:
-        return await (await self.get_client()).remove_lora(lora_id)
-
-    async def list_loras(self) -> list[LoRARequest]:
-        return await (await self.get_client()).list_loras()
-
-    async def sum_metrics(self, snapshot: Snapshot, timeout_s: float) -> Snapshot | None:
-        """The request metrics over every ingress replica: this one is the only one."""
-        return None
-
 
 
 
