@@ -35,8 +35,8 @@ if not torch.cuda.is_available():
 # most 512 MiB and 16,384 blocks unless the test sizes it (kv_cache_memory_bytes,
 # num_gpu_blocks_override), not the product's 2 GiB: a tiny model's 2 GiB is
 # 260,000-520,000 blocks, a Python object each in the block manager, and the default
-# model's is 2 GiB of pages written at start (ModelRunner._prefault_kv); 1-2 s an
-# engine on this 2-core machine, and the suite builds hundreds. The pool still holds a
+# model's is 2 GiB of pages backed at start (ModelRunner._prefault_kv, on a thread);
+# 1-2 s an engine on this 2-core machine, and the suite builds hundreds. The pool still holds a
 # full batch (256) of max-length sequences of every tiny model (512 tokens, blocks of 8
 # or more) and leaves the default model its max_model_len (728 blocks of 16 tokens in
 # float32). Engines in other processes (Ray replicas, the CLIs) keep the product's

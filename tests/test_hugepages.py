@@ -77,12 +77,13 @@ def _resident(t) -> list[bool]:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore(2) on Linux")
-def test_cpu_engine_writes_the_kv_blocks_a_full_batch_holds_and_no_more(tiny_llama):
+def test_cpu_engine_backs_the_kv_blocks_a_full_batch_holds_and_no_more(tiny_llama):
     from engine.config import EngineConfig
     from engine.core.engine_core import EngineCore
     core = EngineCore(EngineConfig(model=str(tiny_llama), dtype="float32", max_num_seqs=2,
                                    max_model_len=64))
     try:
+        assert core.runner._populating.wait(timeout=120)  # backed on a thread
         cache = core.runner.kv_caches
         full_batch = 2 * 64 // core.block_size
         assert core.num_blocks > full_batch + 2048  # the pool is far larger than a batch
@@ -93,3 +94,40 @@ def test_cpu_engine_writes_the_kv_blocks_a_full_batch_holds_and_no_more(tiny_lla
         assert float(cache[:, :full_batch].abs().sum()) == 0.0
     finally:
         core.shutdown()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore(2) on Linux")
+def test_background_populate_backs_pages_and_keeps_what_was_written():
+    import torch
+
+    from engine.model.hugepages import BackgroundPopulate, lazily_zeroed
+    t = lazily_zeroed((8, 64 << 20), torch.uint8)  # 512 MiB, nothing resident
+    assert not any(_resident(t[2]))
+    t[0, :4096] = 7  # written before the thread starts
+    populator = BackgroundPopulate([t[1:7]], "test pages")
+    t[6, -4096:] = 9  # written while the thread may be running
+    assert populator.wait(timeout=120)
+    assert all(_resident(t[1:7])) and not any(_resident(t[7, 4 << 20:]))
+    assert int(t[0, :4096].min()) == 7 and int(t[6, -4096:].min()) == 9
+    assert int(t[1:6].max()) == 0 and int(t[6, :-4096].max()) == 0
+
+
+def test_background_populate_zeroes_in_place_where_the_kernel_cannot(monkeypatch):
+    import torch
+
+    from engine.model import hugepages
+    monkeypatch.setattr(hugepages, "populate", lambda tensor: False)
+    t = torch.full((4, 1024), 5.0)
+    populator = hugepages.BackgroundPopulate([t[1:3]], "test pages")
+    assert populator.thread is None  # done before the constructor returned
+    assert float(t[1:3].abs().sum()) == 0.0 and float(t[0].min()) == float(t[3].min()) == 5.0
+
+
+def test_background_populate_stops_early():
+    import torch
+
+    from engine.model.hugepages import BackgroundPopulate, lazily_zeroed
+    t = lazily_zeroed((16, 64 << 20), torch.uint8)  # 1 GiB: 16 chunks
+    populator = BackgroundPopulate([t], "test pages")
+    populator.stop()
+    assert populator.wait(timeout=0)

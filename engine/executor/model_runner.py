@@ -38,6 +38,7 @@ from engine.lora.manager import AdapterCache
 from engine.lora.request import LoRARequest
 from engine.lora.slots import LoRASlots
 from engine.model.hugepages import (
+    BackgroundPopulate,
     anonymous_regions,
     collapse_new_regions,
     lazily_zeroed,
@@ -103,6 +104,7 @@ class ModelRunner(StepMetadataBuilder, KVBudget):
         if config.enable_lora:
             self._enable_lora()
         self.kv_caches: torch.Tensor | None = None
+        self._populating: BackgroundPopulate | None = None  # the KV pool's pages (CPU)
         self.slot_pos: torch.Tensor | None = None  # flex: each slot's position (flex_paged)
         self.layer_caches: list[tuple[torch.Tensor, torch.Tensor]] = []  # views, per layer
         self.num_blocks = 0
@@ -373,20 +375,23 @@ class ModelRunner(StepMetadataBuilder, KVBudget):
             self.layer_caches[i] = self.model.state_views(i, self.kv_caches[i], self.num_blocks)
 
     def _prefault_kv(self, num_blocks: int) -> None:
-        """Write the pool's first blocks now, as many as a full batch can hold at once
-        (max_num_seqs sequences of max_model_len; the rest only extends the prefix cache),
-        as vLLM's torch.zeros writes its whole pool: a page's first write is a fault (and,
-        in a VM, often the host's too), and taken during decode each one stalls a step.
-        W1 (Zen 5 VM, bf16): 1,627-1,649 -> 1,853-1,866 tok/s, system time 0.25-0.65 ->
-        0.00-0.04 s; the price is this pass at start (2 GiB: 0.85 s here)."""
-        full_batch = self.config.max_num_seqs * self.max_pages
-        blocks = min(num_blocks, full_batch)
-        start = time.perf_counter()
-        self.kv_caches[:, :blocks].zero_()
-        logger.info("KV cache: %d blocks, the first %d written in %.2fs", num_blocks, blocks,
-                    time.perf_counter() - start)
+        """Back the pool's first blocks with memory, as many as a full batch can hold at
+        once (max_num_seqs sequences of max_model_len; the rest only extends the prefix
+        cache), as vLLM's torch.zeros writes its whole pool: a page's first write is a
+        fault (and, in a VM, often the host's too), and taken during decode each one
+        stalls a step. W1 (Zen 5 VM, bf16): 1,627-1,649 -> 1,853-1,866 tok/s, system
+        time 0.25-0.65 -> 0.00-0.04 s. The kernel populates them on a thread while the
+        engine starts serving: 2 GiB took 0.2-5 s of every start on the Zen 4 VM (most
+        of it the host backing the guest's pages)."""
+        blocks = min(num_blocks, self.config.max_num_seqs * self.max_pages)
+        self._populating = BackgroundPopulate(
+            [slot[:blocks] for slot in self.kv_caches],  # each slot's blocks: one span
+            f"KV cache: the first {blocks} of {num_blocks} blocks")
 
     def free_kv_cache(self) -> None:
+        if self._populating is not None:
+            self._populating.stop()
+            self._populating = None
         self._drop_graphs()
         self.kv_caches = self.slot_pos = None
         self.layer_caches = []

@@ -11,12 +11,15 @@ effort: nothing happens where THP is off or the calls are unavailable.
 """
 from __future__ import annotations
 
+import atexit
 import ctypes
 import logging
 import math
 import mmap
 import sys
+import threading
 import time
+import weakref
 
 import torch
 
@@ -25,6 +28,8 @@ logger = logging.getLogger(__name__)
 _HUGE = 1 << 21
 _MADV_HUGEPAGE = 14
 _MADV_COLLAPSE = 25
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+
+_PAGE = mmap.PAGESIZE
 
 
 def _madvise(start: int, length: int, advice: int) -> bool:
@@ -65,6 +70,79 @@ def lazily_zeroed(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     tensor = raw[offset:offset + nbytes].view(dtype).view(shape)
     advise_huge_pages(tensor)
     return tensor
+
+
+def populate(tensor: torch.Tensor) -> bool:
+    """Back a contiguous CPU tensor's pages with memory now, its contents untouched
+    (MADV_POPULATE_WRITE): the kernel takes the first-write faults in one pass, 2 GiB in
+    0.27 s on the Zen 4 VM where `zero_()` took 2.4 s, and a page already written is
+    left as it is. False where the kernel cannot (before 5.14, not Linux): the caller
+    writes the pages itself."""
+    if not sys.platform.startswith("linux"):
+        return False
+    start = tensor.data_ptr() & ~(_PAGE - 1)
+    end = tensor.data_ptr() + tensor.numel() * tensor.element_size()
+    return _madvise(start, end - start, _MADV_POPULATE_WRITE)
+
+
+class BackgroundPopulate:
+    """Populate tensors' pages on a thread, so a start does not wait for them.
+
+    Safe while the tensors are in use: MADV_POPULATE_WRITE leaves written pages as they
+    are, and the madvise call (ctypes) runs without the GIL. Where the kernel cannot
+    populate, the tensors are zeroed here instead, before anything uses them."""
+
+    _CHUNK = 64 << 20
+
+    def __init__(self, tensors: list[torch.Tensor], what: str):
+        self._spans = [t.view(torch.uint8).view(-1) for t in tensors if t.numel()]
+        self._what, self._stop = what, threading.Event()
+        self.thread: threading.Thread | None = None
+        first = self._spans[0][:self._CHUNK] if self._spans else None
+        if first is not None and not populate(first):
+            started = time.perf_counter()
+            for span in self._spans:
+                span.zero_()
+            logger.info("%s written in %.2fs", what, time.perf_counter() - started)
+            self._spans = []
+            return
+        if self._spans:
+            self.thread = threading.Thread(target=self._run, name="populate", daemon=True)
+            _LIVE.add(self)
+            self.thread.start()
+
+    def _run(self) -> None:
+        started = time.perf_counter()
+        for span in self._spans:
+            for at in range(0, span.numel(), self._CHUNK):
+                if self._stop.is_set():
+                    return
+                populate(span[at:at + self._CHUNK])
+        logger.info("%s backed in %.2fs (in the background)", self._what,
+                    time.perf_counter() - started)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for the pages (True once they are all backed, or the run stopped)."""
+        if self.thread is not None:
+            self.thread.join(timeout)
+        return self.thread is None or not self.thread.is_alive()
+
+    def stop(self) -> None:
+        """Stop early (the tensors are going away) and wait for the thread."""
+        self._stop.set()
+        self.wait()
+        self._spans = []
+
+
+_LIVE: "weakref.WeakSet[BackgroundPopulate]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all() -> None:
+    """A daemon thread still inside madvise when the interpreter finalizes aborts the
+    process (std::terminate), so exit stops them first (a chunk is ~10 ms)."""
+    for populator in list(_LIVE):
+        populator.stop()
 
 
 def anonymous_regions() -> set[tuple[int, int]]:

@@ -130,10 +130,9 @@ def _gguf_to_checkpoint(gguf: Path) -> Path:
 
 def _check_gguf_types(gguf: Path) -> None:
     """Refuse a file with tensor types engine.quant does not read, before converting."""
-    from gguf import GGUFReader
-
     from engine.quant import check_gguf_types
-    check_gguf_types((t.tensor_type.name for t in GGUFReader(str(gguf)).tensors), str(gguf))
+    from engine.quant.gguf_index import GGUFIndex
+    check_gguf_types((t.type_name for t in GGUFIndex(gguf).tensors), str(gguf))
 
 
 def _write_gguf_metadata(gguf: Path, out: Path) -> None:

@@ -23,6 +23,7 @@ import torch
 
 from engine.errors import UnsupportedModelError
 from engine.quant.gguf_blocks import BLOCK_FORMATS, dequantize
+from engine.quant.gguf_index import GGUFIndex
 
 # GGUF name -> Hugging Face name; {i} is the layer
 _NAMES = {
@@ -97,38 +98,28 @@ def unpermute_order(rows: int, heads: int) -> torch.Tensor:
 def iter_gguf_weights(path: Path) -> Iterator[tuple[str, torch.Tensor | GGUFBlocks]]:
     """(Hugging Face name, tensor or GGUFBlocks) for every tensor of a GGUF llama file;
     float tensors are read as they are, quantized ones stay blocks (memory-mapped)."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(path))
-    arch = _field(reader, "general.architecture")
-    heads = _field(reader, f"{arch}.attention.head_count")
-    kv_heads = _field(reader, f"{arch}.attention.head_count_kv") or heads
-    for t in reader.tensors:
+    index = GGUFIndex(path)
+    arch = index.metadata.get("general.architecture")
+    heads = index.metadata.get(f"{arch}.attention.head_count")
+    kv_heads = index.metadata.get(f"{arch}.attention.head_count_kv") or heads
+    for t in index.tensors:
         name = _hf_name(t.name)
-        kind = t.tensor_type.name
-        columns = int(t.shape[0])  # GGUF lists the fastest-moving dimension first
-        if kind in BLOCK_FORMATS:  # the file's read-only map: nothing writes to it
+        array = index.array(t)
+        if t.type_name in BLOCK_FORMATS:  # the file's read-only map: nothing writes to it
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)
-                raw = torch.from_numpy(t.data)
-            value: torch.Tensor | GGUFBlocks = GGUFBlocks(kind, raw, columns)
+                raw = torch.from_numpy(array)
+            value: torch.Tensor | GGUFBlocks = GGUFBlocks(t.type_name, raw, t.shape[0])
         else:
-            value = torch.from_numpy(t.data.copy()).reshape(
-                [int(d) for d in reversed(t.shape)])
+            value = torch.from_numpy(array.copy())
+            if t.type_name == "BF16":
+                value = value.view(torch.bfloat16)
         if arch in _PERMUTED_QK and name.endswith(("q_proj.weight", "k_proj.weight",
                                                    "q_proj.bias", "k_proj.bias")):
             n = heads if "q_proj" in name else kv_heads
             order = unpermute_order(value.shape[0], n)
             value = value.permute_rows(order) if isinstance(value, GGUFBlocks) else value[order]
         yield name, value
-
-
-def _field(reader, key: str):
-    field = reader.fields.get(key)
-    if field is None:
-        return None
-    value = field.contents()
-    return int(value) if isinstance(value, (int, float)) and key.endswith("count") else value
 
 
 def _hf_name(gguf_name: str) -> str:
