@@ -16,7 +16,7 @@ idle again and the ingress replicas have trimmed their heaps) it samples every p
 of the server (the CLI, Ray's processes, the replicas): RSS, threads, open sockets; and from /metrics the requests running or
 waiting and the KV cache in use. Printed: requests and errors, TTFT p99 in the first
 and the last minute, each process's RSS at start and end, and the checks (errors 0,
-RSS growth < 5 % per process, sockets / threads / in-flight / KV back at their idle
+RSS growth < 3 % per process (--rss-limit; the suite's one-minute run 5 %), sockets / threads / in-flight / KV back at their idle
 values; threads by name, per process, where gRPC's self-sizing EventEngine pool is not a
 leak: see SELF_SIZING_POOLS), and the names of any new threads. Exit status 1 when a
 check fails.
@@ -45,7 +45,8 @@ from bench.serve import FLOTILLA, Server, start_server, stop_server  # noqa: E40
 from deployments.serve.heap_trim import IDLE_S as TRIM_IDLE_S  # noqa: E402
 
 MODEL = "mock"
-RSS_GROWTH_LIMIT = 0.05
+RSS_GROWTH_LIMIT = 0.05  # the suite's one-minute soak: a short run's noise
+SOAK_RSS_GROWTH_LIMIT = 0.03  # the 10-minute soak's (issue 41)
 # Thread pools that size themselves to the load and keep threads after it, so their
 # threads are not counted as leaked (a leak grows with the requests served; these stay
 # within their pool's bound): gRPC's EventEngine pool, Ray's RPC layer in every Ray
@@ -278,7 +279,7 @@ class Report:
                  for pid in sorted(set(self.start) & set(self.end))}
         return {pid: c for pid, c in added.items() if c}
 
-    def check(self) -> list[str]:
+    def check(self, rss_limit: float = RSS_GROWTH_LIMIT) -> list[str]:
         bad = []
         if self.errors:
             bad.append(f"{len(self.errors)} errors, e.g. {self.errors[:3]}")
@@ -287,7 +288,7 @@ class Report:
                        f"new {[self.end[p].name for p in set(self.end) - set(self.start)]}")
         for pid in set(self.start) & set(self.end):
             a, b = self.start[pid], self.end[pid]
-            if b.rss > a.rss * (1 + RSS_GROWTH_LIMIT):
+            if b.rss > a.rss * (1 + rss_limit):
                 bad.append(f"RSS of {pid} {a.name}: {a.rss >> 20} -> {b.rss >> 20} MiB")
         before = sum(p.sockets for p in self.start.values())
         after = sum(p.sockets for p in self.end.values())
@@ -301,7 +302,7 @@ class Report:
             bad.append(f"engines not idle after the load: {self.end_load}")
         return bad
 
-    def print(self) -> None:
+    def print(self, rss_limit: float = RSS_GROWTH_LIMIT) -> None:
         print(f"soak: {self.requests} requests in {self.seconds:.0f}s "
               f"({self.requests / self.seconds:.1f}/s), errors {len(self.errors)}")
         print("  by kind: " + ", ".join(f"{k} {v}" for k, v in sorted(self.by_kind.items())))
@@ -325,7 +326,7 @@ class Report:
         print(f"  sockets / threads idle before: {before[0]} / {before[1]}; after the load: "
               f"{after[0]} / {after[1]}, {self.settle_s:.0f}s after the engines were idle")
         print("  run: " + ", ".join(f"{k} {v:.0f}s" for k, v in self.phases.items()))
-        bad = self.check()
+        bad = self.check(rss_limit)
         print("  checks: " + ("all passed" if not bad else "FAILED: " + "; ".join(bad)))
 
 
@@ -435,13 +436,15 @@ def main() -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--duration", type=float, default=600.0, help="seconds of load")
     parser.add_argument("--concurrency", type=int, default=256)
+    parser.add_argument("--rss-limit", type=float, default=SOAK_RSS_GROWTH_LIMIT,
+                        help="the RSS growth a process may show (a fraction)")
     parser.add_argument("--port", type=int, default=8011)
     args = parser.parse_args()
     # a SIGTERM (timeout, CI) unwinds like Ctrl-C, so the server is stopped, not orphaned
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     report = soak(args.port, args.duration, args.concurrency)
-    report.print()
-    return 1 if report.check() else 0
+    report.print(args.rss_limit)
+    return 1 if report.check(args.rss_limit) else 0
 
 
 if __name__ == "__main__":

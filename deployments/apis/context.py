@@ -138,8 +138,6 @@ class ClientControl:
         return None
 
 
-
-
 class ApiContext:
     """Shared by the routes of every API in one app (see the module docstring)."""
 
