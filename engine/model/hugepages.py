@@ -75,10 +75,11 @@ def lazily_zeroed(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 def populate(tensor: torch.Tensor) -> bool:
     """Back a contiguous CPU tensor's pages with memory now, its contents untouched
-    (MADV_POPULATE_WRITE): the kernel takes the first-write faults in one pass, 2 GiB in
-    0.27 s on the Zen 4 VM where `zero_()` took 2.4 s, and a page already written is
-    left as it is. False where the kernel cannot (before 5.14, not Linux): the caller
-    writes the pages itself."""
+    (MADV_POPULATE_WRITE): the kernel takes the first-write faults in one call, and a
+    page already written is left as it is, so other threads may be using the tensor.
+    (Not faster than writing zeros: on the Zen 4 VM both took 0.15-2.4 s for 2 GiB, the
+    host backing the guest's pages being most of it.) False where the kernel cannot
+    (before 5.14, not Linux): the caller writes the pages itself."""
     if not sys.platform.startswith("linux"):
         return False
     start = tensor.data_ptr() & ~(_PAGE - 1)
@@ -148,7 +149,7 @@ _LIVE: "weakref.WeakSet[BackgroundPopulate]" = weakref.WeakSet()
 @atexit.register
 def _stop_all() -> None:
     """A daemon thread still inside madvise when the interpreter finalizes aborts the
-    process (std::terminate), so exit stops them first (a chunk is ~10 ms)."""
+    process (std::terminate), so exit stops them first (between 64 MiB chunks)."""
     for populator in list(_LIVE):
         populator.stop()
 
