@@ -1,7 +1,12 @@
 """IdleHeapTrim: an ingress replica hands its free heap back to the OS once per burst,
 after it has gone idle, never while a request is in flight."""
+import os
 import platform
+import subprocess
+import sys
 import threading
+
+import pytest
 
 from deployments.serve.heap_trim import IdleHeapTrim, malloc_trim, rss_bytes
 
@@ -74,3 +79,43 @@ def test_malloc_trim_hands_freed_heap_back_on_glibc():
     t.start()
     t.join()
     assert figures["freed"] - figures["trimmed"] > 100 << 20, figures
+
+
+_MMAP_PROBE = r'''
+import ctypes
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
+                "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+libc = ctypes.CDLL(None)
+libc.mallinfo2.restype = MallInfo2
+libc.malloc.restype = ctypes.c_void_p
+libc.malloc.argtypes = [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+libc.free(libc.malloc(8 << 20))  # a mapped chunk freed: glibc raises its threshold past it
+before = libc.mallinfo2().hblks
+chunks = [libc.malloc(256 << 10) for _ in range(8)]
+print(libc.mallinfo2().hblks - before)
+for c in chunks:
+    libc.free(c)
+'''
+
+
+def _mapped_chunks(env: dict[str, str]) -> int:
+    """How many of eight 256 KiB chunks glibc mapped on their own (rather than carving
+    them from the heap), in a fresh interpreter started with `env`."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    out = subprocess.run([sys.executable, "-c", _MMAP_PROBE], env={**clean, **env},
+                         capture_output=True, text=True, check=True)
+    return int(out.stdout)
+
+
+def test_the_ingress_allocator_env_keeps_big_buffers_out_of_the_heap():
+    """Without a fixed threshold glibc raises its mmap threshold after freeing a big
+    mapped chunk, and later buffers of that size come from the heap, where a burst's
+    leftovers pin them (heap_trim's docstring); ALLOCATOR_ENV's fixed threshold maps them
+    on their own, so freeing them gives their pages back at once."""
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("MALLOC_MMAP_THRESHOLD_ is glibc's")
+    from deployments.serve.heap_trim import ALLOCATOR_ENV
+    assert _mapped_chunks({}) == 0  # the raised threshold: all eight from the heap
+    assert _mapped_chunks(dict(ALLOCATOR_ENV)) == 8

@@ -18,7 +18,7 @@ import httpx
 import openai
 import pytest
 
-from deployments.cli import LOCAL_RAY_ENV
+from deployments.cli import LOCAL_RAY_ENV, LOCAL_RAY_QUIET_ENV
 from tests.e2e.ray_head import free_ports, pids_naming, wait_for
 
 FLOTILLA = str(Path(sys.executable).parent / "flotilla")
@@ -115,7 +115,7 @@ def test_flotilla_serve_answers_then_stops_leaving_no_ray_process():
         raylet = [pid for pid in pids_naming(temp_dir)
                   if b"raylet/raylet" in Path(f"/proc/{pid}/cmdline").read_bytes()]
         environ = Path(f"/proc/{raylet[0]}/environ").read_bytes().split(b"\0")
-        for key, value in LOCAL_RAY_ENV.items():
+        for key, value in {**LOCAL_RAY_ENV, **LOCAL_RAY_QUIET_ENV}.items():  # no dashboard
             assert f"{key}={value}".encode() in environ
 
         # twice, as `make run` stopped as a job delivers it (from the group, then from
