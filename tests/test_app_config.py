@@ -112,9 +112,11 @@ def test_engines_that_cannot_fit_a_fixed_cluster_get_a_clear_error():
 def test_ingress_replicas_start_with_an_allocator_that_gives_memory_back(monkeypatch):
     from ray.serve._private.build_app import build_app as serve_build
     monkeypatch.delenv("PYTHONMALLOC", raising=False)
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
     monkeypatch.setenv("MALLOC_ARENA_MAX", "4")  # the operator's own value is kept
     deployments = {d.name: d for d in serve_build(build_app({"model": "mock"}),
                                                   name="x").deployments}
     ingress = deployments["OpenAIIngress"].ray_actor_options
-    assert ingress["runtime_env"]["env_vars"] == {"PYTHONMALLOC": "malloc"}
+    assert ingress["runtime_env"]["env_vars"] == {"PYTHONMALLOC": "malloc",
+                                                  "MALLOC_MMAP_THRESHOLD_": "65536"}
     assert "runtime_env" not in deployments["EngineServer"].ray_actor_options
