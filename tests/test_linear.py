@@ -227,6 +227,25 @@ def test_native_linear_writes_float_logits_rounded_as_its_dtype(kernels):
         assert torch.equal(layer.forward_float(x), got) and dense.dtype == torch.float32
 
 
+def test_float_logits_past_the_streaming_size_equal_the_cached_writes(kernels):
+    # Outputs past 4 MiB (an LM head's logits at a batch) are written around the caches:
+    # the same values as the rows in small calls (written through them), in every whole
+    # vector, the tail's partial one, and rows that start off a cache line (an odd
+    # number of columns makes every other row misaligned)
+    for dtype in _linear_dtypes(kernels):
+        if dtype != torch.bfloat16:
+            continue
+        torch.manual_seed(6)
+        n, rows = 16408, 72  # 72 x 16408 float32 = 4.7 MB; 8 rows 0.5 MB
+        weight, x = torch.randn(n, 64).to(dtype), torch.randn(rows, 64).to(dtype)
+        packed = kernels.pack_linear(weight)
+        got = kernels.linear(x, packed, None, n, float_out=True)
+        chunks = torch.cat([kernels.linear(x[i:i + 8], packed, None, n, float_out=True)
+                            for i in range(0, rows, 8)])
+        assert torch.equal(got, chunks)
+        assert torch.equal(got, kernels.linear(x, packed, None, n).float())
+
+
 @pytest.mark.parametrize("half,in_features,rows,bias", [(50, 64, 9, True), (16, 32, 600, False),
                                                         (1, 8, 13, True), (96, 97, 64, False)])
 def test_paired_linear_writes_the_product_or_its_swiglu(kernels, half, in_features, rows, bias):

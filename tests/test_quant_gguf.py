@@ -135,6 +135,28 @@ def test_regrouped_blocks_of_rows_equal_one_row_at_a_time(fmt):
                                                atol=1e-5 * float(got.abs().max()))
 
 
+@pytest.mark.skipif("avx512_vnni" not in cpu_flags(),
+                    reason="the regrouped kernels need AVX-512 VNNI, which this CPU lacks")
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0"])
+def test_float_outputs_past_the_streaming_size_equal_the_cached_writes(fmt):
+    """Float outputs past 4 MiB (the LM head's logits at a batch) are written around the
+    caches; the values equal the same rows in small calls, written through them: whole
+    vectors, the last group's 8 lanes, rows that start off a cache line (an odd count of
+    8-column halves a row), float32 x and bf16 x's float32 logits."""
+    from engine.model.kernels import cpu_kernels
+    kernels = cpu_kernels("native")
+    n, k, rows = 16408, 64, 72  # 72 x 16408 float32 = 4.7 MB; 8 rows 0.5 MB
+    packed = kernels.gguf_regroup(_blocks(fmt, n, k, seed=7), fmt, k)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(7))
+    for dtype, float_out in ((torch.float32, False), (torch.bfloat16, True)):
+        xr = x.to(dtype)
+        got = kernels.gguf_regrouped_linear(xr, packed, fmt, n, None, float_out, 1 << 20)
+        chunks = torch.cat([kernels.gguf_regrouped_linear(xr[i:i + 8], packed, fmt, n, None,
+                                                          float_out, 1 << 20)
+                            for i in range(0, rows, 8)])
+        assert got.dtype == torch.float32 and torch.equal(got, chunks), f"{fmt} {dtype}"
+
+
 def test_block_columns_split_only_at_block_boundaries():
     raw = _blocks("Q4_1", 4, 128)
     blocks = GGUFBlocks("Q4_1", raw, 128)

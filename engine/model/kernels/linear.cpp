@@ -58,6 +58,9 @@ namespace vec = flotilla::vec;
 
 // Row tiles above this many rows are split, so a thread's rows stay in its L2.
 constexpr int64_t kMaxChunkRows = 512;
+// Outputs past this size are written around the caches (Out::stream): the LM head's
+// float logits at 64 rows (12.6 MB for a 49k vocabulary) no longer push its weights out.
+constexpr int64_t kStreamBytes = 4 << 20;
 
 // The thread's next panel, fetched a few lines per k-step of the current one. A tile
 // works on a copy (a local the compiler keeps in registers) and hands it back at its end.
@@ -81,6 +84,9 @@ struct Out {
   int64_t ldc, ncols, vstride, vskip;
   const float* bias;
   int64_t bstride;
+  // Whole float vectors go past the caches (non-temporal): a large output (the LM head's
+  // logits) written through them evicted the weights it was being computed from.
+  bool stream = false;
 };
 
 // ---- float32 on vec.h vectors ------------------------------------------------------
@@ -174,15 +180,17 @@ struct Bf16 {
       store(row, _mm512_mul_ps(act, flotilla::round_bf16(acc[1])), out.ncols);
     } else {
       for (int j = 0; j < W; ++j)
-        store(row + j * out.vstride, acc[j], out.ncols - j * out.vskip);
+        store(row + j * out.vstride, acc[j], out.ncols - j * out.vskip, out.stream);
     }
   }
 
   template <typename O>
-  static void store(O* c, __m512 v, int64_t lanes) {
+  static void store(O* c, __m512 v, int64_t lanes, bool stream = false) {
     if (lanes <= 0) return;
     const __mmask16 mask = lanes >= C ? 0xFFFF : (1u << lanes) - 1;
     if constexpr (std::is_same_v<O, float>) {  // bf16 values, widened: logits
+      if (stream && lanes >= C && (reinterpret_cast<uintptr_t>(c) & 63) == 0)
+        return _mm512_stream_ps(c, flotilla::round_bf16(v));
       _mm512_mask_storeu_ps(c, mask, flotilla::round_bf16(v));
     } else {
       _mm256_mask_storeu_epi16(c, mask, (__m256i)_mm512_cvtneps_pbh(v));  // nearest even
@@ -438,6 +446,8 @@ torch::Tensor run(const torch::Tensor& input, const std::vector<torch::Tensor>& 
   }
   const T* xp = x.data_ptr<T>();
   O* yp = y.data_ptr<O>();
+  const bool stream = std::is_same_v<T, c10::BFloat16> && std::is_same_v<O, float> &&
+                      m * n * int64_t(sizeof(O)) > kStreamBytes;
   const float* bp = bias_f.empty() ? nullptr : bias_f.data();
 
   at::parallel_for(0, int64_t(work.size()), 1, [&](int64_t begin, int64_t end) {
@@ -472,10 +482,13 @@ torch::Tensor run(const torch::Tensor& input, const std::vector<torch::Tensor>& 
       } else {
         const int64_t col0 = g * K::NR * K::C, width = geo.width(g);
         Out<O> out{yp + r0 * n + col0, n, std::min(width * K::C, n - col0), K::C, K::C,
-                   bp ? bp + col0 : nullptr, K::C};
+                   bp ? bp + col0 : nullptr, K::C, stream};
         panel_any<K, O>(width, a, lda, b, steps, out, rows, pf);
       }
     }
+#if defined(__x86_64__)
+    if (stream) _mm_sfence();  // this thread's streamed lines out before the join
+#endif
   });
   return y.reshape(shape);
 }
