@@ -5,11 +5,13 @@ its SwiGLU, down) at one row per sequence; prefill runs them at many rows. This 
 one layer's four per call, with each call on the next of 30 layers' weights (cold: a
 step streams 212 MB of bf16 weights from memory) and on layer 0's again and again (hot:
 they stay in cache). Kernels: each bf16 kind this CPU runs (amx, dpbf16: forced in
-turn through set_linear_bf16_kernel), or the float32 native kernel; and oneDNN's
-prepacked matmul (what torch runs; on AMX CPUs its bf16 runs on AMX too). Prints
-microseconds per layer and GFLOP/s, best of three rounds, and the CPU.
+turn through set_linear_bf16_kernel), or the float32 native kernel; the same shapes
+as GGUF Q4_1 blocks regrouped (`--gguf`, random blocks: the default model's format, the
+kernels of quant_regrouped.cpp on AVX-512 VNNI CPUs); and oneDNN's prepacked matmul (what
+torch runs; on AMX CPUs its bf16 runs on AMX too). Prints microseconds per layer and
+GFLOP/s (GOP/s for the int8 products), best of three rounds, and the CPU.
 
-    python bench/linears.py [--dtype bfloat16|float32] [--threads 2] [--rows 1 16 64 512]
+    python bench/linears.py [--dtype bfloat16|float32] [--threads 2] [--rows 1 16 64 512] [--gguf]
 """
 from __future__ import annotations
 
@@ -40,12 +42,26 @@ def per_layer_us(call: Callable[[int], None], layers: int, reps: int) -> float:
     return best * 1e6
 
 
+def random_q4_1(rows: int, columns: int, g: torch.Generator) -> torch.Tensor:
+    """[rows, columns / 32 * 20] uint8: Q4_1 blocks (f16 d and m, 16 bytes of nibbles)
+    with random nibbles and scales of a layer's size."""
+    runs = columns // 32
+    raw = torch.randint(0, 256, (rows, runs, 20), dtype=torch.uint8, generator=g)
+    d = (torch.rand(rows, runs, generator=g) * 0.02).to(torch.float16)
+    m = (-8 * d.float()).to(torch.float16)
+    raw[:, :, 0:2] = d.view(torch.uint8).view(rows, runs, 2)
+    raw[:, :, 2:4] = m.view(torch.uint8).view(rows, runs, 2)
+    return raw.reshape(rows, runs * 20)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64, 512])
+    parser.add_argument("--gguf", action="store_true",
+                        help="also time the layer as regrouped Q4_1 blocks")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     from engine.model.kernels import cpu_kernels
@@ -61,6 +77,12 @@ def main() -> None:
     pointwise = torch.ops.mkldnn._linear_pointwise.default
 
     kinds = k.linear_bf16_kernels() if dtype == torch.bfloat16 else ["float32"]
+    if args.gguf:
+        if not k.gguf_regroups():
+            raise SystemExit("this build has no regrouped GGUF kernels (AVX-512 VNNI)")
+        blocks = [[k.gguf_regroup(random_q4_1(o, i, g), "Q4_1", i) for o, i in SHAPES]
+                  for _ in range(LAYERS)]
+        kinds = kinds + ["gguf Q4_1"]
     print(f"CPU: {cpu_name()}; {args.dtype}, {args.threads} thread(s); a layer's 4 linears, "
           f"us per layer (GFLOP/s), cold = {LAYERS} layers' weights in turn, hot = one's")
     print(f"{'rows':>5} {'weights':>8}" + "".join(f"{n:>22}" for n in kinds + ["oneDNN"]))
@@ -81,13 +103,20 @@ def main() -> None:
             for inp, w in ((x, p[0]), (x, p[1]), (x, p[2]), (xi, p[3])):
                 pointwise(inp, w, None, "none", [], "")
 
+        def gguf(layer: int) -> None:
+            b = blocks[layer]
+            for inp, w, (o, _) in ((x, b[0], SHAPES[0]), (x, b[1], SHAPES[1]),
+                                   (x, b[2], SHAPES[2]), (xi, b[3], SHAPES[3])):
+                k.gguf_regrouped_linear(inp, w, "Q4_1", o, None, False, 1 << 30)
+
+        timed = {"oneDNN": reference, "gguf Q4_1": gguf}
         reps = max(1, 2048 // max(rows, 64))
         for layers, label in ((LAYERS, "cold"), (1, "hot")):
             cells = []
             for kind in kinds + ["oneDNN"]:
-                if dtype == torch.bfloat16 and kind != "oneDNN":
+                if dtype == torch.bfloat16 and kind not in timed:
                     k.set_linear_bf16_kernel(kind)
-                us = per_layer_us(reference if kind == "oneDNN" else native, layers, reps)
+                us = per_layer_us(timed.get(kind, native), layers, reps)
                 cells.append(f"{us:>12.1f} ({flops / us / 1e3:>5.0f})")
             print(f"{rows:>5} {label:>8}" + "".join(f"{c:>22}" for c in cells), flush=True)
 

@@ -83,7 +83,7 @@ def test_cpu_engine_backs_the_kv_blocks_a_full_batch_holds_and_no_more(tiny_llam
     core = EngineCore(EngineConfig(model=str(tiny_llama), dtype="float32", max_num_seqs=2,
                                    max_model_len=64))
     try:
-        assert core.runner._populating.wait(timeout=120)  # backed on a thread
+        assert core.runner.wait_kv_pages(timeout=120)  # backed on a thread
         cache = core.runner.kv_caches
         full_batch = 2 * 64 // core.block_size
         assert core.num_blocks > full_batch + 2048  # the pool is far larger than a batch
