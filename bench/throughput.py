@@ -199,12 +199,14 @@ def roofline(dtype: str, isa: str = "native") -> tuple[float, str, float, str]:
     measured by bench/peak_flops.cpp. Compute: independent chains of the widest float32
     FMA, of vdpbf16ps where the CPU has AVX512_BF16, and of the AMX tile product
     tdpbf16ps where it has AMX_BF16 (the instructions oneDNN's bf16 matmuls run); a bf16
-    model's peak is the fastest of them (a bf16 product can always be widened to float32).
+    model's peak is the fastest of them (a bf16 product can always be widened to float32;
+    int8 `vpdpbusd` chains are left out: a bf16 product cannot run on them, and on Zen 4
+    they read twice vdpbf16ps, so a bf16 run's share would halve).
     Memory: the read bandwidth of all cores over W1's bytes per output token. With an
     isa other than native, the peaks of the widest vectors that path has. Returns
     FLOP/s, how, output tok/s, how."""
     peaks = _peaks(ISA_MARCH[isa])
-    compute = [k for k in peaks if k != "read_gbs"]
+    compute = [k for k in peaks if k not in ("read_gbs", "int8_dot")]
     kind = max(compute, key=lambda k: peaks[k][0]) if dtype == "bfloat16" else "fp32_fma"
     peak, threads = peaks[kind]
     bandwidth = peaks["read_gbs"][0]
