@@ -59,6 +59,15 @@ def test_smollm2_greedy_matches_hf(default_model_reference):
     prompts = [tok.encode(t) for t in texts]
     hf = AutoModelForCausalLM.from_pretrained(str(default_model_reference),
                                               dtype=torch.float32).eval()
+    # served from its blocks, not widened: every linear holds the file's formats, and
+    # the weights' bytes are the Q4_1 / Q8_0 file's, under 0.4x of bf16's two a parameter
+    runner = llm.llm_engine.engine_core.runner
+    layer = runner.model.layers[0]
+    for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.down_proj):
+        assert (linear.packing() or "").startswith("gguf:"), linear.packing()
+    assert runner.model.lm_head.packing() == "gguf:Q8_0"
+    params = sum(p.numel() for p in hf.parameters())
+    assert runner.memory_usage()["weights_bytes"] < 0.4 * 2 * params
     check_against(llm, hf, prompts, tokens=NEW_TOKENS, tolerance=0.25, exact_share=0.9)
 
 

@@ -109,6 +109,8 @@ def test_regrouped_blocks_of_rows_equal_one_row_at_a_time(fmt):
     with the file layout's kernel (quant_linear.cpp: the scalar activation quantizer)."""
     from engine.model.kernels import cpu_kernels
     kernels = cpu_kernels("native")
+    # this CPU's build multiplies with VNNI, never a narrower fallback
+    assert kernels.gguf_regroups() and kernels.gguf_dot_kernel() == "vnni"
     k = 256
     for n in (40, 50, 96):  # 3 groups (the last of 8 rows), 4 (the last of 2), 6
         raw = _blocks(fmt, n, k, seed=n)

@@ -45,8 +45,11 @@ def _reference(path):
 def test_blocks_decode_to_the_checkpoint_s_weights(tiny_hf, method, act_order):
     """Every weight read as Q4_1 blocks (columns in act-order's order where it applies)
     decodes to (q - z) * s, but for the half rounding of -z * s (<= 0.4 % of a step)."""
+    _check_blocks_decode(_checkpoint(tiny_hf, method, act_order), method, act_order)
+
+
+def _check_blocks_decode(path, method: str, act_order: bool) -> None:
     import json
-    path = _checkpoint(tiny_hf, method, act_order)
     qc = json.loads((path / "config.json").read_text())["quantization_config"]
     want = load_file(str(path.with_name(path.name + "-decoded") / "model.safetensors"))
     weights = dict(iter_int4_weights(load_file(str(path / "model.safetensors")).items(),
@@ -57,9 +60,11 @@ def test_blocks_decode_to_the_checkpoint_s_weights(tiny_hf, method, act_order):
             continue
         got = value.dequantize()
         order = weights.get(name.replace(".weight", ".input_order"))
-        if act_order:
+        if act_order and got.shape[1] > qc["group_size"]:
             assert order is not None, name
             got = got[:, torch.argsort(order)]
+        else:  # one group holds every column: any order of them is the same weight
+            assert order is None, name
         step = (want[name].amax(1) - want[name].amin(1)).max() / 15  # the largest scale
         assert (got - want[name]).abs().max() <= 15 * 2 ** -12 * step * 1.01, name
         checked += 1
@@ -87,6 +92,32 @@ def test_engine_on_int4_matches_the_decoded_weights(tiny_hf, monkeypatch, method
     check_against(llm, ref, prompts)
     out = check_against(llm, ref, [prompts[0][:32] + [7, 8, 9]])
     assert out[0].num_cached_tokens > 0
+
+
+@pytest.mark.parametrize("method, act_order", KINDS)
+def test_group_size_128_matches_the_decoded_weights(tmp_path_factory, tiny_tokenizer_dir,
+                                                    method, act_order):
+    """The group size checkpoints ship with (128 input columns a scale and zero): a tiny
+    model wide enough for it (hidden 128, intermediate 256). Each group is read as four
+    32-weight blocks sharing its scale and zero: they decode to the checkpoint's weights,
+    and the engine runs them against those weights. This wider random model's logprobs
+    move further under the activations' int8 rounding (0.2 measured, at group 32 too),
+    hence the wider bounds than the narrow model's."""
+    import json
+    root = tmp_path_factory.mktemp("int4-g128")
+    hf = build_tiny_model(root / "hf", "llama", tiny_tokenizer_dir, hidden_size=128,
+                          intermediate_size=256)
+    path = write_int4(hf, root / f"{method}{'-act' if act_order else ''}", method, group=128,
+                      act_order=act_order)
+    qc = json.loads((path / "config.json").read_text())["quantization_config"]
+    assert qc["group_size"] == 128
+    _check_blocks_decode(path, method, act_order)
+    llm = LLM(str(path), dtype="float32", max_num_batched_tokens=24, block_size=8)
+    qkv = llm.llm_engine.engine_core.runner.model.layers[0].self_attn.qkv_proj
+    assert qkv.packing() == "gguf:Q4_1" and qkv.weight is None
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(100, 40000, n).tolist() for n in (40, 5, 33)]
+    check_against(llm, _reference(path), prompts, tolerance=0.3, tie=0.25)
 
 
 def test_int4_under_tensor_parallelism_equals_one_rank(tiny_hf):

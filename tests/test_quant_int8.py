@@ -16,7 +16,7 @@ import torch
 
 from engine import LLM
 from engine.errors import UnsupportedQuantizationError
-from tests.conftest import build_tiny_model
+from tests.conftest import build_tiny_model, cpu_flags
 from tests.gguf_helpers import check_against, check_tp2_equals_one_rank
 from tests.int8_helpers import write_decoded, write_w8a8
 
@@ -67,6 +67,17 @@ def test_int8_kernels_match_the_integer_products(kernels, dtype):
                 assert (static.float() - want).abs().max() / want.abs().max() < 8e-3
     finally:
         kernels.set_int8_kernel(default)
+
+
+def test_the_native_build_takes_the_cpu_s_int8_instructions():
+    # a CPU with VNNI (or AMX int8 tiles) runs them by default, never the plain loop
+    from engine.model.kernels import cpu_kernels
+    flags = cpu_flags()
+    kinds = cpu_kernels("native").int8_kernels()
+    if "amx_int8" in flags:
+        assert kinds[0] == "amx+vnni" and "amx" in kinds
+    if "avx512_vnni" in flags:
+        assert "vnni" in kinds and kinds[0] != "plain"
 
 
 def test_int8_kernel_names_and_refusals(kernels):
