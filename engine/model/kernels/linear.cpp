@@ -58,9 +58,6 @@ namespace vec = flotilla::vec;
 
 // Row tiles above this many rows are split, so a thread's rows stay in its L2.
 constexpr int64_t kMaxChunkRows = 512;
-// Outputs past this size are written around the caches (Out::stream): the LM head's
-// float logits at 64 rows (12.6 MB for a 49k vocabulary) no longer push its weights out.
-constexpr int64_t kStreamBytes = 4 << 20;
 
 // The thread's next panel, fetched a few lines per k-step of the current one. A tile
 // works on a copy (a local the compiler keeps in registers) and hands it back at its end.
@@ -189,9 +186,7 @@ struct Bf16 {
     if (lanes <= 0) return;
     const __mmask16 mask = lanes >= C ? 0xFFFF : (1u << lanes) - 1;
     if constexpr (std::is_same_v<O, float>) {  // bf16 values, widened: logits
-      if (stream && lanes >= C && (reinterpret_cast<uintptr_t>(c) & 63) == 0)
-        return _mm512_stream_ps(c, flotilla::round_bf16(v));
-      _mm512_mask_storeu_ps(c, mask, flotilla::round_bf16(v));
+      flotilla::store_floats(c, flotilla::round_bf16(v), mask, stream);
     } else {
       _mm256_mask_storeu_epi16(c, mask, (__m256i)_mm512_cvtneps_pbh(v));  // nearest even
     }
@@ -447,7 +442,7 @@ torch::Tensor run(const torch::Tensor& input, const std::vector<torch::Tensor>& 
   const T* xp = x.data_ptr<T>();
   O* yp = y.data_ptr<O>();
   const bool stream = std::is_same_v<T, c10::BFloat16> && std::is_same_v<O, float> &&
-                      m * n * int64_t(sizeof(O)) > kStreamBytes;
+                      m * n * int64_t(sizeof(O)) > flotilla::kStreamBytes;
   const float* bp = bias_f.empty() ? nullptr : bias_f.data();
 
   at::parallel_for(0, int64_t(work.size()), 1, [&](int64_t begin, int64_t end) {

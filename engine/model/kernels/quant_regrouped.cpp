@@ -160,7 +160,8 @@ void decode_transposed(const Shape& s, const uint8_t* packed, int64_t first, int
           if constexpr (std::is_same_v<T, float>) {
             _mm512_storeu_ps(col + kk * ld, w);
           } else {
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(col + kk * ld), to_bf16(w));
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(col + kk * ld),
+                                flotilla::to_bf16_bits(w));
           }
         };
         for (int64_t w = 0; w < s.words(); ++w) {

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "convert.h"
+#include "simd.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
@@ -96,19 +97,13 @@ template <typename T>
 }
 
 #if FLOTILLA_QR
-inline __m512 load_floats(const float* x) { return _mm512_loadu_ps(x); }
-inline __m512 load_floats(const c10::BFloat16* x) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
 // The same values as quantize_row's scalar loop: one rounding of v * inv, to nearest
 // even (vcvtps2dq under the default rounding mode, as nearbyint), |q| <= 127.
 template <typename T>
 void quantize_row_avx512(const T* x, int64_t k, int8_t* q, float* d_out, float* sum_out) {
   const __m512 sign = _mm512_set1_ps(-0.f);
   for (int64_t r = 0; r < k / 32; ++r) {
-    const __m512 v0 = load_floats(x + r * 32), v1 = load_floats(x + r * 32 + 16);
+    const __m512 v0 = flotilla::load16(x + r * 32), v1 = flotilla::load16(x + r * 32 + 16);
     const float amax = _mm512_reduce_max_ps(
         _mm512_max_ps(_mm512_andnot_ps(sign, v0), _mm512_andnot_ps(sign, v1)));
     const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
@@ -147,14 +142,6 @@ Activations quantize(const T* x, int64_t m, int64_t k) {
 
 #if FLOTILLA_QR
 constexpr int64_t kAhead = 8;  // runs between a prefetch and its use
-
-// float32 lanes -> bf16 bits, round to nearest even (as torch's .to(bfloat16))
-inline __m256i to_bf16(__m512 x) {
-  const __m512i bits = _mm512_castps_si512(x);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
-  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
-}
 
 // ---- many rows of x: blocks of kBlockRows rows x 2 groups ------------------------------
 // group_tile spends ~15 vector instructions a row and run beside its 8 products (its
@@ -265,13 +252,10 @@ inline void store_lanes(O* dst, __m512 v, const float* bias, int64_t cols, bool 
   const __mmask16 mask = cols >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << cols) - 1);
   if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bias));
   if constexpr (std::is_same_v<O, c10::BFloat16>) {
-    _mm256_mask_storeu_epi16(dst, mask, to_bf16(v));
+    _mm256_mask_storeu_epi16(dst, mask, flotilla::to_bf16_bits(v));
   } else {
-    if constexpr (!std::is_same_v<T, float>)
-      v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16(v)), 16));
-    if (stream && cols == 16 && (reinterpret_cast<uintptr_t>(dst) & 63) == 0)
-      return _mm512_stream_ps(dst, v);
-    _mm512_mask_storeu_ps(dst, mask, v);
+    flotilla::store_floats(dst, std::is_same_v<T, float> ? v : flotilla::round_bf16(v), mask,
+                           stream);
   }
 }
 
@@ -279,10 +263,8 @@ template <int K, typename T, typename O>
 void matmul_rows(const Shape& s, const Activations& a, int64_t m, const uint8_t* packed,
                  const float* bias, O* y) {
   const int64_t blocks = (s.groups + kBlockGroups - 1) / kBlockGroups;
-  // float outputs past 4 MiB (the LM head's logits) go around the caches: written through
-  // them, 64 rows of a 49k vocabulary's logits evicted the head's weights (the default
-  // model's Q8_0 head at 64 rows: 5.3 ms, 3.2 ms streamed; Zen 5)
-  const bool stream = std::is_same_v<O, float> && m * s.n * int64_t(sizeof(O)) > (4 << 20);
+  const bool stream =
+      std::is_same_v<O, float> && m * s.n * int64_t(sizeof(O)) > flotilla::kStreamBytes;
   at::parallel_for(0, blocks, 1, [&](int64_t p0, int64_t p1) {
     __m512 acc[kBlockRows][2];
     for (int64_t p = p0; p < p1; ++p) {
