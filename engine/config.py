@@ -5,11 +5,11 @@ Scheduler, the KV cache and the model runner; nothing else threads kwargs.
 """
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from engine.cpu_features import cpu_has_native_bf16, missing_bf16_message
 from engine.errors import InvalidRequestError
 from engine.lora.modules_flag import parse_lora_modules
 from engine.options import option
@@ -46,7 +46,8 @@ class EngineConfig:
                         "'default' (SmolLM2-135M-Instruct, shipped) or 'mock' (served "
                         "apps only: a model-free engine)")
     dtype: str = option("auto", "weights and activations; auto: bfloat16 on CUDA and on CPUs "
-                        "with native bf16, else float32", choices=tuple(_DTYPES))
+                        "with native bf16 (avx512_bf16 or AMX), else float32; bfloat16 "
+                        "on a CPU without it is refused", choices=tuple(_DTYPES))
     device: str = option("auto", "auto (cuda when available, else cpu), cpu, cuda or cuda:N")
     block_size: int = option(16, "tokens per KV-cache block (a power of two)")
     max_num_seqs: int = option(256, "the most sequences in one batch")
@@ -200,6 +201,11 @@ class EngineConfig:
     def torch_dtype(self, device: torch.device) -> torch.dtype:
         import torch
         chosen = _DTYPES[self.dtype]
+        if chosen == "bfloat16" and device.type == "cpu" and not cpu_has_native_bf16():
+            # Refused rather than served in float32 behind the operator's back: on such a
+            # CPU (Zen 3, other AVX2-only parts) bf16 matmuls are emulated, slower than
+            # float32, and oneDNN's packing refuses them outright.
+            raise InvalidRequestError(missing_bf16_message())
         if chosen is not None:
             return getattr(torch, chosen)
         if device.type == "cuda":
@@ -240,19 +246,3 @@ def default_num_threads() -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:
         return max(1, os.cpu_count() or 1)
-
-
-@functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags (/proc/cpuinfo's first "flags" line; empty where there is
-    none), read once: dtype and kernel-path defaults are chosen from them."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return frozenset(next((line for line in f if line.startswith("flags")), "").split())
-    except OSError:
-        return frozenset()
-
-
-def cpu_has_native_bf16() -> bool:
-    """True when the CPU runs bf16 dot products natively (avx512_bf16 or AMX)."""
-    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())

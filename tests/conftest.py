@@ -65,7 +65,11 @@ kv_budget.KVBudget.max_kv_blocks = _test_max_kv_blocks
 # Every vector path of the native CPU kernels, built on this host: the native one and the
 # narrower ones of its CPU family (an AVX-512 host also runs the AVX2 and SSE2 builds;
 # SSE2 shares its 4-lane code with NEON). Target -> the `isa` its module must report.
-KERNEL_TARGETS = ({"x86-64-v3": "avx2", "x86-64": "sse2"} if platform.machine() == "x86_64"
+# `native` is the engine's own build: this CPU's, or the held one where
+# FLOTILLA_KERNELS_MARCH holds the engine to a narrower path (`make test`'s AVX2 leg,
+# which runs that path alone: the suite before it ran the others).
+KERNEL_TARGETS = ({} if os.environ.get("FLOTILLA_KERNELS_MARCH")
+                  else {"x86-64-v3": "avx2", "x86-64": "sse2"} if platform.machine() == "x86_64"
                   else {"armv8-a": "neon"} if platform.machine() == "aarch64" else {})
 
 
@@ -73,7 +77,7 @@ KERNEL_TARGETS = ({"x86-64-v3": "avx2", "x86-64": "sse2"} if platform.machine() 
 def kernels(request):
     """The CPU kernel module built for one target (parametrized over every target)."""
     from engine.model.kernels import cpu_kernels
-    native = cpu_kernels("native")
+    native = cpu_kernels()
     assert native is not None, "the native CPU kernels should build on this machine"
     if request.param == "native" or native.isa == KERNEL_TARGETS[request.param]:
         return native  # e.g. an AVX2 host: its native build is the AVX2 path, no second build
@@ -84,13 +88,11 @@ def kernels(request):
 
 
 
-def cpu_flags() -> list[str]:
-    """This CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
-    try:
-        return next((line for line in Path("/proc/cpuinfo").read_text().splitlines()
-                     if line.startswith("flags")), "").split()
-    except OSError:
-        return []
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags as the engine sees them: /proc/cpuinfo's, held to the
+    x86 level of FLOTILLA_KERNELS_MARCH (the AVX2-held leg of `make test`)."""
+    from engine.cpu_features import cpu_flags as engine_cpu_flags
+    return engine_cpu_flags()
 
 
 def amx_granted_here() -> bool:

@@ -3,13 +3,13 @@ path this host can build (the `kernels` fixture: native, and e.g. AVX2 and SSE2 
 AVX-512 machine). Widths that are not a multiple of any vector width exercise the
 scalar tails; bf16 must round where torch rounds."""
 import platform
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from engine.model.layers.rotary import _rotate
+from tests.conftest import cpu_flags
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -84,9 +84,8 @@ def test_argmax_rows_takes_the_first_maximum_and_nan_first(kernels, cols):
 
 def test_the_native_build_takes_the_widest_vectors_of_this_cpu():
     from engine.model.kernels import cpu_kernels
-    flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines()
-                  if line.startswith("flags")), "").split()
-    native = cpu_kernels("native")
+    flags = cpu_flags()
+    native = cpu_kernels()
     if "avx512bw" in flags:
         assert (native.isa, native.lanes) == ("avx512", 16)
     elif "avx2" in flags and "fma" in flags:

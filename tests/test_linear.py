@@ -62,7 +62,7 @@ def _bf16_kernel_restored():
     """The native build's bf16 linear kernel as it was before the test, even when a test
     that forces one fails midway (the module is shared by the whole session)."""
     from engine.model.kernels import cpu_kernels
-    native = cpu_kernels("native")
+    native = cpu_kernels()
     chosen = native.linear_bf16_kernel() if native is not None else ""
     yield
     if chosen:
@@ -168,8 +168,8 @@ def test_native_linear_refuses_what_it_cannot_run(kernels):
 
 def test_the_native_build_has_a_bf16_linear_where_the_cpu_does():
     from engine.model.kernels import cpu_kernels
-    assert "float32" in cpu_kernels("native").linear_dtypes()
-    assert ("bfloat16" in cpu_kernels("native").linear_dtypes()) == _bf16_flags()
+    assert "float32" in cpu_kernels().linear_dtypes()
+    assert ("bfloat16" in cpu_kernels().linear_dtypes()) == _bf16_flags()
 
 
 def test_the_bf16_linear_runs_on_amx_where_the_cpu_has_it(kernels):
@@ -202,10 +202,15 @@ def test_linear_packs_for_the_native_kernels_when_they_have_the_dtype(kernels, d
     weight, bias = layer.weight.detach().clone(), layer.bias.detach().clone()
     layer.pack(kernels=kernels)
     native = str(dtype).removeprefix("torch.") in kernels.linear_dtypes()
-    assert layer.packing() == ("native" if native else "onednn" if can_pack(
-        torch.device("cpu"), dtype) else layer.packing())
-    assert layer.weight is None and layer.packed_bytes() == weight.numel() * weight.element_size()
     x = torch.randn(9, 64).to(dtype)
+    if not native and not can_pack(torch.device("cpu"), dtype):
+        # bf16 on a CPU without native bf16 (Zen 3): neither packs it, and oneDNN's
+        # reorder would raise from inside torch: the weight stays dense and still runs
+        assert layer.packing() is None and torch.equal(layer.weight, weight)
+        assert torch.equal(layer(x), F.linear(x, weight, bias))
+        return
+    assert layer.packing() == ("native" if native else "onednn")
+    assert layer.weight is None and layer.packed_bytes() == weight.numel() * weight.element_size()
     if native:
         _check_against_float(layer(x), x, weight, bias)
 

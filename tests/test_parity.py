@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.config import cpu_has_native_bf16
+from engine.cpu_features import cpu_has_native_bf16
 from tests.conftest import KERNEL_TARGETS, hf_greedy
 
 NEW_TOKENS = 32
@@ -48,7 +48,14 @@ def test_smollm2_greedy_matches_hf(default_model_reference):
     weights decoded: the decode kernels round activations to int8 runs, as llama.cpp's
     do, so each greedy pick is HF's or within a near tie of it (teacher-forced), 9 in 10
     exactly, logprobs within 0.25 (the rounding moved one by 0.22 on Zen 4's VNNI path,
-    under 0.15 on the AMX Xeon's)."""
+    under 0.15 on the AMX Xeon's).
+
+    A near tie is as wide as that tolerance: a pick flips wherever HF's top two are
+    closer than the rounding moves them. Measured over 6 prompts x 32 tokens (Zen 4,
+    session 41), the VNNI and AVX2 paths round alike (|error| mean 0.030 / 0.031, p90
+    0.082 / 0.085, max 0.22 / 0.21) and both pick a token HF ranks second: 5 and 8
+    times, up to 0.165 / 0.173 below HF's best. A tie of 0.1 held on these 3 prompts
+    on VNNI by chance; the AVX2 path's pick was 0.17-0.22 below."""
     from transformers import AutoModelForCausalLM
 
     from tests.gguf_helpers import check_against
@@ -68,7 +75,8 @@ def test_smollm2_greedy_matches_hf(default_model_reference):
     assert runner.model.lm_head.packing() == "gguf:Q8_0"
     params = sum(p.numel() for p in hf.parameters())
     assert runner.memory_usage()["weights_bytes"] < 0.4 * 2 * params
-    check_against(llm, hf, prompts, tokens=NEW_TOKENS, tolerance=0.25, exact_share=0.9)
+    check_against(llm, hf, prompts, tokens=NEW_TOKENS, tolerance=0.25, tie=0.25,
+                  exact_share=0.9)
 
 
 def test_torch_attention_path_matches_hf(tiny_llama, monkeypatch):
@@ -95,6 +103,9 @@ def test_engine_on_a_narrower_kernel_build_matches_hf(tiny_llama, monkeypatch, m
     kernels, argmax) on another CPU family's build: the path bench/throughput.py --isa
     measures. It must hold that path and still match HF, chunked prefill included."""
     from engine.model.kernels import cpu_kernels
+    if cpu_kernels().isa == KERNEL_TARGETS[march]:  # e.g. x86-64-v3 on a Zen 3
+        pytest.skip(f"this CPU's own build is the {KERNEL_TARGETS[march]} path, which every "
+                    "other engine test here runs (a second build of it would add minutes)")
     monkeypatch.setenv("FLOTILLA_KERNELS_MARCH", march)
     prompts = _prompts([70, 33, 5, 100])
     llm = LLM(str(tiny_llama), dtype="float32", max_num_batched_tokens=24, block_size=8)

@@ -80,7 +80,7 @@ def test_regrouped_weights_hold_the_same_values(fmt):
     """The 16-row regrouping (AVX-512 VNNI builds) keeps every weight: rows decode to
     the file's values, products match the decoded weights as the file layout's do."""
     from engine.model.kernels import cpu_kernels
-    kernels = cpu_kernels("native")
+    kernels = cpu_kernels()
     assert kernels.gguf_regroups()
     n, k = 50, 256  # 50: a last group of 2 rows
     raw = _blocks(fmt, n, k, seed=2)
@@ -108,7 +108,7 @@ def test_regrouped_blocks_of_rows_equal_one_row_at_a_time(fmt):
     few rows, with a bias, float32 and bf16 x, and bf16 x's float32 logits. Both agree
     with the file layout's kernel (quant_linear.cpp: the scalar activation quantizer)."""
     from engine.model.kernels import cpu_kernels
-    kernels = cpu_kernels("native")
+    kernels = cpu_kernels()
     # this CPU's build multiplies with VNNI, never a narrower fallback
     assert kernels.gguf_regroups() and kernels.gguf_dot_kernel() == "vnni"
     k = 256
@@ -146,7 +146,7 @@ def test_float_outputs_past_the_streaming_size_equal_the_cached_writes(fmt):
     vectors, the last group's 8 lanes, rows that start off a cache line (an odd count of
     8-column halves a row), float32 x and bf16 x's float32 logits."""
     from engine.model.kernels import cpu_kernels
-    kernels = cpu_kernels("native")
+    kernels = cpu_kernels()
     n, k, rows = 16408, 64, 72  # 72 x 16408 float32 = 4.7 MB; 8 rows 0.5 MB
     packed = kernels.gguf_regroup(_blocks(fmt, n, k, seed=7), fmt, k)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(7))

@@ -73,7 +73,7 @@ def test_the_native_build_takes_the_cpu_s_int8_instructions():
     # a CPU with VNNI (or AMX int8 tiles) runs them by default, never the plain loop
     from engine.model.kernels import cpu_kernels
     flags = cpu_flags()
-    kinds = cpu_kernels("native").int8_kernels()
+    kinds = cpu_kernels().int8_kernels()
     if "amx_int8" in flags:
         assert kinds[0] == "amx+vnni" and "amx" in kinds
     if "avx512_vnni" in flags:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.config import cpu_flags
+from engine.cpu_features import cpu_flags
 from engine.errors import UnsupportedModelError
 from engine.quant.gguf_weights import GGUFBlocks
 

@@ -108,7 +108,9 @@ struct F32 {
       pf.step();
       for (int i = 0; i < R; ++i) {
         const vec::vf x = vec::splat(a[i * lda + k]);
-        for (int j = 0; j < W; ++j) acc[i][j] += x * w[j];
+        // each sum in k order: a lone accumulator (a one-row, one-vector tile) was split
+        // into several under Zen 3's tuning, so a tail differed between tile shapes
+        for (int j = 0; j < W; ++j) acc[i][j] = vec::opaque(acc[i][j] + x * w[j]);
       }
     }
     next = pf;

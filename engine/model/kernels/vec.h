@@ -47,6 +47,19 @@ typedef uint32_t vu __attribute__((vector_size(L * 4)));
 typedef uint16_t vh __attribute__((vector_size(L * 2)));
 
 inline vf splat(float x) { return vf{} + x; }
+
+// v, which the compiler must treat as unknown from here on: -ffast-math lets it
+// reassociate sums, and it did so in some instantiations of a kernel and not in others
+// (under Zen 3's tuning a lone accumulator was split in two, so the same sum came out
+// of two tile shapes one bit apart). An empty asm: no instruction is emitted.
+inline vf opaque(vf v) {
+#if defined(__x86_64__) || defined(__i386__)
+  __asm__("" : "+v"(v));
+#elif defined(__aarch64__)
+  __asm__("" : "+w"(v));
+#endif
+  return v;
+}
 inline vi splat_i(int32_t x) { return vi{} + x; }
 
 // 0, 1, ..., L - 1: lane numbers, for masks of partial vectors.

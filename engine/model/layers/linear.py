@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.cpu_features import cpu_has_native_bf16
+
 _PACK_BATCH_HINT = 64  # the decode batch oneDNN picks its blocking for; any M works
 
 
@@ -34,10 +36,18 @@ def can_pack(device: torch.device, dtype: torch.dtype, kernels=None) -> bool:
         return False
     if native_packs(kernels, dtype):
         return True
+    return onednn_packs(dtype)
+
+
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN packs (and runs) linears of dtype on this CPU. bf16 needs native
+    bf16 dot products (engine.cpu_features, held like the kernels): torch's own check
+    also passes on AVX-512 parts without them, where oneDNN emulates bf16 slower than
+    float32, and on AVX2-only parts its reorder raises from inside the kernel."""
     if not torch.backends.mkldnn.is_available():
         return False
     if dtype == torch.bfloat16:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        return cpu_has_native_bf16() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     return dtype == torch.float32
 
 
@@ -65,8 +75,11 @@ class Linear(nn.Linear):
     def pack(self, keep_dense: bool = False, kernels=None) -> None:
         """Prepack the weight: for the native kernels `kernels` when they have this
         dtype, else for oneDNN. keep_dense keeps the dense tensor (a tied embedding still
-        reads it); otherwise it is released, so packing costs no memory."""
+        reads it); otherwise it is released, so packing costs no memory. Where neither
+        runs the dtype on this CPU (bf16 without native bf16), the weight stays dense."""
         weight = self.weight.detach()
+        if not native_packs(kernels, weight.dtype) and not onednn_packs(weight.dtype):
+            return
         if native_packs(kernels, weight.dtype):
             self._paired = self.glu_halves and self.out_features % 2 == 0
             self.packed_weight = kernels.pack_linear(weight, paired=self._paired)
@@ -149,7 +162,7 @@ def pack_linears(model: nn.Module, keep_dense: set[int] | None = None, kernels=N
     for module in model.modules():
         if isinstance(module, Linear) and module.packed_weight is None and module.quant is None:
             module.pack(keep_dense=id(module.weight) in keep_dense, kernels=kernels)
-            count += 1
+            count += module.packing() is not None
         elif not isinstance(module, Linear) and hasattr(module, "pack_weights"):
             module.pack_weights(kernels)  # a layer with matrices of its own (MoE experts)
     return count
