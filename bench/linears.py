@@ -7,7 +7,7 @@ step streams 212 MB of bf16 weights from memory) and on layer 0's again and agai
 they stay in cache). Kernels: each bf16 kind this CPU runs (amx, dpbf16: forced in
 turn through set_linear_bf16_kernel), or the float32 native kernel; the same shapes
 as GGUF Q4_1 blocks regrouped (`--gguf`, random blocks: the default model's format, the
-kernels of quant_regrouped.cpp on AVX-512 VNNI CPUs); and oneDNN's prepacked matmul (what
+kernels of quant_regrouped.cpp on AVX-512 VNNI and AVX2 builds); and oneDNN's prepacked matmul (what
 torch runs; on AMX CPUs its bf16 runs on AMX too). Prints microseconds per layer and
 GFLOP/s (GOP/s for the int8 products), best of three rounds, and the CPU.
 
@@ -79,7 +79,7 @@ def main() -> None:
     kinds = k.linear_bf16_kernels() if dtype == torch.bfloat16 else ["float32"]
     if args.gguf:
         if not k.gguf_regroups():
-            raise SystemExit("this build has no regrouped GGUF kernels (AVX-512 VNNI)")
+            raise SystemExit("this build has no regrouped GGUF kernels (AVX-512 VNNI or AVX2)")
         blocks = [[k.gguf_regroup(random_q4_1(o, i, g), "Q4_1", i) for o, i in SHAPES]
                   for _ in range(LAYERS)]
         kinds = kinds + ["gguf Q4_1"]

@@ -19,7 +19,7 @@ from engine.errors import UnsupportedQuantizationError
 from engine.quant.gguf_blocks import BLOCK_FORMATS, dequantize
 from engine.quant.gguf_weights import GGUFBlocks, iter_gguf_weights
 from engine.sampling_params import SamplingParams
-from tests.conftest import build_tiny_model, cpu_flags
+from tests.conftest import KERNEL_TARGETS, build_tiny_model, cpu_flags
 from tests.gguf_helpers import (check_against, check_tp2_equals_one_rank, random_blocks,
                                  write_gguf)
 
@@ -73,15 +73,25 @@ def test_kernel_products_match_the_decoded_weights(kernels, fmt):
         assert _relative_error(logits, x.bfloat16().float() @ w.T) < 0.03
 
 
-@pytest.mark.skipif("avx512_vnni" not in cpu_flags(),
-                    reason="the regrouped kernels need AVX-512 VNNI, which this CPU lacks")
-@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q8_0"])
-def test_regrouped_weights_hold_the_same_values(fmt):
-    """The 16-row regrouping (AVX-512 VNNI builds) keeps every weight: rows decode to
-    the file's values, products match the decoded weights as the file layout's do."""
-    from engine.model.kernels import cpu_kernels
-    kernels = cpu_kernels()
+def _regrouping(kernels):
+    """`kernels`, which must multiply regrouped weights with its CPU family's int8 product
+    (an AVX-512 VNNI CPU's native build: VNNI; AVX2 builds: vpmaddubsw); the test skips
+    on builds that keep the file's layout (SSE2, NEON)."""
+    if kernels.isa not in ("avx512", "avx2"):
+        assert not kernels.gguf_regroups()
+        pytest.skip(f"the {kernels.isa} build keeps GGUF blocks in the file's layout")
     assert kernels.gguf_regroups()
+    if kernels.isa == "avx512" and "avx512_vnni" in cpu_flags():
+        assert kernels.gguf_dot_kernel() == "vnni"  # never a narrower fallback
+    return kernels
+
+
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q8_0"])
+def test_regrouped_weights_hold_the_same_values(kernels, fmt):
+    """The 16-row regrouping (AVX-512 VNNI and AVX2 builds) keeps every weight: rows
+    decode to the file's values, products match the decoded weights as the file layout's
+    do. Builds without the regrouped products (SSE2, NEON) still read the layout."""
+    assert kernels.gguf_regroups() == (kernels.isa in ("avx512", "avx2"))
     n, k = 50, 256  # 50: a last group of 2 rows
     raw = _blocks(fmt, n, k, seed=2)
     w = dequantize(raw, fmt, k)
@@ -97,20 +107,16 @@ def test_regrouped_weights_hold_the_same_values(fmt):
         kernels.gguf_regrouped_linear(x, packed, fmt, n + 16, None, False, 16)
 
 
-@pytest.mark.skipif("avx512_vnni" not in cpu_flags(),
-                    reason="the regrouped kernels need AVX-512 VNNI, which this CPU lacks")
 @pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q8_0"])
-def test_regrouped_blocks_of_rows_equal_one_row_at_a_time(fmt):
-    """From 2 rows of x the regrouped product runs in blocks of 4 rows x 2 groups of 16
-    weight rows. Each row's result is exactly the 1-row kernel's (the same int8 sums,
-    scaled in the same order), so a sequence's tokens do not depend on the batch it ran
-    in: for every row count's tail block, an odd count of groups and a last group of a
-    few rows, with a bias, float32 and bf16 x, and bf16 x's float32 logits. Both agree
-    with the file layout's kernel (quant_linear.cpp: the scalar activation quantizer)."""
-    from engine.model.kernels import cpu_kernels
-    kernels = cpu_kernels()
-    # this CPU's build multiplies with VNNI, never a narrower fallback
-    assert kernels.gguf_regroups() and kernels.gguf_dot_kernel() == "vnni"
+def test_regrouped_blocks_of_rows_equal_one_row_at_a_time(kernels, fmt):
+    """From 2 rows of x the regrouped product runs in blocks (VNNI: 4 rows x 2 groups of
+    16 weight rows; AVX2: 2 rows x 1 group). Each row's result is exactly the 1-row
+    kernel's (the same int8 sums, scaled in the same order), so a sequence's tokens do
+    not depend on the batch it ran in: for every row count's tail block, an odd count of
+    groups and a last group of a few rows, with a bias, float32 and bf16 x, and bf16 x's
+    float32 logits. Both agree with the file layout's kernel (quant_linear.cpp: the
+    scalar activation quantizer)."""
+    _regrouping(kernels)
     k = 256
     for n in (40, 50, 96):  # 3 groups (the last of 8 rows), 4 (the last of 2), 6
         raw = _blocks(fmt, n, k, seed=n)
@@ -137,16 +143,14 @@ def test_regrouped_blocks_of_rows_equal_one_row_at_a_time(fmt):
                                                atol=1e-5 * float(got.abs().max()))
 
 
-@pytest.mark.skipif("avx512_vnni" not in cpu_flags(),
-                    reason="the regrouped kernels need AVX-512 VNNI, which this CPU lacks")
 @pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0"])
-def test_float_outputs_past_the_streaming_size_equal_the_cached_writes(fmt):
+def test_float_outputs_past_the_streaming_size_equal_the_cached_writes(kernels, fmt):
     """Float outputs past 4 MiB (the LM head's logits at a batch) are written around the
-    caches; the values equal the same rows in small calls, written through them: whole
-    vectors, the last group's 8 lanes, rows that start off a cache line (an odd count of
-    8-column halves a row), float32 x and bf16 x's float32 logits."""
-    from engine.model.kernels import cpu_kernels
-    kernels = cpu_kernels()
+    caches (AVX-512 builds; AVX2's are plain stores); the values equal the same rows in
+    small calls, written through them: whole vectors, the last group's 8 lanes, rows that
+    start off a cache line (an odd count of 8-column halves a row), float32 x and bf16
+    x's float32 logits."""
+    _regrouping(kernels)
     n, k, rows = 16408, 64, 72  # 72 x 16408 float32 = 4.7 MB; 8 rows 0.5 MB
     packed = kernels.gguf_regroup(_blocks(fmt, n, k, seed=7), fmt, k)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(7))
@@ -157,6 +161,41 @@ def test_float_outputs_past_the_streaming_size_equal_the_cached_writes(fmt):
                                                           float_out, 1 << 20)
                             for i in range(0, rows, 8)])
         assert got.dtype == torch.float32 and torch.equal(got, chunks), f"{fmt} {dtype}"
+
+
+@pytest.mark.skipif("avx512_vnni" not in cpu_flags() or "x86-64-v3" not in KERNEL_TARGETS,
+                    reason="needs an AVX-512 VNNI CPU building its AVX2 path beside")
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q8_0"])
+def test_avx2_regrouped_products_equal_the_vnni_ones(fmt):
+    """The AVX2 build's products (vpmaddubsw) on the same regrouped bytes: the same int8
+    sums as VNNI's vpdpbusd, scaled by the same float steps, so Q4_0 / Q4_1 outputs are
+    equal bit for bit; Q8_0's AVX2 sums take q signed (VNNI's take q + 128 and subtract
+    128 d * sum(x) after), equal to float rounding. For 1 row, blocks of rows with a tail,
+    and the dense path's decoded panels."""
+    from engine.model.kernels import cpu_kernels
+    vnni, avx2 = cpu_kernels(), cpu_kernels("x86-64-v3")
+    assert vnni.gguf_dot_kernel() == "vnni" and avx2.isa == "avx2" and avx2.gguf_regroups()
+    n, k = 72, 512  # a last group of 8 rows
+    raw = _blocks(fmt, n, k, seed=11)
+    packed = vnni.gguf_regroup(raw, fmt, k)
+    assert torch.equal(avx2.gguf_regroup(raw, fmt, k), packed)
+    torch.manual_seed(11)
+    bias, x = torch.randn(n), torch.randn(9, k)
+    for rows in (1, 2, 5, 9):
+        for dtype, float_out in ((torch.float32, False), (torch.bfloat16, False),
+                                 (torch.bfloat16, True)):
+            xr = x[:rows].to(dtype)
+            b = None if float_out else bias.to(dtype)
+            got = avx2.gguf_regrouped_linear(xr, packed, fmt, n, b, float_out, 64)
+            want = vnni.gguf_regrouped_linear(xr, packed, fmt, n, b, float_out, 64)
+            if fmt == "Q8_0":
+                torch.testing.assert_close(got, want, rtol=1e-5 if dtype == torch.float32
+                                           else 1e-2, atol=1e-5 * float(want.abs().max()))
+            else:
+                assert torch.equal(got, want), f"{fmt} rows={rows} {dtype} {float_out}"
+    dense = avx2.gguf_regrouped_linear(x, packed, fmt, n, bias, False, 0)
+    torch.testing.assert_close(dense, vnni.gguf_regrouped_linear(x, packed, fmt, n, bias,
+                                                                 False, 0))
 
 
 def test_block_columns_split_only_at_block_boundaries():

@@ -5,10 +5,12 @@ GGUF file may store them in different formats (Q4_K_M files keep some v projecti
 Q6_K): the weight is a list of row segments, each one format, and a product is one
 kernel call per segment. Neighbouring segments of one format are joined into one.
 
-Where the build has them (AVX-512 VNNI), Q4_0, Q4_1 and Q8_0 segments are regrouped
-once at load: the same bytes, 16 rows interleaved per run of 32 weights, which the
-kernels of engine/model/kernels/quant_regrouped.cpp multiply ~4x faster than the file's
-row-by-row layout (quant_linear.cpp, every format and CPU).
+Where the build has them (AVX-512 VNNI, or AVX2 + FMA + F16C: `kernels.gguf_regroups()`),
+Q4_0, Q4_1 and Q8_0 segments are regrouped once at load: the same bytes, 16 rows
+interleaved per run of 32 weights, which the kernels of
+engine/model/kernels/quant_regrouped.cpp (VNNI's vpdpbusd) and quant_regrouped_avx2.h
+(AVX2's vpmaddubsw + vpmaddwd) multiply several times faster than the file's row-by-row
+layout (quant_linear.cpp, every format and CPU; SSE2 and NEON builds keep it).
 """
 from __future__ import annotations
 
@@ -27,9 +29,15 @@ def _decode_crossover() -> int:
     decoded panels' bf16 tiles win past 64 rows (Xeon, 2 threads: 64-128 rows for a
     layer's linears, past 64 for the 49152-row LM head). With AVX-512 VNNI and no AMX
     (Zen 4, session 32) the regrouped blocks won at every batch measured (a layer: 1,559
-    against 2,849 us at 128 rows, 3,130 against 5,004 at 256). Elsewhere 64, unmeasured."""
+    against 2,849 us at 128 rows, 3,130 against 5,004 at 256), and so did AVX2's against
+    the float32 panels (Zen 4 held to x86-64-v3: a layer 2,914 against 7,198 us at 128
+    rows, 5,853 against 11,931 at 256; the Q8_0 LM head 78 against 159 ms at 256).
+    Elsewhere 64, unmeasured."""
     flags = cpu_flags()
-    return 256 if "avx512_vnni" in flags and "amx_bf16" not in flags else 64
+    if "amx_bf16" in flags:
+        return 64
+    avx2_only = {"avx2", "fma", "f16c"} <= flags and "avx512f" not in flags
+    return 256 if "avx512_vnni" in flags or avx2_only else 64
 
 
 # Rows of x up to which the kernels multiply the blocks with int8 dot products; past

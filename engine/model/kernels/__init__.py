@@ -27,7 +27,8 @@ _SOURCES = [_DIR / n for n in ("bindings.cpp", "paged_attention.cpp", "fused_ops
                                    "linear.cpp", "quant_linear.cpp", "quant_regrouped.cpp",
                                    "int8_linear.cpp", "fp8_linear.cpp",
                                    "decoder_stack.cpp")]
-_HEADERS = [_DIR / n for n in ("amx.h", "convert.h", "quant_regrouped.h", "simd.h", "vec.h")]
+_HEADERS = [_DIR / n for n in ("amx.h", "convert.h", "quant_regrouped.h",
+                                   "quant_regrouped_avx2.h", "simd.h", "vec.h")]
 
 
 def _cflags(march: str) -> list[str]:

@@ -113,8 +113,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_dot_kernel", &gguf_dot_kernel,
         "the integer dot product the GGUF kernels use here: vnni, avx2 or scalar");
   m.def("gguf_regroups", &gguf_regroups,
-        "whether this build has the regrouped GGUF kernels (AVX-512 VNNI): Q4_0, Q4_1 and "
-        "Q8_0 weights regrouped 16 rows to a register");
+        "whether this build has the regrouped GGUF kernels (AVX-512 VNNI, or AVX2 + FMA + "
+        "F16C): Q4_0, Q4_1 and Q8_0 weights regrouped 16 rows to a register");
   m.def("gguf_regroup", &gguf_regroup, "a [rows, bytes] Q4_0 / Q4_1 / Q8_0 weight of k "
         "columns regrouped for gguf_regrouped_linear", py::arg("raw"), py::arg("format"),
         py::arg("k"));

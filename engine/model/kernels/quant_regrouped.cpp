@@ -1,5 +1,7 @@
 // GGUF's 32-weight formats (Q4_0, Q4_1, Q8_0) regrouped at load so that one AVX-512
-// register holds the same 4 weights of 16 rows, multiplied with VNNI (vpdpbusd).
+// register holds the same 4 weights of 16 rows, multiplied with VNNI (vpdpbusd); AVX2
+// CPUs multiply the same layout a ymm half (8 rows) at a time with vpmaddubsw +
+// vpmaddwd (quant_regrouped_avx2.h).
 //
 // Why: the file's layout keeps each row's blocks together, so a kernel reading it works
 // one row at a time: a run of 32 weights costs ~15 instructions (unpack, two half-floats
@@ -20,6 +22,7 @@
 // Activations are quantized to int8 runs as in quant_linear.cpp; the dot products are
 // exact, and the error against the decoded weights in float32 is the activations' only.
 #include "quant_regrouped.h"
+#include "quant_regrouped_avx2.h"
 
 namespace {
 
@@ -180,6 +183,9 @@ void decode_transposed(const Shape& s, const uint8_t* packed, int64_t first, int
   });
 }
 
+#endif
+
+#if FLOTILLA_QR_PRODUCTS
 // x @ W^T for many rows of x: the weight decoded a panel of kPanelGroups groups at a time
 // into W^T's columns (a buffer that stays in cache; decoding all of a 49152-row LM head
 // at once wrote 56 MB at a stride of 98 KB and took 28 ms), each panel multiplied by
@@ -211,7 +217,9 @@ torch::Tensor dense_product(const Shape& s, const torch::Tensor& x, const torch:
   }
   return y;
 }
+#endif
 
+#if FLOTILLA_QR
 template <int K, int MT = kMaxRows>
 void group_any(int mt, const Shape& s, const uint8_t* packed, int64_t g, const Activations& a,
                int64_t i0, __m512 (&acc)[kMaxRows]) {
@@ -250,7 +258,9 @@ void matmul(const Shape& s, const T* x, int64_t m, const uint8_t* packed, const 
     }
   });
 }
+#endif
 
+#if FLOTILLA_QR_PRODUCTS
 template <typename T, typename O>
 void dispatch(const Shape& s, const T* x, int64_t m, const uint8_t* packed, const float* bias,
               O* y) {
@@ -287,7 +297,7 @@ Shape checked(const torch::Tensor& packed, const std::string& format, int64_t n,
 
 }  // namespace
 
-bool gguf_regroups() { return FLOTILLA_QR; }
+bool gguf_regroups() { return FLOTILLA_QR_PRODUCTS; }
 
 torch::Tensor gguf_regroup(torch::Tensor raw, const std::string& format, int64_t k) {
   const Shape s = shape_of(parse_kind(format), raw.size(0), k);
@@ -342,8 +352,8 @@ torch::Tensor gguf_regrouped_linear(torch::Tensor input, torch::Tensor packed,
   std::vector<int64_t> shape(input.sizes().begin(), input.sizes().end());
   shape.back() = n;
   const bool has_bias = bias && bias->defined();
-  if (m > dense_rows || !FLOTILLA_QR) {  // compute-bound: decode once, oneDNN multiplies
-#if FLOTILLA_QR
+  if (m > dense_rows || !FLOTILLA_QR_PRODUCTS) {  // compute-bound: decode once, oneDNN multiplies
+#if FLOTILLA_QR_PRODUCTS
     torch::Tensor y = dense_product(s, x, packed, dtype);
     if (has_bias) y.add_(bias->to(dtype));
 #else
@@ -353,7 +363,7 @@ torch::Tensor gguf_regrouped_linear(torch::Tensor input, torch::Tensor packed,
 #endif
     return (float_out ? y.to(torch::kFloat32) : y).reshape(shape);
   }
-#if FLOTILLA_QR
+#if FLOTILLA_QR_PRODUCTS
   torch::Tensor bf;
   if (has_bias) {
     TORCH_CHECK(bias->numel() == n, "gguf_regrouped_linear: a bias of ", bias->numel(), " for ",

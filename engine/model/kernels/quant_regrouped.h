@@ -1,6 +1,7 @@
 // The GGUF regrouped kernels' shared pieces (quant_regrouped.cpp includes this, and only
-// it): the regrouped layout's shape, the activations' int8 runs, and the product for many
-// rows of x in blocks of 4 rows x 2 groups. The layout is described in quant_regrouped.cpp.
+// it): the regrouped layout's shape, the activations' int8 runs, and the AVX-512 VNNI
+// product for many rows of x in blocks of 4 rows x 2 groups (AVX2's products are in
+// quant_regrouped_avx2.h). The layout is described in quant_regrouped.cpp.
 #pragma once
 
 #include <torch/extension.h>
@@ -24,6 +25,15 @@
 #else
 #define FLOTILLA_QR 0
 #endif
+// AVX2 CPUs without VNNI (Zen 3, ...) multiply the same layout a ymm half at a time:
+// quant_regrouped_avx2.h (vpmaddubsw + vpmaddwd; F16C for the scales).
+#if !FLOTILLA_QR && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define FLOTILLA_QR_AVX2 1
+#else
+#define FLOTILLA_QR_AVX2 0
+#endif
+#define FLOTILLA_QR_PRODUCTS (FLOTILLA_QR || FLOTILLA_QR_AVX2)
 
 namespace {
 
@@ -118,6 +128,49 @@ void quantize_row_avx512(const T* x, int64_t k, int8_t* q, float* d_out, float* 
 }
 #endif
 
+#if FLOTILLA_QR_AVX2
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {  // bf16 is a float32's top half
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+// The same values as quantize_row's scalar loop (vcvtps2dq rounds to nearest even, as
+// nearbyint), 8 lanes at a time.
+template <typename T>
+void quantize_row_avx2(const T* x, int64_t k, int8_t* q, float* d_out, float* sum_out) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t r = 0; r < k / 32; ++r) {
+    __m256 v[4];
+    for (int i = 0; i < 4; ++i) v[i] = load8(x + r * 32 + 8 * i);
+    const __m256 a = _mm256_max_ps(
+        _mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+        _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    const float amax = _mm_cvtss_f32(h);
+    const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+    const __m256 vi = _mm256_set1_ps(inv);
+    __m256i qi[4];
+    for (int i = 0; i < 4; ++i) qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], vi));
+    // the packs work within 128-bit lanes: the permute puts their 4-byte pieces in order
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]),
+                                             _mm256_packs_epi32(qi[2], qi[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + r * 32),
+                        _mm256_permutevar8x32_epi32(bytes, order));
+    const __m256i s8 = _mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]),
+                                        _mm256_add_epi32(qi[2], qi[3]));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+    d_out[r] = d;
+    sum_out[r] = d * float(_mm_cvtsi128_si32(s4));
+  }
+}
+#endif
+
 template <typename T>
 Activations quantize(const T* x, int64_t m, int64_t k) {
   const int64_t runs = k / 32;
@@ -131,6 +184,9 @@ Activations quantize(const T* x, int64_t m, int64_t k) {
 #if FLOTILLA_QR
       quantize_row_avx512(x + i * k, k, a.q.data() + i * k, a.d.data() + i * runs,
                           a.sum.data() + i * runs);
+#elif FLOTILLA_QR_AVX2
+      quantize_row_avx2(x + i * k, k, a.q.data() + i * k, a.d.data() + i * runs,
+                        a.sum.data() + i * runs);
 #else
       quantize_row(x + i * k, k, a.q.data() + i * k, a.d.data() + i * runs,
                    a.sum.data() + i * runs);
