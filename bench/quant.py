@@ -40,7 +40,6 @@ def run_flotilla(model: str, w1: bool) -> dict:
     from engine import LLM, SamplingParams
     llm = LLM(model)
     runner = llm.llm_engine.engine_core.runner
-    runner.wait_kv_pages()  # timed with the KV pool backed, as vLLM's is from its start
 
     def timed(n: int) -> float:
         params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)

@@ -91,7 +91,6 @@ def run_flotilla(args, prompts) -> float:
               max_num_seqs=args.max_num_seqs)
     params = SamplingParams(temperature=0.0, max_tokens=OUTPUT_LEN, ignore_eos=True)
     llm.generate(prompts[:4], params.clone(max_tokens=8), use_tqdm=False)  # warm-up
-    llm.llm_engine.engine_core.runner.wait_kv_pages()  # as vLLM's pool, written at start
     llm.reset_prefix_cache()
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)

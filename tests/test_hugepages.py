@@ -83,7 +83,6 @@ def test_cpu_engine_backs_the_kv_blocks_a_full_batch_holds_and_no_more(tiny_llam
     core = EngineCore(EngineConfig(model=str(tiny_llama), dtype="float32", max_num_seqs=2,
                                    max_model_len=64))
     try:
-        assert core.runner.wait_kv_pages(timeout=120)  # backed on a thread
         cache = core.runner.kv_caches
         full_batch = 2 * 64 // core.block_size
         assert core.num_blocks > full_batch + 2048  # the pool is far larger than a batch
@@ -91,43 +90,32 @@ def test_cpu_engine_backs_the_kv_blocks_a_full_batch_holds_and_no_more(tiny_llam
             assert all(_resident(layer[:full_batch]))
         # beyond them (past the 2 MiB page the last of them shares) nothing was written
         assert not any(_resident(cache[0, full_batch + 1024:full_batch + 2048]))
-        assert float(cache[:, :full_batch].abs().sum()) == 0.0
+        # the start's warm-up request wrote a few of them and gave them back
+        assert core.kv.num_free_blocks == core.kv.usable_blocks
     finally:
         core.shutdown()
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore(2) on Linux")
-def test_background_populate_backs_pages_and_keeps_what_was_written():
+def test_populate_now_backs_pages_and_keeps_what_was_written():
     import torch
 
-    from engine.model.hugepages import BackgroundPopulate, lazily_zeroed
+    from engine.model.hugepages import lazily_zeroed, populate_now
     t = lazily_zeroed((8, 64 << 20), torch.uint8)  # 512 MiB, nothing resident
     assert not any(_resident(t[2]))
-    t[0, :4096] = 7  # written before the thread starts
-    populator = BackgroundPopulate([t[1:7]], "test pages")
-    t[6, -4096:] = 9  # written while the thread may be running
-    assert populator.wait(timeout=120)
+    t[1, :4096] = 7  # written before: kept
+    populate_now([t[1:7]], "test pages")
     assert all(_resident(t[1:7])) and not any(_resident(t[7, 4 << 20:]))
-    assert int(t[0, :4096].min()) == 7 and int(t[6, -4096:].min()) == 9
-    assert int(t[1:6].max()) == 0 and int(t[6, :-4096].max()) == 0
+    assert int(t[1, :4096].min()) == 7
+    assert int(t[1, 4096:].max()) == 0 and int(t[2:7].max()) == 0
 
 
-def test_background_populate_zeroes_in_place_where_the_kernel_cannot(monkeypatch):
+def test_populate_now_zeroes_in_place_where_the_kernel_cannot(monkeypatch):
     import torch
 
     from engine.model import hugepages
     monkeypatch.setattr(hugepages, "populate", lambda tensor: False)
     t = torch.full((4, 1024), 5.0)
-    populator = hugepages.BackgroundPopulate([t[1:3]], "test pages")
-    assert populator.thread is None  # done before the constructor returned
+    hugepages.populate_now([t[1:3]], "test pages")
     assert float(t[1:3].abs().sum()) == 0.0 and float(t[0].min()) == float(t[3].min()) == 5.0
 
-
-def test_background_populate_stops_early():
-    import torch
-
-    from engine.model.hugepages import BackgroundPopulate, lazily_zeroed
-    t = lazily_zeroed((16, 64 << 20), torch.uint8)  # 1 GiB: 16 chunks
-    populator = BackgroundPopulate([t], "test pages")
-    populator.stop()
-    assert populator.wait(timeout=0)

@@ -38,10 +38,10 @@ from engine.lora.manager import AdapterCache
 from engine.lora.request import LoRARequest
 from engine.lora.slots import LoRASlots
 from engine.model.hugepages import (
-    BackgroundPopulate,
     anonymous_regions,
     collapse_new_regions,
     lazily_zeroed,
+    populate_now,
 )
 from engine.model.kernels import cpu_kernels, native_enabled
 from engine.model.layers import flex_paged
@@ -104,7 +104,6 @@ class ModelRunner(StepMetadataBuilder, KVBudget):
         if config.enable_lora:
             self._enable_lora()
         self.kv_caches: torch.Tensor | None = None
-        self._populating: BackgroundPopulate | None = None  # the KV pool's pages (CPU)
         self.slot_pos: torch.Tensor | None = None  # flex: each slot's position (flex_paged)
         self.layer_caches: list[tuple[torch.Tensor, torch.Tensor]] = []  # views, per layer
         self.num_blocks = 0
@@ -380,25 +379,13 @@ class ModelRunner(StepMetadataBuilder, KVBudget):
         cache), as vLLM's torch.zeros writes its whole pool: a page's first write is a
         fault (and, in a VM, often the host's too), and taken during decode each one
         stalls a step. W1 (Zen 5 VM, bf16): 1,627-1,649 -> 1,853-1,866 tok/s, system
-        time 0.25-0.65 -> 0.00-0.04 s. The kernel populates them on a thread while the
-        engine starts serving: 2 GiB took 0.2-5 s of every start on the Zen 4 VM (most
-        of it the host backing the guest's pages)."""
+        time 0.25-0.65 -> 0.00-0.04 s. Done before the engine reports ready, so its first
+        requests run as fast as later ones (hugepages.populate_now has the figures)."""
         blocks = min(num_blocks, self.config.max_num_seqs * self.max_pages)
-        self._populating = BackgroundPopulate(
-            [slot[:blocks] for slot in self.kv_caches],  # each slot's blocks: one span
-            f"KV cache: the first {blocks} of {num_blocks} blocks")
-
-    def wait_kv_pages(self, timeout: float | None = None) -> bool:
-        """Wait until the KV pool's prefaulted blocks are backed (True; also where there
-        is nothing to wait for). Benchmarks time from there, as vLLM's timed runs start
-        with its pool already written at start-up: the background faults take CPU time
-        from the first seconds of serving (W1 started at once on Zen 5: ~8 % of samples)."""
-        return self._populating is None or self._populating.wait(timeout)
+        populate_now([slot[:blocks] for slot in self.kv_caches],  # each slot's blocks: one span
+                     f"KV cache: the first {blocks} of {num_blocks} blocks")
 
     def free_kv_cache(self) -> None:
-        if self._populating is not None:
-            self._populating.stop()
-            self._populating = None
         self._drop_graphs()
         self.kv_caches = self.slot_pos = None
         self.layer_caches = []
