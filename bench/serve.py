@@ -167,7 +167,7 @@ def _servers(args, port: int) -> list[Server]:
                                   str(args.tokenizer), "--port", str(port),
                                   "--served-model-name", "default", "--dtype", args.dtype,
                                   "--max-model-len", "2048"], "default", vllm_env, cpus=cpus),
-            Server("flotilla serve", flotilla + ["--model", str(args.tokenizer),
+            Server("flotilla serve", flotilla + ["--model", args.flotilla_model or str(args.tokenizer),
                                                  "--served-model-name", "default",
                                                  "--dtype", args.dtype],
                    "default", isa_env(args.isa, "flotilla"),
@@ -239,6 +239,9 @@ def main() -> int:
                              "behind Serve")
     parser.add_argument("--only", nargs="+", default=None,
                         help="run only servers whose name contains one of these")
+    parser.add_argument("--flotilla-model", default=None,
+                        help="what Flotilla serves (default: the same float checkpoint as "
+                             "vLLM; 'default': the default model's GGUF blocks, as it ships)")
     parser.add_argument("--isa", choices=["native", *ISA_ENV], default="native",
                         help="hold both servers to a narrower x86 path than this CPU's "
                              "(float32 on both; bench/throughput.py's ISA_ENV)")

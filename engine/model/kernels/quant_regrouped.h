@@ -86,6 +86,22 @@ struct Activations {
   Buffer<float> sum;  // [m, runs]: d * (sum of the run's q)
 };
 
+// Rows i0 .. i0 + R of the activations, as a tile reads them: each row's int8 values, its
+// runs' scales and their scaled sums.
+template <int R>
+struct XRows {
+  const int8_t* q[R];
+  const float* d[R];
+  const float* sum[R];
+  XRows(const Shape& s, const Activations& a, int64_t i0) {
+    for (int t = 0; t < R; ++t) {
+      q[t] = a.q.data() + (i0 + t) * s.k;
+      d[t] = a.d.data() + (i0 + t) * s.runs;
+      sum[t] = a.sum.data() + (i0 + t) * s.runs;
+    }
+  }
+};
+
 template <typename T>
 [[maybe_unused]] void quantize_row(const T* x, int64_t k, int8_t* q, float* d_out, float* sum_out) {
   for (int64_t r = 0; r < k / 32; ++r) {
@@ -225,14 +241,10 @@ void block_tile(const Shape& s, const uint8_t* packed, int64_t g0, const Activat
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   for (int t = 0; t < R; ++t)
     for (int g = 0; g < G; ++g) acc[t][g] = _mm512_setzero_ps();
-  const int8_t* xq[R];
-  const float* xd[R];
-  const float* xs[R];
-  for (int t = 0; t < R; ++t) {
-    xq[t] = a.q.data() + (i0 + t) * s.k;
-    xd[t] = a.d.data() + (i0 + t) * s.runs;
-    xs[t] = a.sum.data() + (i0 + t) * s.runs;
-  }
+  const XRows<R> x(s, a, i0);
+  const auto& xq = x.q;
+  const auto& xd = x.d;
+  const auto& xs = x.sum;
   const int64_t rb = s.run_bytes();
   constexpr int64_t scale_bytes = 2 * kGroup * (K == kQ4_1 ? 2 : 1);
   for (int64_t r = 0; r < s.runs; ++r) {

@@ -49,14 +49,10 @@ void tile(const Shape& s, const uint8_t* packed, int64_t g, const Activations& a
   __m256 acc[R][H];  // local: `out` might alias what the loop reads (stored every run)
   for (int t = 0; t < R; ++t)
     for (int h = 0; h < H; ++h) acc[t][h] = _mm256_setzero_ps();
-  const int8_t* xq[R];
-  const float* xd[R];
-  const float* xs[R];
-  for (int t = 0; t < R; ++t) {
-    xq[t] = a.q.data() + (i0 + t) * s.k;
-    xd[t] = a.d.data() + (i0 + t) * s.runs;
-    xs[t] = a.sum.data() + (i0 + t) * s.runs;
-  }
+  const XRows<R> x(s, a, i0);
+  const auto& xq = x.q;
+  const auto& xd = x.d;
+  const auto& xs = x.sum;
   const int64_t rb = s.run_bytes();
   constexpr int64_t scale_bytes = 2 * kGroup * (K == kQ4_1 ? 2 : 1);
   for (int64_t r = 0; r < s.runs; ++r) {
