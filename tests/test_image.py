@@ -99,8 +99,8 @@ def test_the_chart_and_cluster_yaml_run_that_image():
 
 
 def test_ci_builds_and_serves_the_image_after_the_suite():
-    """.ci/run: exactly the README's test command, which runs the suite, then the image
-    check; the check builds with `make image` (so the tag is the chart's) on a base laid
+    """.ci/run: exactly the README's test command, which runs the suite, its AVX2-held
+    leg, then the image check; the check builds with `make image` (so the tag is the chart's) on a base laid
     out as Ray's images are."""
     steps = [line for line in (REPO / ".ci/run").read_text().splitlines()
              if line and not line.startswith(("#", "set ", "cd "))]
@@ -108,7 +108,13 @@ def test_ci_builds_and_serves_the_image_after_the_suite():
     makefile = (REPO / "Makefile").read_text()
     (recipe,) = re.findall(r"^test:.*\n((?:\t.+\n)+)", makefile, re.M)
     assert [line.strip() for line in recipe.splitlines()] == [
-        "$(PY) -m pytest -q --durations=15 tests", "$(PY) .ci/image_check.py"]
+        "$(PY) -m pytest -q --durations=15 tests", "$(MAKE) --no-print-directory test-avx2",
+        "$(PY) .ci/image_check.py"]
+    # the AVX2-held leg: the kernels built for x86-64-v3, torch and oneDNN held too
+    (leg,) = re.findall(r"^test-avx2:.*\n((?:\t.+\n)+)", makefile, re.M)
+    for held in ("ATEN_CPU_CAPABILITY=avx2", "ONEDNN_MAX_CPU_ISA=AVX2",
+                 "FLOTILLA_KERNELS_MARCH=x86-64-v3", "$(AVX2_HELD_TESTS)"):
+        assert held in leg, held
     (recipe,) = re.findall(r"^image-check:.*\n\t(.+)$", makefile, re.M)
     assert recipe.strip() == "$(PY) .ci/image_check.py"
     check = (REPO / ".ci/image_check.py").read_text()
