@@ -50,7 +50,8 @@ test: setup
 # suite itself, so there it says so and stops.
 AVX2_HELD_TESTS := $(addprefix tests/,test_cpu_features.py test_linear.py test_cpu_kernels.py \
 	test_attention.py test_quant_gguf.py test_quant_gguf_blocks.py test_quant_int8.py \
-	test_quant_int4.py test_quant_fp8.py test_kv_cache_fp8.py test_parity.py)
+	test_quant_int4.py test_quant_fp8.py test_kv_cache_fp8.py test_parity.py \
+	test_text_output.py)
 test-avx2: setup
 	@if grep -qw avx512f /proc/cpuinfo 2>/dev/null; then \
 	  echo "AVX2-held leg: $(words $(AVX2_HELD_TESTS)) test files, kernels built for x86-64-v3"; \

@@ -47,15 +47,17 @@ def test_smollm2_greedy_matches_hf(default_model_reference):
     """The default model served from its GGUF blocks in float32 against HF on the same
     weights decoded: the decode kernels round activations to int8 runs, as llama.cpp's
     do, so each greedy pick is HF's or within a near tie of it (teacher-forced), 9 in 10
-    exactly, logprobs within 0.25 (the rounding moved one by 0.22 on Zen 4's VNNI path,
-    under 0.15 on the AMX Xeon's).
+    exactly, logprobs within 0.35.
 
     A near tie is as wide as that tolerance: a pick flips wherever HF's top two are
-    closer than the rounding moves them. Measured over 6 prompts x 32 tokens (Zen 4,
-    session 41), the VNNI and AVX2 paths round alike (|error| mean 0.030 / 0.031, p90
-    0.082 / 0.085, max 0.22 / 0.21) and both pick a token HF ranks second: 5 and 8
-    times, up to 0.165 / 0.173 below HF's best. A tie of 0.1 held on these 3 prompts
-    on VNNI by chance; the AVX2 path's pick was 0.17-0.22 below."""
+    closer than the rounding moves them, and a flip sends the rest of the run down
+    another path. Measured over 24 prompts x 32 tokens (768 picks; Zen 4, session 42):
+    the VNNI path and the AVX2 path (held to x86-64-v3) pick a token HF does not rank
+    first 20 and 25 times, up to 0.35 and 0.33 below HF's best, and their chosen
+    tokens' logprobs differ from HF's by 0.03 on average, p99 0.16-0.17, at most 0.22
+    and 0.33-0.34. Six prompts (session 41) had shown at most 0.22, and this test's 0.25
+    then failed on the AVX2 path once its prompt steps were summed in another order
+    (the same float32 products): three prompts are a small sample of that tail."""
     from transformers import AutoModelForCausalLM
 
     from tests.gguf_helpers import check_against
@@ -75,7 +77,7 @@ def test_smollm2_greedy_matches_hf(default_model_reference):
     assert runner.model.lm_head.packing() == "gguf:Q8_0"
     params = sum(p.numel() for p in hf.parameters())
     assert runner.memory_usage()["weights_bytes"] < 0.4 * 2 * params
-    check_against(llm, hf, prompts, tokens=NEW_TOKENS, tolerance=0.25, tie=0.25,
+    check_against(llm, hf, prompts, tokens=NEW_TOKENS, tolerance=0.35, tie=0.35,
                   exact_share=0.9)
 
 

@@ -87,6 +87,30 @@ def _regrouping(kernels):
 
 
 @pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("n", [50, 776, 1544])
+def test_regrouped_prompt_products_are_the_decoded_weights_products(kernels, fmt, n):
+    """Past dense_rows rows (a prompt step) the regrouped weight is decoded, on AVX2
+    straight into the float32 tile kernels' packed panels, 768 columns at a time: the
+    product is the decoded weight's up to float32 rounding, for one chunk or several, a
+    ragged last group (50, 776) or a ragged last panel (1544: 2 chunks and 8 columns)."""
+    _regrouping(kernels)
+    k = 256
+    raw = _blocks(fmt, n, k, seed=3)
+    w = dequantize(raw, fmt, k)
+    packed = kernels.gguf_regroup(raw, fmt, k)
+    torch.manual_seed(1)
+    bias = torch.randn(n)
+    for rows in (1, 20):
+        x = torch.randn(rows, k)
+        got = kernels.gguf_regrouped_linear(x, packed, fmt, n, bias, False, 0)
+        assert got.shape == (rows, n) and got.dtype == torch.float32
+        torch.testing.assert_close(got, x @ w.T + bias, rtol=1e-4, atol=1e-4)
+        logits = kernels.gguf_regrouped_linear(x.bfloat16(), packed, fmt, n, None, True, 0)
+        assert logits.dtype == torch.float32
+        assert _relative_error(logits, x.bfloat16().float() @ w.T) < 0.02
+
+
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q8_0"])
 def test_regrouped_weights_hold_the_same_values(kernels, fmt):
     """The 16-row regrouping (AVX-512 VNNI and AVX2 builds) keeps every weight: rows
     decode to the file's values, products match the decoded weights as the file layout's
@@ -193,9 +217,11 @@ def test_avx2_regrouped_products_equal_the_vnni_ones(fmt):
                                            else 1e-2, atol=1e-5 * float(want.abs().max()))
             else:
                 assert torch.equal(got, want), f"{fmt} rows={rows} {dtype} {float_out}"
+    # the dense path: AVX2 decodes into its float32 tile kernels' panels, VNNI's builds
+    # into W^T for oneDNN; the same decoded weights summed in another order
     dense = avx2.gguf_regrouped_linear(x, packed, fmt, n, bias, False, 0)
-    torch.testing.assert_close(dense, vnni.gguf_regrouped_linear(x, packed, fmt, n, bias,
-                                                                 False, 0))
+    want = vnni.gguf_regrouped_linear(x, packed, fmt, n, bias, False, 0)
+    torch.testing.assert_close(dense, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
 
 
 def test_block_columns_split_only_at_block_boundaries():
@@ -208,6 +234,20 @@ def test_block_columns_split_only_at_block_boundaries():
     from engine.errors import UnsupportedModelError
     with pytest.raises(UnsupportedModelError, match="blocks of 32"):
         blocks[:, 16:48]
+
+
+@pytest.mark.parametrize("flags, decode_rows", [
+    ({"avx2", "fma", "f16c"}, 256),  # Zen 3
+    ({"avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16"}, 256),  # Zen 4/5
+    ({"avx2", "fma", "f16c", "avx512f", "avx512_vnni", "amx_bf16"}, 64),  # AMX Xeon
+    ({"sse2"}, 64),
+])
+def test_decode_steps_leave_the_int8_products_where_measured(monkeypatch, flags, decode_rows):
+    """How many rows a decode-only step runs on the int8 block products before the
+    decoded panels take over, per CPU type (the measured crossovers)."""
+    from engine.quant import gguf_linear
+    monkeypatch.setattr(gguf_linear, "cpu_flags", lambda: frozenset(flags))
+    assert gguf_linear._decode_crossover() == decode_rows
 
 
 # ---- tiny GGUF files --------------------------------------------------------------------

@@ -565,6 +565,10 @@ bool set_linear_bf16_kernel(const std::string& name) {
   return false;
 }
 
+// The float32 packed layout's vector width and the vectors a plain panel holds: what a
+// caller filling that layout itself (quant_regrouped.cpp's GGUF prompt path) must match.
+std::vector<int64_t> linear_f32_layout() { return {F32::C, F32::NR}; }
+
 std::vector<std::string> linear_dtypes() {
 #if FLOTILLA_DPBF16
   return {"float32", "bfloat16"};

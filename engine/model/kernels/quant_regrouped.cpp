@@ -24,6 +24,11 @@
 #include "quant_regrouped.h"
 #include "quant_regrouped_avx2.h"
 
+// linear.cpp: the float32 tile kernels and their packed layout (the AVX2 prompt path)
+torch::Tensor linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
+                     int64_t out_features, bool float_out, bool paired, bool glu);
+std::vector<int64_t> linear_f32_layout();
+
 namespace {
 
 inline float half_at(const uint8_t* p) {
@@ -219,6 +224,51 @@ torch::Tensor dense_product(const Shape& s, const torch::Tensor& x, const torch:
 }
 #endif
 
+#if FLOTILLA_QR_AVX2
+// x @ W^T in float32 on AVX2 for a step with prompt tokens: the weight decoded, kChunkGroups
+// groups at a time, straight into linear.cpp's packed float32 panels (column vectors of
+// 8, 3 to a panel, each panel [k][its columns]) and multiplied by its tile kernels, which
+// run a step's float32 linears about 1.2x faster than oneDNN on an unpacked W^T (Zen 4
+// held to x86-64-v3, a layer at 512 rows: 18.2 against 21.3 ms; dense_product's
+// decode, matmul and copy: 25.9). The chunk is a whole number of panels and groups.
+constexpr int64_t kChunkGroups = 48;  // 768 columns: 32 panels of 24
+
+torch::Tensor native_product(const Shape& s, const torch::Tensor& x, const torch::Tensor& packed) {
+  const std::vector<int64_t> layout = linear_f32_layout();
+  const int64_t vw = layout[0], nr = layout[1];
+  TORCH_CHECK(vw == kHalf && (kChunkGroups * kGroup) % (vw * nr) == 0,
+              "gguf regrouped kernels: linear's float32 layout (", vw, " x ", nr,
+              ") is not the one they decode into");
+  const int64_t m = x.size(0), k = s.k;
+  torch::Tensor buf = torch::empty({kChunkGroups * kGroup * k}, x.options());
+  float* out = buf.data_ptr<float>();
+  const uint8_t* p = packed.data_ptr<uint8_t>();
+  torch::Tensor y;
+  for (int64_t g0 = 0; g0 < s.groups; g0 += kChunkGroups) {
+    const int64_t g1 = std::min(s.groups, g0 + kChunkGroups);
+    const int64_t c0 = g0 * kGroup, cols = std::min(s.n, g1 * kGroup) - c0;
+    const int64_t vectors = (cols + vw - 1) / vw, panel = nr * vw * k;
+    auto where = [&](int64_t g, int h) {
+      const int64_t v = (g - g0) * 2 + h;  // this half's column vector in the chunk
+      if (v >= vectors) return std::pair<float*, int64_t>(nullptr, 0);
+      const int64_t width = std::min<int64_t>(nr, vectors - v / nr * nr) * vw;
+      return std::pair<float*, int64_t>(out + v / nr * panel + v % nr * vw, width);
+    };
+    switch (s.kind) {
+      case kQ4_0: decode_columns<kQ4_0, float>(s, p, g0, g1, where); break;
+      case kQ4_1: decode_columns<kQ4_1, float>(s, p, g0, g1, where); break;
+      case kQ8_0: decode_columns<kQ8_0, float>(s, p, g0, g1, where); break;
+    }
+    torch::Tensor part = linear(x, buf.narrow(0, 0, vectors * vw * k), c10::nullopt, cols,
+                                false, false, false);
+    if (g0 == 0 && g1 == s.groups) return part;
+    if (!y.defined()) y = torch::empty({m, s.n}, x.options());
+    y.narrow(1, c0, cols).copy_(part);
+  }
+  return y;
+}
+#endif
+
 #if FLOTILLA_QR
 template <int K, int MT = kMaxRows>
 void group_any(int mt, const Shape& s, const uint8_t* packed, int64_t g, const Activations& a,
@@ -354,7 +404,12 @@ torch::Tensor gguf_regrouped_linear(torch::Tensor input, torch::Tensor packed,
   const bool has_bias = bias && bias->defined();
   if (m > dense_rows || !FLOTILLA_QR_PRODUCTS) {  // compute-bound: decode once, oneDNN multiplies
 #if FLOTILLA_QR_PRODUCTS
+#if FLOTILLA_QR_AVX2
+    torch::Tensor y = dtype == torch::kFloat32 ? native_product(s, x, packed)
+                                               : dense_product(s, x, packed, dtype);
+#else
     torch::Tensor y = dense_product(s, x, packed, dtype);
+#endif
     if (has_bias) y.add_(bias->to(dtype));
 #else
     torch::Tensor w = decoded(s, packed, nullptr, n, dtype);

@@ -202,17 +202,22 @@ void matmul(const Shape& s, const T* x, int64_t m, const uint8_t* packed, const 
   });
 }
 
-// The weight decoded to W^T [k, n] for groups first .. last (n padded to whole groups),
-// a half of 8 columns at a time; for dense_product (quant_regrouped.cpp). The same values
-// as decode_run's: d * q + m in one rounding (Q8_0's d * (q + 128) - 128 d is exact).
-template <int K, typename T>
-void decode_transposed(const Shape& s, const uint8_t* packed, int64_t first, int64_t last,
-                       T* out, int64_t ld) {
+// The weight of groups first .. last decoded to W^T's layout, a half of 8 columns at a
+// time: half h of group g goes to where(g, h), which gives the column's k = 0 pointer and
+// its row stride ld (or a null pointer: skip it). W^T [k, n] itself (n padded to whole
+// groups) for dense_product, or linear.cpp's packed float32 panels for native_product
+// (quant_regrouped.cpp). The same values as decode_run's: d * q + m in one rounding
+// (Q8_0's d * (q + 128) - 128 d is exact).
+template <int K, typename T, typename Where>
+void decode_columns(const Shape& s, const uint8_t* packed, int64_t first, int64_t last,
+                    const Where& where) {
   at::parallel_for(first, last, 1, [&](int64_t g0, int64_t g1) {
     const __m256i low = _mm256_set1_epi32(K == kQ8_0 ? 0xFF : 0x0F);
     for (int64_t g = g0; g < g1; ++g)
       for (int64_t r = 0; r < s.runs; ++r)
         for (int h = 0; h < 2; ++h) {
+          const auto [base, ld] = where(g, h);
+          if (base == nullptr) continue;
           const uint8_t* grun = s.run(packed, g, r);
           const __m256 d = half_floats(grun + 2 * kHalf * h);
           __m256 m;
@@ -222,7 +227,7 @@ void decode_transposed(const Shape& s, const uint8_t* packed, int64_t first, int
             m = _mm256_mul_ps(d, _mm256_set1_ps(K == kQ4_0 ? -8.f : -128.f));
           }
           const uint8_t* q = grun + 2 * kGroup * (K == kQ4_1 ? 2 : 1) + 32 * h;
-          T* col = out + r * 32 * ld + (g - first) * kGroup + kHalf * h;
+          T* col = base + r * 32 * ld;
           auto put = [&](int64_t kk, __m256i v) {
             const __m256 w = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(v), m);
             if constexpr (std::is_same_v<T, float>) {
@@ -241,6 +246,15 @@ void decode_transposed(const Shape& s, const uint8_t* packed, int64_t first, int
             }
           }
         }
+  });
+}
+
+// W^T [k, n] for groups first .. last, leading dimension ld: dense_product's panels.
+template <int K, typename T>
+void decode_transposed(const Shape& s, const uint8_t* packed, int64_t first, int64_t last,
+                       T* out, int64_t ld) {
+  decode_columns<K, T>(s, packed, first, last, [&](int64_t g, int h) {
+    return std::pair<T*, int64_t>(out + (g - first) * kGroup + kHalf * h, ld);
   });
 }
 
