@@ -15,13 +15,16 @@ from engine.model.loader import load_tokenizer
 from engine.outputs import OutputKind, RequestOutput
 from engine.pooling import PoolingParams
 from engine.sampling_params import SamplingParams
+from engine.structured.grammar import preload_xgrammar, wait_for_xgrammar
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        preload_xgrammar()  # beside the model's load, done before the first requests
         self.engine_core = EngineCore(config)
         self.tokenizer = load_tokenizer(self.engine_core.checkpoint)
+        wait_for_xgrammar()
         self.processor = Processor(self.tokenizer, self.engine_core.max_model_len,
                                    self.engine_core.shape.vocab_size, config.max_logprobs,
                                    self.engine_core.limits)

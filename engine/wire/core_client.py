@@ -54,6 +54,7 @@ from engine.outputs import OutputKind, RequestOutput
 from engine.pooling import PoolingParams
 from engine.request_limits import RequestLimits
 from engine.sampling_params import SamplingParams
+from engine.structured.grammar import preload_xgrammar, wait_for_xgrammar
 from engine.wire.curve_auth import ClientKeys
 from engine.wire.protocol import (
     ABORT,
@@ -203,6 +204,8 @@ class EngineClient:
         requests go on, and Serve's health check replaces it if the step never ends)."""
         if not addresses:
             raise NoEnginesError("no engine addresses given")
+        if tokenizer is not None:
+            preload_xgrammar()  # beside the handshakes; done before the first requests
         self = cls()
         self.router = Router(routing)
         self.heartbeat_timeout_s = heartbeat_timeout_s
@@ -232,6 +235,7 @@ class EngineClient:
             raise HandshakeError(f"engines disagree on block_size: {sorted(sizes)}")
         self.router.block_size = sizes.pop()
         if tokenizer is not None:
+            await asyncio.to_thread(wait_for_xgrammar)
             limits = [r.limits or RequestLimits.defaults() for _, r in readies]
             self.processor = Processor(tokenizer, self.max_model_len, len(tokenizer),
                                        min(r.max_logprobs for _, r in readies),
