@@ -7,8 +7,9 @@ step streams 212 MB of bf16 weights from memory) and on layer 0's again and agai
 they stay in cache). Kernels: each bf16 kind this CPU runs (amx, dpbf16: forced in
 turn through set_linear_bf16_kernel), or the float32 native kernel; the same shapes
 as GGUF Q4_1 blocks regrouped (`--gguf`, random blocks: the default model's format, the
-kernels of quant_regrouped.cpp on AVX-512 VNNI and AVX2 builds); and oneDNN's prepacked matmul (what
-torch runs; on AMX CPUs its bf16 runs on AMX too). Prints microseconds per layer and
+kernels of quant_regrouped.cpp on AVX-512 VNNI and AVX2 builds), by their int8 products
+and decoded as a prompt step's rows are (AVX2: into the float32 kernel's panels); and
+oneDNN's prepacked matmul (what torch runs; on AMX CPUs its bf16 runs on AMX too). Prints microseconds per layer and
 GFLOP/s (GOP/s for the int8 products), best of three rounds, and the CPU.
 
     python bench/linears.py [--dtype bfloat16|float32] [--threads 2] [--rows 1 16 64 512] [--gguf]
@@ -82,7 +83,7 @@ def main() -> None:
             raise SystemExit("this build has no regrouped GGUF kernels (AVX-512 VNNI or AVX2)")
         blocks = [[k.gguf_regroup(random_q4_1(o, i, g), "Q4_1", i) for o, i in SHAPES]
                   for _ in range(LAYERS)]
-        kinds = kinds + ["gguf Q4_1"]
+        kinds = kinds + ["gguf Q4_1", "gguf decoded"]
     print(f"CPU: {cpu_name()}; {args.dtype}, {args.threads} thread(s); a layer's 4 linears, "
           f"us per layer (GFLOP/s), cold = {LAYERS} layers' weights in turn, hot = one's")
     print(f"{'rows':>5} {'weights':>8}" + "".join(f"{n:>22}" for n in kinds + ["oneDNN"]))
@@ -103,13 +104,16 @@ def main() -> None:
             for inp, w in ((x, p[0]), (x, p[1]), (x, p[2]), (xi, p[3])):
                 pointwise(inp, w, None, "none", [], "")
 
-        def gguf(layer: int) -> None:
+        def gguf(layer: int, dense_rows: int = 1 << 30) -> None:
             b = blocks[layer]
             for inp, w, (o, _) in ((x, b[0], SHAPES[0]), (x, b[1], SHAPES[1]),
                                    (x, b[2], SHAPES[2]), (xi, b[3], SHAPES[3])):
-                k.gguf_regrouped_linear(inp, w, "Q4_1", o, None, False, 1 << 30)
+                k.gguf_regrouped_linear(inp, w, "Q4_1", o, None, False, dense_rows)
 
-        timed = {"oneDNN": reference, "gguf Q4_1": gguf}
+        def gguf_decoded(layer: int) -> None:  # a prompt step's path: decoded, multiplied
+            gguf(layer, dense_rows=0)
+
+        timed = {"oneDNN": reference, "gguf Q4_1": gguf, "gguf decoded": gguf_decoded}
         reps = max(1, 2048 // max(rows, 64))
         for layers, label in ((LAYERS, "cold"), (1, "hot")):
             cells = []
