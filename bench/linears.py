@@ -9,15 +9,21 @@ turn through set_linear_bf16_kernel), or the float32 native kernel; the same sha
 as GGUF Q4_1 blocks regrouped (`--gguf`, random blocks: the default model's format, the
 kernels of quant_regrouped.cpp on AVX-512 VNNI and AVX2 builds), by their int8 products
 and decoded as a prompt step's rows are (AVX2: into the float32 kernel's panels); and
-oneDNN's prepacked matmul (what torch runs; on AMX CPUs its bf16 runs on AMX too). Prints microseconds per layer and
-GFLOP/s (GOP/s for the int8 products), best of three rounds, and the CPU.
+oneDNN's prepacked matmul (what torch runs; on AMX CPUs its bf16 runs on AMX too); with
+`--llama-python`, llama.cpp's own Q4_1 products of the layer (bench/ggml_linears.py).
+Prints microseconds per layer and GFLOP/s (GOP/s for the int8 products), best of three
+rounds, and the CPU.
 
     python bench/linears.py [--dtype bfloat16|float32] [--threads 2] [--rows 1 16 64 512] [--gguf]
+        [--llama-python /path/to/llama-venv/bin/python]
 """
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
 import time
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -63,6 +69,9 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64, 512])
     parser.add_argument("--gguf", action="store_true",
                         help="also time the layer as regrouped Q4_1 blocks")
+    parser.add_argument("--llama-python",
+                        help="a Python with llama-cpp-python: also time llama.cpp's own Q4_1 "
+                             "products of the layer (bench/ggml_linears.py)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     from engine.model.kernels import cpu_kernels
@@ -84,6 +93,13 @@ def main() -> None:
         blocks = [[k.gguf_regroup(random_q4_1(o, i, g), "Q4_1", i) for o, i in SHAPES]
                   for _ in range(LAYERS)]
         kinds = kinds + ["gguf Q4_1", "gguf decoded"]
+    llama = None
+    if args.llama_python:
+        out = subprocess.run([args.llama_python, str(Path(__file__).with_name("ggml_linears.py")),
+                              "--threads", str(args.threads), "--rows",
+                              *map(str, args.rows)], capture_output=True, text=True, check=True)
+        llama = json.loads(out.stdout.strip().splitlines()[-1])
+        kinds = kinds + ["llama.cpp Q4_1"]
     print(f"CPU: {cpu_name()}; {args.dtype}, {args.threads} thread(s); a layer's 4 linears, "
           f"us per layer (GFLOP/s), cold = {LAYERS} layers' weights in turn, hot = one's")
     print(f"{'rows':>5} {'weights':>8}" + "".join(f"{n:>22}" for n in kinds + ["oneDNN"]))
@@ -118,9 +134,10 @@ def main() -> None:
         for layers, label in ((LAYERS, "cold"), (1, "hot")):
             cells = []
             for kind in kinds + ["oneDNN"]:
-                if dtype == torch.bfloat16 and kind not in timed:
+                if dtype == torch.bfloat16 and kind not in timed and kind != "llama.cpp Q4_1":
                     k.set_linear_bf16_kernel(kind)
-                us = per_layer_us(timed.get(kind, native), layers, reps)
+                us = (llama[str(rows)][label] if kind == "llama.cpp Q4_1"
+                      else per_layer_us(timed.get(kind, native), layers, reps))
                 cells.append(f"{us:>12.1f} ({flops / us / 1e3:>5.0f})")
             print(f"{rows:>5} {label:>8}" + "".join(f"{c:>22}" for c in cells), flush=True)
 
