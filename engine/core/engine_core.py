@@ -144,11 +144,11 @@ class EngineCore(EngineLoRA):
         """One short request through every step kind (a prompt step, decode steps) before
         the engine reports ready, then forgotten: the first use of each path pays for
         oneDNN's primitives, torch's and the kernels' first-call set-up and the steps'
-        buffers. Zen 4 held to AVX2 (session 41), a fresh engine's first single-sequence
-        decode against its second: 0.72-0.75 without it, 0.74-0.88 with it (0.95-0.98
-        where the same warm-up ran just before timing: the rest settles with time since
-        start, docs/benchmarks.md), for ~0.2 s of start. CPU only (CUDA captures its graphs instead); not with a draft model, whose
-        proposer keeps acceptance counts of its own."""
+        buffers. Zen 4 held to AVX2 (session 42, xgrammar's import no longer beside the
+        first requests), a fresh engine's first single-sequence decode against its
+        second: 0.87-0.94 without it, 1.01 with it, for ~0.2 s of start. CPU only (CUDA
+        captures its graphs instead); not with a draft model, whose proposer keeps
+        acceptance counts of its own."""
         if self.device.type != "cpu" or self.spec is not None or self.max_model_len < 8:
             return
         n = min(64, self.max_model_len - 4)
