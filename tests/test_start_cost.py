@@ -12,6 +12,14 @@ import sys
 import pytest
 
 
+def _fresh_python(code: str) -> str:
+    """What `code` prints in a fresh interpreter (it must succeed)."""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout
+
+
 def _heavy(modules: set[str]) -> set[str]:
     return {m for m in ("torch", "transformers", "torch._dynamo") if m in modules}
 
@@ -34,10 +42,7 @@ def test_building_and_running_an_engine_does_not_import_torch_dynamo(tiny_llama)
             f"llm = LLM({str(tiny_llama)!r}, dtype='float32')\n"
             f"llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3), use_tqdm=False)\n"
             f"import sys\nprint(*sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    modules = set(out.stdout.split())
+    modules = set(_fresh_python(code).split())
     assert "torch" in modules and "engine.model.families.llama" in modules
     assert "torch._dynamo" not in modules
 
@@ -51,7 +56,4 @@ def test_the_structured_outputs_import_is_over_before_the_engine_reports_ready(t
             f"llm = LLM({str(tiny_llama)!r}, dtype='float32')\n"
             f"print('xgrammar' in sys.modules,\n"
             f"      any(t.name == 'xgrammar-import' for t in threading.enumerate()))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split()[-2:] == ["True", "False"]
+    assert _fresh_python(code).split()[-2:] == ["True", "False"]
