@@ -122,6 +122,10 @@ class AppArgs(BaseModel):
         600.0, gt=0, description="seconds a request may take from arrival when it names no "
         "timeout of its own; past it the request is aborted and answered with 408, so a "
         "wedged engine cannot hold a request for ever (none: no deadline)")
+    max_request_timeout_s: float = Field(
+        600.0, gt=0, allow_inf_nan=False, description="the longest `timeout` a request may "
+        "name; a longer one (or a non-finite one) is refused with 400, so a client cannot "
+        "switch its deadline off")
     routing: str = Field(
         "prefix", description="how an ingress picks the engine of a request: prefix (least "
         "uncached prefill plus queue, from the engines' KV events), least_loaded, or "
@@ -177,6 +181,9 @@ class AppArgs(BaseModel):
                              "engine_autoscaling.min_replicas..max_replicas")
         if self.ingress_autoscaling.min_replicas > self.ingress_autoscaling.max_replicas:
             raise ValueError("ingress_autoscaling.min_replicas > max_replicas")
+        if (self.request_timeout_s is not None
+                and self.request_timeout_s > self.max_request_timeout_s):
+            raise ValueError("request_timeout_s must not exceed max_request_timeout_s")
         if not self.is_mock:
             self._check_tensor_parallel()
         return self

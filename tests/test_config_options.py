@@ -25,7 +25,7 @@ SAMPLES = {
     "max_body_bytes": "4096", "mock_output_chunk_size": "4",
     "tool_call_parser": "llama3_json", "reasoning_parser": "qwen3",
     "response_store_max": "500", "response_store_ttl_s": "120.0",
-    "response_store_max_bytes": "1048576",
+    "response_store_max_bytes": "1048576", "max_request_timeout_s": "900.0",
     "chat_template": "{{ messages }}",
     "generation_config": "vllm", "override_generation_config": '{"temperature": 0.5}',
     "lora_modules": json.dumps({"ad": "/adapters/ad"}), "scheduling_policy": "priority",

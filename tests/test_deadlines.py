@@ -205,3 +205,61 @@ def test_requests_have_a_deadline_by_default():
     assert AppArgs().request_timeout_s == 600.0
     assert IngressOptions("m").request_timeout_s == 600.0
     assert AppArgs(request_timeout_s=None).request_timeout_s is None
+
+
+def test_a_timeout_past_the_ceiling_or_not_finite_is_400(engines):  # noqa: F811
+    """`timeout` is a deadline a client may shorten or lengthen up to the server's
+    max_request_timeout_s, never switch off: 1e300 and Infinity were accepted."""
+    engines.add()
+
+    async def test(http, oai):
+        out = []
+        for path, body in (("/v1/completions", {"prompt": "Hi"}),
+                           ("/v1/chat/completions",
+                            {"messages": [{"role": "user", "content": "Hi"}]}),
+                           ("/v1/responses", {"input": "Hi"})):
+            tokens = "max_output_tokens" if path == "/v1/responses" else "max_tokens"
+            for timeout in (1e300, "Infinity", 30.5, 30):
+                out.append((path, timeout, await http.post(path, json={
+                    "model": MODEL, tokens: 2, "timeout": timeout, **body})))
+        return out
+
+    for path, timeout, response in serve(engines, test, max_request_timeout_s=30.0):
+        if timeout == 30:
+            assert response.status_code == 200, (path, response.text)
+            continue
+        assert response.status_code == 400, (path, timeout, response.text)
+        error = response.json()["error"]
+        assert error["param"] == "timeout" and "max_request_timeout_s" in error["message"]
+
+
+def test_the_timeout_ceiling_is_an_option_above_the_default_deadline():
+    from pydantic import ValidationError
+
+    from deployments.apis.server import IngressOptions
+    from deployments.config import AppArgs
+    assert AppArgs().max_request_timeout_s == IngressOptions("m").max_request_timeout_s == 600
+    assert AppArgs(max_request_timeout_s=3600).max_request_timeout_s == 3600
+    for bad in ({"request_timeout_s": 900}, {"max_request_timeout_s": float("inf")},
+                {"max_request_timeout_s": 0}):
+        with pytest.raises(ValidationError):
+            AppArgs(**bad)
+
+
+def test_a_request_id_longer_than_256_characters_is_400(engines):  # noqa: F811
+    """A client's x-request-id becomes part of engine request ids: an 8,000-character one
+    was a 500. 256 characters are taken and echoed; past that, a 400 naming the header
+    under a fresh id, and the server goes on serving."""
+    engines.add()
+
+    async def test(http, oai):
+        body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
+        long = await http.post("/v1/completions", json=body, headers={"x-request-id": "r" * 8000})
+        fits = await http.post("/v1/completions", json=body, headers={"x-request-id": "s" * 256})
+        return long, fits
+
+    long, fits = serve(engines, test)
+    assert long.status_code == 400, long.text
+    assert long.json()["error"]["param"] == "x-request-id"
+    assert 0 < len(long.headers["x-request-id"]) <= 256
+    assert fits.status_code == 200 and fits.headers["x-request-id"] == "s" * 256

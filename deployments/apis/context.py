@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import math
 import time
 import uuid
 from typing import Any, AsyncIterator, Awaitable, Callable
@@ -32,6 +33,10 @@ from engine.outputs import RequestOutput
 from engine.wire.core_client import EngineClient
 
 logger = logging.getLogger(__name__)
+
+# A client's x-request-id becomes part of its engine request ids, log lines and trace
+# attributes: a longer one is refused with 400 (an 8,000-character one was a 500).
+MAX_REQUEST_ID_CHARS = 256
 
 ErrorRenderer = Callable[[HTTPError], Response]
 Handler = Callable[[Request, str], Awaitable[Response]]
@@ -199,7 +204,14 @@ class ApiContext:
         """The request's priority and deadline, counted from now (call it as soon as
         the body is read: tokenizing and templating count against the deadline), its
         trace context when traced, and its engine affinity headers."""
-        timeout = getattr(body, "timeout", None) or self.options.request_timeout_s
+        timeout = getattr(body, "timeout", None)
+        ceiling = self.options.max_request_timeout_s
+        if timeout is None:
+            timeout = self.options.request_timeout_s
+        elif not math.isfinite(timeout) or timeout > ceiling:  # a deadline is never off
+            raise HTTPError(400, f"timeout must be a finite number of seconds up to {ceiling:g}"
+                            f" (the server's max_request_timeout_s), got {timeout!r}",
+                            "BadRequestError", "timeout")
         out: dict[str, Any] = {
             "priority": getattr(body, "priority", 0),
             "deadline": None if timeout is None else time.monotonic() + timeout,
@@ -266,9 +278,14 @@ class ApiContext:
                  errors: ErrorRenderer = openai_error_response, x_api_key: bool = False):
         """The route's handler with the shared request handling around it."""
         async def wrapped(request: Request) -> Response:
-            rid = request.headers.get("x-request-id") or uuid.uuid4().hex
+            given = request.headers.get("x-request-id")
+            rid = given if given and len(given) <= MAX_REQUEST_ID_CHARS else uuid.uuid4().hex
             span = _http_span(request, rid) if self.traced else None
             try:
+                if given is not None and len(given) > MAX_REQUEST_ID_CHARS:
+                    raise HTTPError(400, f"x-request-id is {len(given)} characters; at most "
+                                    f"{MAX_REQUEST_ID_CHARS}", "BadRequestError",
+                                    "x-request-id")
                 if admin:
                     self.check_admin(request)
                 elif auth:
