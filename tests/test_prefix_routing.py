@@ -310,6 +310,39 @@ def test_sessions_move_to_a_new_client_and_an_unknown_engine_reroutes():
     assert new.session_engine(None, [a, b]) is None
 
 
+def test_session_ids_are_bounded_so_the_session_table_is_bounded_in_bytes(engines):
+    """The router keeps MAX_SESSIONS ids: each at most 256 characters, or the table's
+    bytes grow with whatever clients send. Over HTTP a longer x-session-id is a 400
+    naming the header; through the client's API an InvalidRequestError."""
+    from types import SimpleNamespace
+
+    from engine.errors import InvalidRequestError
+    from engine.wire.routing import MAX_SESSION_ID_CHARS
+    from tests.test_openai_app import MODEL, serve
+    a = SimpleNamespace(index=0, address="tcp://e0")
+    router = Router()
+    router.remember_session("s" * MAX_SESSION_ID_CHARS, a)
+    assert router.session_engine("s" * MAX_SESSION_ID_CHARS, [a]) is a
+    with pytest.raises(InvalidRequestError, match="at most 256"):
+        router.session_engine("s" * (MAX_SESSION_ID_CHARS + 1), [a])
+    engines.add()
+
+    async def test(http, oai):
+        body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
+        long = await http.post("/v1/completions", json=body,
+                               headers={"x-session-id": "c" * 10_000})
+        fits = await http.post("/v1/completions", json=body,
+                               headers={"x-session-id": "c" * MAX_SESSION_ID_CHARS})
+        key = await http.post("/v1/responses", json={  # the Responses API's session id
+            "model": MODEL, "input": "Hi", "max_output_tokens": 2,
+            "prompt_cache_key": "k" * (MAX_SESSION_ID_CHARS + 1)})
+        return long, fits, key
+
+    long, fits, key = serve(engines, test)
+    assert long.status_code == 400 and long.json()["error"]["param"] == "x-session-id"
+    assert fits.status_code == 200
+    assert key.status_code == 400 and "prompt_cache_key" in key.json()["error"]["param"]
+
 
 def test_the_x_session_id_header_keeps_a_conversation_on_one_engine(engines):
     from tests.test_openai_app import MODEL, serve

@@ -31,12 +31,22 @@ from engine.frontend.prep_offload import INLINE_CHARS
 from engine.lora.request import LoRARequest
 from engine.outputs import RequestOutput
 from engine.wire.core_client import EngineClient
+from engine.wire.routing import MAX_SESSION_ID_CHARS
 
 logger = logging.getLogger(__name__)
 
 # A client's x-request-id becomes part of its engine request ids, log lines and trace
 # attributes: a longer one is refused with 400 (an 8,000-character one was a 500).
 MAX_REQUEST_ID_CHARS = 256
+
+
+def _session_id(request: Request) -> str | None:
+    """x-session-id, which the router remembers (a bounded table: MAX_SESSION_ID_CHARS)."""
+    session = request.headers.get("x-session-id")
+    if session is not None and len(session) > MAX_SESSION_ID_CHARS:
+        raise HTTPError(400, f"x-session-id is {len(session)} characters; at most "
+                        f"{MAX_SESSION_ID_CHARS}", "BadRequestError", "x-session-id")
+    return session
 
 ErrorRenderer = Callable[[HTTPError], Response]
 Handler = Callable[[Request, str], Awaitable[Response]]
@@ -215,7 +225,7 @@ class ApiContext:
         out: dict[str, Any] = {
             "priority": getattr(body, "priority", 0),
             "deadline": None if timeout is None else time.monotonic() + timeout,
-            "session_id": request.headers.get("x-session-id")}  # the same engine
+            "session_id": _session_id(request)}  # the same engine
         span = getattr(request.state, "trace_span", None)
         if span is not None:
             out["trace_headers"] = tracing.headers_of(span)

@@ -24,12 +24,16 @@ from collections.abc import Sequence
 from typing import Any, Callable
 
 from engine.core.block_hash import cacheable_blocks, prefix_block_hashes
+from engine.errors import InvalidRequestError
 from engine.lora.request import LoRARequest
 from engine.wire.prefix_index import PrefixIndex
 from engine.wire.protocol import KVEvents
 
 ROUTING_POLICIES = ("prefix", "least_loaded", "round_robin")
 MAX_SESSIONS = 65536  # sessions remembered per client (least recently used go first)
+# The longest session id taken, so the session table is bounded in bytes as well as in
+# count (65,536 ids of 256 characters: ~16 MiB at most, with their addresses).
+MAX_SESSION_ID_CHARS = 256
 # A running request slows each step of its engine about as much as this many blocks
 # of prefill would (its decode token and its KV reads): decode load counts, a little.
 RUNNING_COST_BLOCKS = 1.0
@@ -93,6 +97,9 @@ class Router:
 
     def session_engine(self, session_id: str | None, candidates: Sequence[Any]) -> Any | None:
         """The session's engine if it is among the live, non-leaving candidates."""
+        if session_id is not None and len(session_id) > MAX_SESSION_ID_CHARS:
+            raise InvalidRequestError(f"a session id of {len(session_id)} characters; at "
+                                      f"most {MAX_SESSION_ID_CHARS}")
         if session_id is None:
             return None
         address = self.sessions.get(session_id)

@@ -107,7 +107,8 @@ class ResponsesRequest(_Strict):
     metadata: dict[str, str] | None = None
     user: str | None = None  # accepted and not used, as on the other endpoints
     safety_identifier: str | None = None  # the same
-    prompt_cache_key: str | None = None  # requests sharing it go to the same engine
+    # requests sharing it go to the same engine (a session id: at most 256 characters)
+    prompt_cache_key: str | None = Field(None, max_length=256)
     reasoning: ReasoningConfig | None = None
     # vLLM / Flotilla extensions
     seed: Int64 | None = None
