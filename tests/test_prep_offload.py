@@ -67,3 +67,41 @@ def test_a_long_conversation_is_rendered_on_a_thread(engines, monkeypatch):  # n
     monkeypatch.setattr(app_module, "render_chat_prompt", spy)
     serve(engines, test)
     assert rendered_on[0] == "MainThread" and rendered_on[1].startswith("prepare")
+
+
+def test_a_large_tokenize_or_detokenize_runs_on_a_thread(engines, monkeypatch):  # noqa: F811
+    """/tokenize renders and tokenizes, /detokenize decodes, off the event loop when the
+    body is large, as the generation routes do; small bodies stay inline."""
+    from tests.test_openai_app import MODEL, serve
+    engines.add(itl_s=0.001)
+    ran_on: dict[str, list[str]] = {"encode": [], "decode": []}
+
+    async def test(http, oai):
+        out = []
+        for prompt in ("Hi", LONG):
+            out.append(await http.post("/tokenize", json={"model": MODEL, "prompt": prompt}))
+        out.append(await http.post("/tokenize", json={
+            "model": MODEL, "messages": [{"role": "user", "content": LONG}]}))
+        ids = out[1].json()["tokens"]
+        for tokens in (ids[:3], ids):
+            out.append(await http.post("/detokenize", json={"model": MODEL, "tokens": tokens}))
+        return out
+
+    from transformers import PreTrainedTokenizerBase
+    real_encode, real_decode = PreTrainedTokenizerBase.encode, PreTrainedTokenizerBase.decode
+
+    def encode(self, *args, **kwargs):
+        ran_on["encode"].append(threading.current_thread().name)
+        return real_encode(self, *args, **kwargs)
+
+    def decode(self, *args, **kwargs):
+        ran_on["decode"].append(threading.current_thread().name)
+        return real_decode(self, *args, **kwargs)
+    monkeypatch.setattr(PreTrainedTokenizerBase, "encode", encode)
+    monkeypatch.setattr(PreTrainedTokenizerBase, "decode", decode)
+    responses = serve(engines, test)
+    assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
+    assert responses[4].json()["prompt"] == LONG
+    assert ran_on["encode"][0] == "MainThread"
+    assert all(name.startswith("prepare") for name in ran_on["encode"][1:3]), ran_on
+    assert ran_on["decode"][-2] == "MainThread" and ran_on["decode"][-1].startswith("prepare")

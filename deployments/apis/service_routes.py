@@ -26,6 +26,7 @@ from deployments.apis.openai.protocol import (
     UnloadLoRAAdapterRequest,
 )
 from engine.errors import UtilityCallError
+from engine.frontend.prep_offload import INLINE_CHARS
 from engine.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
@@ -136,22 +137,25 @@ def service_routes(ctx: ApiContext) -> list[Route]:
             raise HTTPError(503, str(client.dead_error or "unhealthy"), "ServiceUnavailableError")
         return Response(status_code=200)
 
-    async def tokenize(request: Request, rid: str) -> Response:
-        body = await ctx.body(request, TokenizeRequest)
-        client = await ctx.get_client()
-        processor = client.processor
+    def encode(processor, body: TokenizeRequest) -> list[int]:
         if body.messages is not None:  # the prompt /v1/chat/completions would build
             conversation = ChatCompletionRequest(messages=body.messages).conversation()
             text = render_chat_prompt(processor, conversation, NO_TOOLS,
                                       ctx.options.chat_template, body.add_generation_prompt, {})
             special = ("add_special_tokens" in body.model_fields_set
                        and body.add_special_tokens)
-            ids = processor.tokenizer.encode(text, add_special_tokens=special)
-        elif body.prompt is not None:
-            ids = processor.tokenizer.encode(body.prompt,
-                                             add_special_tokens=body.add_special_tokens)
-        else:
+            return processor.tokenizer.encode(text, add_special_tokens=special)
+        return processor.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+
+    async def tokenize(request: Request, rid: str) -> Response:
+        """The ids a prompt or chat would be; rendering and tokenizing a large body run off
+        the event loop, as a completion's do (the body is under the same max_body_bytes)."""
+        body = await ctx.body(request, TokenizeRequest)
+        if body.messages is None and body.prompt is None:
             raise HTTPError(400, "give a prompt or messages", "BadRequestError")
+        client = await ctx.get_client()
+        ids = await client.prep.run(request.state.body_bytes > INLINE_CHARS, encode,
+                                    client.processor, body)
         return JSONResponse({"tokens": ids, "count": len(ids),
                              "max_model_len": client.max_model_len})
 
@@ -161,7 +165,9 @@ def service_routes(ctx: ApiContext) -> list[Route]:
         vocab = client.processor.vocab_size
         if any(not 0 <= t < vocab for t in body.tokens):
             raise HTTPError(400, f"token ids must be in [0, {vocab})", "BadRequestError", "tokens")
-        return JSONResponse({"prompt": client.processor.tokenizer.decode(body.tokens)})
+        text = await client.prep.run(request.state.body_bytes > INLINE_CHARS,
+                                     client.processor.tokenizer.decode, body.tokens)
+        return JSONResponse({"prompt": text})
 
     # ---- control (admin) ------------------------------------------------------------------------
     async def is_sleeping(request: Request, rid: str) -> Response:
