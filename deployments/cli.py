@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 from deployments import vllm_flags
 from deployments.serve.haproxy_leash import leashed_haproxy
 from deployments.serve.local_ray import LocalRayHead, use_own_auth_token
+from deployments.serve_keys import add_key_file_flags, load_key_files, open_to_the_network
 from engine.cli import build_parser, run_command
 from engine.options import Option, add_flags, given
 from engine.wire.ports import free_ports
@@ -68,6 +69,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> list[Option]:
     server.add_argument("--ray-dashboard", action="store_true",
                         help="start Ray's dashboard (port 8265) with the local Ray this "
                              "command starts (default: off: it costs the engine cores)")
+    add_key_file_flags(server)
     options = flat_options()
     engine_names = {o.name for o in ENGINE_OPTIONS}
     groups = {name: srv.add_argument_group(name)
@@ -146,8 +148,13 @@ def _serve(args: argparse.Namespace, options: list[Option],
     explicit = given(args, options)
     try:
         parsed = parse_app_args(explicit)  # every check, before Ray starts
+        load_key_files(args, own_ray=not os.environ.get("RAY_ADDRESS"))
     except ValueError as exc:
         parser.error(str(exc))  # exits 2 with the usage line
+    if open_to_the_network(args.host, parsed.api_key):
+        print(f"Flotilla: warning: serving on {args.host} with no API key: whoever reaches "
+              "it can use the API (--api-key-file, or $FLOTILLA_API_KEY)", file=sys.stderr,
+              flush=True)
 
     stop_signals: list[int] = []
 

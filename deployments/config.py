@@ -86,10 +86,10 @@ class AppArgs(BaseModel):
         None, description="engine autoscaling on queue depth and KV usage between its "
         "min_replicas and max_replicas, starting at data_parallel_size (JSON); none: a "
         "fixed data_parallel_size engines")
-    api_key: str | None = Field(None, description="bearer key of the API; none: "
-                                "$FLOTILLA_API_KEY, else open")
-    admin_key: str | None = Field(None, description="bearer key of the control endpoints; "
-                                  "none: $FLOTILLA_ADMIN_KEY")
+    api_key: str | None = Field(None, repr=False, description="bearer key of the API; "
+                                "none: $FLOTILLA_API_KEY, else open")
+    admin_key: str | None = Field(None, repr=False, description="bearer key of the control "
+                                  "endpoints; none: $FLOTILLA_ADMIN_KEY")
     dev_mode: bool = Field(False, description="open the control endpoints without an "
                            "admin key (development only)")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="largest request body "
@@ -241,8 +241,9 @@ class AppArgs(BaseModel):
         """(api_key, admin_key): the args' values, else $FLOTILLA_API_KEY and
         $FLOTILLA_ADMIN_KEY of the replica's process. Keys from the environment (a
         Kubernetes Secret, say) stay out of the Serve config that Ray stores and shows."""
-        return (self.api_key or os.environ.get("FLOTILLA_API_KEY") or None,
-                self.admin_key or os.environ.get("FLOTILLA_ADMIN_KEY") or None)
+        from deployments.serve_keys import KEY_ENV
+        return (self.api_key or os.environ.get(KEY_ENV["api_key"]) or None,
+                self.admin_key or os.environ.get(KEY_ENV["admin_key"]) or None)
 
     def check_fits(self, cluster: dict[str, float]) -> None:
         """Raise a clear ValueError when a fixed-size cluster (`cluster`: Ray's total
