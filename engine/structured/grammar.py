@@ -66,7 +66,6 @@ def build_grammar(spec: StructuredOutputsParams) -> "xgrammar.Grammar":
 _CHECKED_SIZE = 4096
 _checked: OrderedDict[bytes, None] = OrderedDict()  # digests of specs that built
 _checked_lock = threading.Lock()
-_preload_started = threading.Event()
 
 
 def check_structured_outputs(spec: StructuredOutputsParams) -> None:
@@ -97,9 +96,8 @@ def preload_xgrammar() -> None:
     (a fresh engine's first single-sequence decode ran at 0.80-0.88 of its second, 2
     cores, Zen 4 held to AVX2)."""
     global _loader
-    if _preload_started.is_set():
+    if _loader is not None:
         return
-    _preload_started.set()
     # The names xgrammar takes from lazily importing packages, resolved here first: a
     # transformers attribute first asked for on this thread while the caller's thread
     # imported other parts of transformers (the model's load) raised ImportError there.
