@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.errors import InvalidRequestError
+from engine.wire.curve_auth import ClientKeys
 
 
 @dataclass(frozen=True)
@@ -90,14 +91,23 @@ def check_divisible(shape, size: int) -> None:
 class TPGroup:
     """The process group of one engine's TP ranks (rank 0 lives in the engine core)."""
 
-    def __init__(self, rank: int, size: int, init_method: str, device: torch.device,
-                 timeout_s: float = 120.0) -> None:
+    def __init__(self, rank: int, size: int, rendezvous: str, keys: ClientKeys,
+                 device: torch.device, timeout_s: float = 120.0) -> None:
+        """rendezvous, keys: rank 0's RendezvousServer address and the CURVE client keys
+        it admits (engine.executor.rendezvous: why not torch's open TCPStore)."""
         import torch.distributed as dist
+
+        from engine.executor.rendezvous import RendezvousStore
         self.rank, self.size, self.device = rank, size, device
         backend = "nccl" if device.type == "cuda" else "gloo"
         timeout = datetime.timedelta(seconds=timeout_s)
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
-                                timeout=timeout)
+        self._store = RendezvousStore(rendezvous, keys, timeout_s)
+        try:
+            dist.init_process_group(backend, store=self._store, rank=rank, world_size=size,
+                                    timeout=timeout)
+        except Exception:
+            self._store.close()
+            raise
         # host-side messages (the scheduled batch) always travel over gloo
         self.cpu_group = dist.new_group(backend="gloo", timeout=timeout) \
             if backend != "gloo" else dist.group.WORLD
@@ -147,3 +157,4 @@ class TPGroup:
             self._dist.destroy_process_group()
         except Exception:  # the group may already be broken by a dead peer
             pass
+        self._store.close()

@@ -32,9 +32,9 @@ from engine.errors import EngineDeadError, InvalidRequestError
 from engine.executor.model_runner import ModelRunner
 from engine.executor.step_inputs import StepInput, StepResult
 from engine.executor.parallel import ShardPlan, TPGroup, check_divisible
+from engine.executor.rendezvous import RendezvousServer
 from engine.lora.adapter import LoRAError
 from engine.lora.request import LoRARequest
-from engine.wire.ports import free_port
 
 logger = logging.getLogger(__name__)
 # How long a failed collective waits for the launcher to report which worker ended.
@@ -42,14 +42,24 @@ _DEATH_REPORT_GRACE_S = 2.0
 
 
 class WorkerArgs(msgspec.Struct):
-    """What a worker needs to build its shard and join the group."""
+    """What a worker needs to build its shard and join the group.
+
+    rendezvous_keys are the CURVE client keys of rank 0's rendezvous
+    (engine.executor.rendezvous): they travel in the Ray actor call or on a local
+    worker's stdin, and repr leaves them out, so a logged WorkerArgs shows no secret."""
 
     config: dict[str, Any]  # EngineConfig fields
     rank: int
     size: int
-    init_method: str  # tcp://host:port of rank 0's rendezvous
+    rendezvous: str  # tcp://host:port of rank 0's RendezvousServer
+    rendezvous_keys: dict[str, str]  # ClientKeys.as_dict()
     max_model_len: int
     num_threads: int
+
+    def __repr__(self) -> str:
+        return (f"WorkerArgs(rank={self.rank}, size={self.size}, "
+                f"rendezvous={self.rendezvous!r}, rendezvous_keys=<hidden>, "
+                f"max_model_len={self.max_model_len}, num_threads={self.num_threads})")
 
 
 class Command(msgspec.Struct, array_like=True, gc=False):
@@ -104,6 +114,11 @@ class ProcessLauncher:
                 p.wait()
 
 
+def _stop_all(launcher: WorkerLauncher, rendezvous: RendezvousServer) -> None:
+    launcher.stop()
+    rendezvous.stop()
+
+
 def _worker_env(args: WorkerArgs) -> dict[str, str]:
     env = dict(os.environ, OMP_NUM_THREADS=str(args.num_threads))
     # the worker imports this package the way the parent did
@@ -132,13 +147,15 @@ class TPExecutor:
         if device.type == "cpu":
             torch.set_num_threads(threads)
         host = getattr(self.launcher, "host", "127.0.0.1")  # where workers reach rank 0
-        init_method = f"tcp://{host}:{free_port(host)}"
-        workers = [WorkerArgs(asdict(config), rank, size, init_method, max_model_len, threads)
+        self.rendezvous = RendezvousServer(host)
+        keys = self.rendezvous.client_keys()
+        workers = [WorkerArgs(asdict(config), rank, size, self.rendezvous.address,
+                              keys.as_dict(), max_model_len, threads)
                    for rank in range(1, size)]
+        self._finalizer = weakref.finalize(self, _stop_all, self.launcher, self.rendezvous)
         self.launcher.start(workers)
-        self._finalizer = weakref.finalize(self, self.launcher.stop)
         try:
-            self.tp = TPGroup(0, size, init_method, device)
+            self.tp = TPGroup(0, size, self.rendezvous.address, keys, device)
             self.runner = ModelRunner(config, shape, hf_config, checkpoint, max_model_len,
                                       device, dtype, ShardPlan.build(shape, 0, size), self.tp)
         except Exception:

@@ -18,6 +18,7 @@ from engine.executor.parallel import ShardPlan, TPGroup
 from engine.executor.tp_executor import WorkerArgs, serve_commands
 from engine.model.shape import ModelShape
 from engine.model.loader import load_hf_config, resolve_model
+from engine.wire.curve_auth import ClientKeys
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +36,8 @@ def run_worker(args: WorkerArgs) -> None:
     checkpoint = resolve_model(config.model, weights=config.load_format != "dummy")
     hf_config = load_hf_config(checkpoint)
     shape = ModelShape.from_hf_config(hf_config)
-    tp = TPGroup(args.rank, args.size, args.init_method, device)
+    tp = TPGroup(args.rank, args.size, args.rendezvous,
+                 ClientKeys.from_dict(args.rendezvous_keys), device)
     try:
         runner = ModelRunner(config, shape, hf_config, checkpoint, args.max_model_len, device,
                              dtype, ShardPlan.build(shape, args.rank, args.size), tp)

@@ -25,7 +25,7 @@ socket is plain, as before.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import zmq
@@ -41,7 +41,7 @@ class ClientKeys:
 
     server_public: str
     client_public: str
-    client_secret: str
+    client_secret: str = field(repr=False)  # a logged ClientKeys shows no secret
 
     def as_dict(self) -> dict[str, str]:
         return asdict(self)
@@ -62,9 +62,9 @@ class EngineKeys:
     """An engine's CURVE key pair and the one client pair it admits."""
 
     server_public: str
-    server_secret: str
+    server_secret: str = field(repr=False)
     client_public: str
-    client_secret: str
+    client_secret: str = field(repr=False)
 
     @classmethod
     def generate(cls) -> "EngineKeys":
