@@ -327,3 +327,128 @@ def test_grafana_dashboard_ships_as_a_sidecar_configmap(helm):
     assert shipped == json.loads((CHART / "dashboards" / "flotilla.json").read_text())
     assert not by_kind(helm.render(MINIMAL), "ConfigMap")  # off by default
 
+
+
+RAY_PORTS = {6379, 8265, 10001}  # GCS, dashboard, Ray client
+
+
+def _services(rayservice: dict) -> list[dict]:
+    """The Services the RayService asks KubeRay for: the serve Service, and the head
+    Service (its type from headGroupSpec.serviceType; its ports are the head's)."""
+    cluster = rayservice["spec"]["rayClusterConfig"]
+    head = cluster["headGroupSpec"]
+    head_ports = head["template"]["spec"]["containers"][0]["ports"]
+    return [rayservice["spec"]["serveService"],
+            {"metadata": {"name": "head-svc"},
+             "spec": {"type": head.get("serviceType", "ClusterIP"),
+                      "ports": [{"port": p["containerPort"]} for p in head_ports]}}]
+
+
+def test_defaults_turn_on_ray_token_auth_and_keep_ray_ports_in_the_cluster(helm):
+    for values in (None, MINIMAL):  # the chart's own values, and the smallest override
+        objects = helm.render(values)
+        (rayservice,) = by_kind(objects, "RayService")
+        cluster = rayservice["spec"]["rayClusterConfig"]
+        assert cluster["authOptions"] == {"mode": "token"}
+        head = cluster["headGroupSpec"]
+        assert head["serviceType"] == "ClusterIP"
+        # KubeRay submits serveConfigV2 through the dashboard over the head Service: it
+        # listens on the pod network, behind the token
+        assert head["rayStartParams"]["dashboard-host"] == "0.0.0.0"
+        for service in _services(rayservice):
+            ports = {p["port"] for p in service["spec"]["ports"]}
+            if service["spec"]["type"] != "ClusterIP":
+                assert not ports & RAY_PORTS, service["metadata"]["name"]
+        assert rayservice["spec"]["serveService"]["spec"]["ports"] == [
+            {"name": "serve", "port": 8000}]
+        assert not by_kind(objects, "Ingress") and not by_kind(objects, "Service")
+    # an enabled Ingress reaches the serve port only
+    (ingress,) = by_kind(helm.render({**MINIMAL, "ingress": {"enabled": True}}), "Ingress")
+    for rule in ingress["spec"]["rules"]:
+        for path in rule["http"]["paths"]:
+            assert path["backend"]["service"]["port"] == {"name": "serve"}
+
+
+def test_each_opening_is_one_documented_value(helm, crd_validator):
+    def cluster(values):
+        (rayservice,) = by_kind(helm.render({**MINIMAL, **values}), "RayService")
+        assert _crd_errors(crd_validator, rayservice) == []
+        return rayservice["spec"]["rayClusterConfig"]
+
+    assert "authOptions" not in cluster({"rayAuthMode": ""})
+    assert cluster({"rayAuthMode": "disabled"})["authOptions"] == {"mode": "disabled"}
+    head = cluster({"head": {"cpu": "4", "memory": "16Gi", "serviceType": "LoadBalancer"}})
+    assert head["headGroupSpec"]["serviceType"] == "LoadBalancer"
+    assert head["authOptions"] == {"mode": "token"}  # exposing is not switching auth off
+    head = cluster({"head": {"cpu": "4", "memory": "16Gi", "dashboardHost": "127.0.0.1"}})
+    assert head["headGroupSpec"]["rayStartParams"]["dashboard-host"] == "127.0.0.1"
+    # each value is described where users look for it
+    schema = json.loads((CHART / "values.schema.json").read_text())["properties"]
+    values_yaml = (CHART / "values.yaml").read_text()
+    deployment = (REPO / "docs" / "deployment.md").read_text()
+    for path in (("rayAuthMode",), ("head", "serviceType"), ("head", "dashboardHost")):
+        node = schema
+        for i, part in enumerate(path):
+            node = node[part] if i == 0 else node["properties"][part]
+        assert node["description"], path
+        assert f"{path[-1]}:" in values_yaml, path
+        assert path[-1] in deployment, path
+    bad = helm.template({**MINIMAL, "head": {"cpu": "4", "memory": "16Gi",
+                                             "serviceType": "External"}})
+    assert bad.returncode != 0 and "/head/serviceType" in bad.stderr, bad.stderr
+
+
+def test_notes_warn_when_ray_is_opened(helm, tmp_path):
+    def notes(values):
+        result = helm.run("install", "rel", str(CHART), "--dry-run=client", "--namespace",
+                          NAMESPACE, "--values", _write_values(tmp_path, values))
+        assert result.returncode == 0, result.stderr
+        return result.stdout.split("NOTES:", 1)[1]
+    closed = notes(FULL)
+    assert "RAY_AUTH_TOKEN=$(kubectl" in closed and "WARNING" not in closed
+    assert "WARNING: rayAuthMode" in notes({**FULL, "rayAuthMode": ""})
+    opened = notes({**FULL, "head": {"cpu": "4", "memory": "16Gi",
+                                     "serviceType": "NodePort"}})
+    assert "WARNING: head.serviceType NodePort" in opened
+
+
+def _strings(node, path=()):
+    """(path, string) for every string in a rendered object, keys included."""
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield path + (k,), k
+            yield from _strings(v, path + (k,))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from _strings(v, path + (i,))
+    elif isinstance(node, str):
+        yield path, node
+
+
+def test_secrets_reach_the_pods_only_as_secret_key_refs(helm):
+    """The API and admin keys enter the rendered objects only as env
+    valueFrom.secretKeyRef: never in args, command, annotations, serveConfigV2 or a
+    plain env value; Ray's token is KubeRay's own Secret (authOptions), never a value."""
+    objects = helm.render(FULL)
+    names = {"flotilla-keys", "flotilla-admin"}
+    places = [p for o in objects for p, s in _strings(o) if s in names]
+    assert places  # the Secrets are referenced...
+    for p in places:  # ...only as the name of a secretKeyRef of an env entry
+        assert p[-3:] == ("valueFrom", "secretKeyRef", "name") and "env" in p, p
+    for obj in objects:
+        for p, s in _strings(obj):
+            if p and p[-1] in ("args", "command") or "annotations" in p:
+                assert "KEY" not in s.upper() and "TOKEN" not in s.upper(), (p, s)
+    (rayservice,) = by_kind(objects, "RayService")
+    serve = rayservice["spec"]["serveConfigV2"]
+    assert "key" not in serve.lower() and "token" not in serve.lower()
+    for pod in _pods(rayservice).values():
+        for container in pod["spec"]["containers"]:
+            assert "args" not in container and "command" not in container
+            for env in container["env"]:
+                if env["name"] in KEY_ENV or env["name"].startswith("RAY_AUTH"):
+                    assert "value" not in env and "secretKeyRef" in env["valueFrom"], env
+    # a key given as a plain env value is refused at render time
+    for name in ("FLOTILLA_API_KEY", "RAY_AUTH_TOKEN"):
+        result = helm.template({**MINIMAL, "env": [{"name": name, "value": "sk-plain"}]})
+        assert result.returncode != 0 and f"env {name} has a plain value" in result.stderr

@@ -81,6 +81,11 @@ applications:
 Defaults are AppArgs' own. */}}
 {{- define "flotilla.checks" -}}
 {{- $app := .Values.app -}}
+{{- range .Values.env -}}
+{{- if and (has .name (list "FLOTILLA_API_KEY" "FLOTILLA_ADMIN_KEY" "RAY_AUTH_TOKEN")) (hasKey . "value") -}}
+{{- fail (printf "env %s has a plain value: it would sit in the RayService object; use apiKey/adminKey.secretName (or valueFrom.secretKeyRef)" .name) -}}
+{{- end -}}
+{{- end -}}
 {{- if ge (int .Values.termination.preStopSleepSeconds) (int .Values.termination.gracePeriodSeconds) -}}
 {{- fail "termination.preStopSleepSeconds must be shorter than gracePeriodSeconds (SIGTERM comes after the sleep, within the grace period)" -}}
 {{- end -}}
