@@ -1,8 +1,11 @@
 """cluster.yaml (`ray up`), checked offline: Ray's own config preparation and schema,
-the node types, and the Serve app config that the head's start commands deploy."""
+the node types, the Serve app config that the head's start commands deploy, and that
+the cluster is closed by default (Ray's token auth on every node, the dashboard on the
+head's loopback, the API key from a file into the environment, never argv or args)."""
 from __future__ import annotations
 
 import copy
+import json
 import os
 import re
 import subprocess
@@ -72,7 +75,9 @@ def test_nodes_run_the_flotilla_image(cluster):
     docker = cluster["docker"]
     assert docker["image"] == built_image()
     assert "head_image" not in docker and "worker_image" not in docker
-    assert cluster["setup_commands"] == [] and not cluster.get("file_mounts")
+    assert cluster["setup_commands"] == []
+    # the only files mounted are secrets from the user's machine (below), not code
+    assert set(cluster["file_mounts"]) == {"~/.ray/auth_token"}
     for command in (cluster["head_start_ray_commands"]
                     + cluster["worker_start_ray_commands"]):
         subprocess.run(["bash", "-n", "-c", command], check=True, timeout=30)
@@ -100,3 +105,71 @@ def test_head_deploys_the_flotilla_app_config(cluster, tmp_path):
     workers = [t for name, t in cluster["available_node_types"].items()
                if name != cluster["head_node_type"]]
     assert any(all(t["resources"].get(k, 0) >= v for k, v in need.items()) for t in workers)
+
+
+def _ray_start_lines(cluster: dict) -> dict[str, str]:
+    (head,) = [c for c in cluster["head_start_ray_commands"] if "ray start" in c]
+    (worker,) = [c for c in cluster["worker_start_ray_commands"] if "ray start" in c]
+    return {"head": head, "worker": worker}
+
+
+def _run_with_fake_ray(command: str, home: Path) -> dict:
+    """Runs a start line as bash on a node would, with a `ray` on PATH that records
+    its argv and the keys in its environment instead of starting anything."""
+    bin_dir = home / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    fake = bin_dir / "ray"
+    fake.write_text("#!/usr/bin/env python3\n"
+                    "import json, os, sys\n"
+                    "json.dump({'argv': sys.argv[1:], 'api_key': os.environ.get("
+                    "'FLOTILLA_API_KEY')}, open(os.path.expanduser('~/ray.json'), 'w'))\n")
+    fake.chmod(0o755)
+    env = {"HOME": str(home), "PATH": f"{bin_dir}:/usr/bin:/bin", "RAY_HEAD_IP": "10.0.0.1"}
+    subprocess.run(["bash", "-c", command], check=True, env=env, timeout=30)
+    return json.loads((home / "ray.json").read_text())
+
+
+def test_ray_token_auth_on_every_node(cluster):
+    """RAY_AUTH_MODE=token in every container (ray start, serve deploy, ray attach
+    shells), and the token file at the path Ray reads by default on every node: the
+    launcher copies file_mounts to the head and the head's autoscaler to each worker."""
+    from ray._private.authentication.authentication_token_setup import (
+        AUTH_MODE_ENV_VAR, _get_default_token_path)
+    options = cluster["docker"]["run_options"]
+    assert f"--env {AUTH_MODE_ENV_VAR}=token" in options
+    default = "~/" + str(_get_default_token_path().relative_to(Path.home()))
+    assert cluster["file_mounts"][default] == default
+    # no start line turns it off again
+    for command in (cluster["head_start_ray_commands"] + cluster["worker_start_ray_commands"]):
+        assert AUTH_MODE_ENV_VAR not in command and "RAY_AUTH_TOKEN" not in command
+    # the cluster-wide copy comes from file_mounts (what Ray's launcher syncs to every
+    # node), not a path that exists on the head only
+    assert not cluster.get("cluster_synced_files")
+
+
+def test_dashboard_on_the_heads_loopback(cluster, tmp_path):
+    recorded = _run_with_fake_ray(_ray_start_lines(cluster)["head"], tmp_path)
+    assert recorded["argv"][:2] == ["start", "--head"]
+    hosts = [a.split("=", 1)[1] for a in recorded["argv"] if a.startswith("--dashboard-host")]
+    assert hosts == ["127.0.0.1"]
+    assert "0.0.0.0" not in CLUSTER_YAML.read_text().split("http_options", 1)[0]
+
+
+def test_api_key_reaches_ray_from_a_file_not_argv_or_the_serve_args(cluster, tmp_path):
+    secret = "sk-cluster-test-1234"
+    for node, line in _ray_start_lines(cluster).items():
+        home = tmp_path / node
+        home.mkdir()
+        assert _run_with_fake_ray(line, home)["api_key"] == ""  # no file: no key (open)
+        (home / ".flotilla").mkdir()
+        (home / ".flotilla" / "api-key").write_text(secret)
+        recorded = _run_with_fake_ray(line, home)
+        assert recorded["api_key"] == secret, node
+        assert not any(secret in a for a in recorded["argv"]), node
+    # the app's args (which the dashboard shows) carry no key, not even a commented hint
+    (tmp_path / "serve").mkdir()
+    config = _written_serve_config(cluster, tmp_path / "serve")
+    (app,) = config["applications"]
+    assert "api_key" not in app["args"] and "admin_key" not in app["args"]
+    (writer,) = [c for c in cluster["head_start_ray_commands"] if "<<'EOF'" in c]
+    assert "api_key:" not in writer and "admin_key:" not in writer
