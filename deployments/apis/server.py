@@ -43,5 +43,6 @@ def build_api_app(get_client: Callable[[], Awaitable[EngineClient]],
     app = Starlette(routes=openai_routes(ctx) + responses_routes(ctx) + anthropic_routes(ctx)
                     + service_routes(ctx))
     app.state.metrics = ctx.metrics  # the ingress reports its snapshot from here too
+    app.state.adapters = ctx.adapters  # the ingress fetches its first list early
     app.state.stopping = False  # set when the server stops: /health and new requests 503
     return app

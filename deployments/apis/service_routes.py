@@ -51,7 +51,7 @@ def service_routes(ctx: ApiContext) -> list[Route]:
 
     async def models(request: Request, rid: str) -> Response:
         base = await model_card()
-        cards = [base] + [adapter_card(a, base) for a in await ctx.adapters.refresh()]
+        cards = [base] + [adapter_card(a, base) for a in await ctx.adapters.listing()]
         return JSONResponse({"object": "list", "data": cards})
 
     async def retrieve_model(request: Request, rid: str) -> Response:
@@ -135,7 +135,13 @@ def service_routes(ctx: ApiContext) -> list[Route]:
         client = task.result()  # a failed connection is its own (mapped) error
         if not client.healthy:
             raise HTTPError(503, str(client.dead_error or "unhealthy"), "ServiceUnavailableError")
-        return Response(status_code=200)
+        # in Serve (a control with health_details: the coordinator's): whether it
+        # answers, and what this replica serves from while it does not (its last
+        # membership and adapter list): still a 200. Elsewhere an empty 200, as vLLM's
+        details = getattr(ctx.control, "health_details", lambda: None)()
+        if details is None:
+            return Response(status_code=200)
+        return JSONResponse({"status": "ok", **details, "adapters": ctx.adapters.details()})
 
     def encode(processor, body: TokenizeRequest) -> list[int]:
         if body.messages is not None:  # the prompt /v1/chat/completions would build

@@ -18,7 +18,11 @@ from ray import serve
 
 from deployments.serve.autoscaling import autoscaling_stats
 from deployments.config import AppArgs
-from deployments.serve.coordinator import COORDINATOR_CALL_TIMEOUT_S
+from deployments.serve.coordinator_calls import (
+    ASSIGN_RANK_TIMEOUT_S,
+    COORDINATOR_CALL_TIMEOUT_S,
+    ask,
+)
 from deployments.tokenizers import tokenizer_for
 from engine.wire.core_server import EngineCoreServer
 from engine.wire.ports import free_port
@@ -67,20 +71,17 @@ class EngineServer:
         await self._start()
 
     async def _start(self) -> None:
-        self.rank = await self.coordinator.assign_rank.remote(self.replica_id)
-        if self.args.is_mock:
-            from engine.wire.mock import MockEngineCore
-            tokenizer = tokenizer_for(self.args)  # the ingress decodes with it too
-            core = MockEngineCore(self.args.mock_config(self.rank, len(tokenizer)),
-                                  tokenizer=tokenizer if self.args.mock.scripted else None)
-        else:
-            from engine.core.engine_core import EngineCore
-            launcher = None
-            if self.args.tensor_parallel_size > 1:  # ranks 1..N-1 in our placement group
-                from deployments.serve.tp_workers import RayWorkerLauncher
-                launcher = RayWorkerLauncher(self.args.engine_cpus, self.args.engine_num_gpus)
-            config = self.args.engine_config(self.rank)
-            core = await build_on_own_thread(lambda: EngineCore(config, launcher))
+        # bounded: a silent coordinator fails this start (CoordinatorTimeoutError), and
+        # Serve starts the replica again, instead of it waiting for ever
+        self.rank = await ask(self.coordinator.assign_rank.remote(self.replica_id),
+                              "assign_rank", ASSIGN_RANK_TIMEOUT_S)
+        try:
+            core = await self._build_core()
+        except BaseException:
+            # the rank back at once: an unregistered rank is held STALE_AFTER_S for an
+            # owner still loading, and this replica's replacement would wait that long
+            self.coordinator.release.remote(self.rank, self.replica_id)
+            raise
         host = ray.util.get_node_ip_address()
         address = f"tcp://{host}:{free_port(host)}"
         # CURVE keys made here, handed to clients only through the coordinator (Ray)
@@ -88,13 +89,28 @@ class EngineServer:
         self.server = EngineCoreServer(core, address, self.rank, keys=self.keys).start()
         await self._register()
 
+    async def _build_core(self):
+        """The engine core for self.rank: the mock, or the real one (on its own thread)."""
+        if self.args.is_mock:
+            from engine.wire.mock import MockEngineCore
+            tokenizer = tokenizer_for(self.args)  # the ingress decodes with it too
+            return MockEngineCore(self.args.mock_config(self.rank, len(tokenizer)),
+                                  tokenizer=tokenizer if self.args.mock.scripted else None)
+        from engine.core.engine_core import EngineCore
+        launcher = None
+        if self.args.tensor_parallel_size > 1:  # ranks 1..N-1 in our placement group
+            from deployments.serve.tp_workers import RayWorkerLauncher
+            launcher = RayWorkerLauncher(self.args.engine_cpus, self.args.engine_num_gpus)
+        config = self.args.engine_config(self.rank)
+        return await build_on_own_thread(lambda: EngineCore(config, launcher))
+
     async def _register(self) -> None:
         ready = self.server.core.ready_response(self.rank)
-        await self.coordinator.register.remote(self.rank, self.replica_id, self.server.address,
-                                               {"block_size": ready.block_size,
-                                                "max_model_len": ready.max_model_len,
-                                                "num_gpu_blocks": ready.num_gpu_blocks},
-                                               self.keys.for_clients().as_dict())
+        await ask(self.coordinator.register.remote(
+            self.rank, self.replica_id, self.server.address,
+            {"block_size": ready.block_size, "max_model_len": ready.max_model_len,
+             "num_gpu_blocks": ready.num_gpu_blocks},
+            self.keys.for_clients().as_dict()), "register", COORDINATOR_CALL_TIMEOUT_S)
 
     async def __call__(self) -> dict:
         """Where this engine is (also starts it on first use)."""
@@ -124,11 +140,10 @@ class EngineServer:
             raise RuntimeError(f"engine rank {self.rank}: its step has run for {stuck:.0f}s "
                                f"(engine_step_timeout_s {self.args.engine_step_timeout_s:g})")
         try:
-            known = await asyncio.wait_for(
-                self.coordinator.heartbeat.remote(self.rank, self.replica_id),
-                COORDINATOR_CALL_TIMEOUT_S)
+            known = await ask(self.coordinator.heartbeat.remote(self.rank, self.replica_id),
+                              "heartbeat", COORDINATOR_CALL_TIMEOUT_S)
             if not known:
-                await asyncio.wait_for(self._register(), COORDINATOR_CALL_TIMEOUT_S)
+                await self._register()
         except (asyncio.TimeoutError, ray.exceptions.ActorDiedError,
                 ray.exceptions.ActorUnavailableError) as exc:
             # the coordinator restarting: this engine is fine. A refusal (its rank now

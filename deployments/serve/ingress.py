@@ -12,7 +12,12 @@ import uuid
 from ray import serve
 
 from deployments.config import AppArgs
-from deployments.serve.coordinator import COORDINATOR_CALL_TIMEOUT_S
+from deployments.serve.coordinator_calls import (
+    CONTROL_TIMEOUT_S,
+    COORDINATOR_CALL_TIMEOUT_S,
+    CoordinatorView,
+    ask,
+)
 from deployments.serve.heap_trim import IdleHeapTrim
 from deployments.apis.errors import HTTPError
 from deployments.apis.server import IngressOptions, build_api_app
@@ -45,40 +50,57 @@ async def _retire(client: EngineClient) -> None:
 
 
 class CoordinatorControl:
-    """Control endpoints answered by the coordinator (it owns the aggregation rules)."""
+    """Control endpoints answered by the coordinator (it owns the aggregation rules),
+    each call bounded (deployments/serve/coordinator_calls.py); a call that times out
+    is a CoordinatorTimeoutError (a 503), and the replica's view records the silence."""
 
-    def __init__(self, coordinator) -> None:
+    def __init__(self, coordinator, view: CoordinatorView | None = None) -> None:
         self.coordinator = coordinator
+        self.view = view or CoordinatorView()
         self.replica_id = uuid.uuid4().hex  # names this replica's share of the metrics
+
+    async def _ask(self, method: str, *args, timeout_s: float | None = None):
+        """One call, bounded (CONTROL_TIMEOUT_S unless told), its outcome in the view."""
+        timeout_s = CONTROL_TIMEOUT_S if timeout_s is None else timeout_s
+        try:
+            out = await ask(getattr(self.coordinator, method).remote(*args), method, timeout_s)
+        except Exception as exc:
+            self.view.failed(exc)
+            raise
+        self.view.answered()
+        return out
 
     async def _report(self, snapshot) -> list:
         """One report, given up after REPORT_GIVE_UP_S (a coordinator gone for good
         must not leave reports pending)."""
-        return await asyncio.wait_for(
-            self.coordinator.report_metrics.remote(self.replica_id, snapshot),
-            REPORT_GIVE_UP_S)
+        return await self._ask("report_metrics", self.replica_id, snapshot,
+                               timeout_s=REPORT_GIVE_UP_S)
 
     async def is_sleeping(self) -> bool:
-        return await self.coordinator.is_sleeping.remote()
+        return await self._ask("is_sleeping")
 
     async def sleep(self, level: int) -> None:
-        await self.coordinator.call.remote("sleep", level)
+        await self._ask("call", "sleep", level)
 
     async def wake_up(self, tags: list[str] | None) -> None:
-        await self.coordinator.call.remote("wake_up", tags)
+        await self._ask("call", "wake_up", tags)
 
     async def reset_prefix_cache(self, reset_running_requests: bool, reset_external: bool) -> bool:
-        return await self.coordinator.reset_prefix_cache.remote(reset_running_requests,
-                                                                reset_external)
+        return await self._ask("reset_prefix_cache", reset_running_requests, reset_external)
 
     async def add_lora(self, lora_request) -> None:
-        await self.coordinator.call.remote("add_lora", lora_request)
+        await self._ask("call", "add_lora", lora_request)
 
     async def remove_lora(self, lora_id: int) -> bool:
-        return any(await self.coordinator.call.remote("remove_lora", lora_id))
+        return any(await self._ask("call", "remove_lora", lora_id))
 
     async def list_loras(self) -> list:
-        return await self.coordinator.list_loras.remote()
+        """Fetched in the background by the adapter directory (requests answer from its
+        last list meanwhile): a routine call's timeout."""
+        return await self._ask("list_loras", timeout_s=COORDINATOR_CALL_TIMEOUT_S)
+
+    def health_details(self) -> dict:
+        return {"coordinator": self.view.details()}
 
     async def sum_metrics(self, snapshot, timeout_s: float = METRICS_TIMEOUT_S) -> list | None:
         """Report this replica's request metrics; the sum over every replica (None if
@@ -109,9 +131,8 @@ class CoordinatorResponses:
         self.coordinator = coordinator
 
     async def put_response(self, response_id: str, record: dict) -> bool:
-        return await asyncio.wait_for(
-            self.coordinator.put_response.remote(response_id, record),
-            COORDINATOR_CALL_TIMEOUT_S)
+        return await ask(self.coordinator.put_response.remote(response_id, record),
+                         "put_response", COORDINATOR_CALL_TIMEOUT_S)
 
     async def get_response(self, response_id: str) -> dict | None:
         return await self._call(self.coordinator.get_response.remote(response_id))
@@ -123,7 +144,7 @@ class CoordinatorResponses:
     async def _call(call):
         """A store call; the coordinator restarting or not answering is a 503."""
         try:
-            return await asyncio.wait_for(call, COORDINATOR_CALL_TIMEOUT_S)
+            return await ask(call, "the response store", COORDINATOR_CALL_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001
             raise HTTPError(503, f"the response store is not answering ({type(exc).__name__}); "
                             "retry", "ServiceUnavailableError") from None
@@ -137,8 +158,9 @@ class OpenAIIngress:
         self.coordinator = coordinator
         self._engines = engines  # bound so that Serve deploys the engine replicas
         self._client: EngineClient | None = None
-        self._version = -1
-        self._keys: dict[str, dict] = {}  # address -> its CURVE client keys (coordinator)
+        self._version = -1  # the membership version self._client serves
+        # what the coordinator last said: served from while it is silent
+        self.view = CoordinatorView()
         self._retried = 0.0  # when an engine left out as dead was last tried again
         self._follower: asyncio.Task | None = None
         self._lock = asyncio.Lock()
@@ -172,8 +194,7 @@ class OpenAIIngress:
         at once and connects in the background."""
         task = asyncio.get_running_loop().create_task(self._reconnect())
         try:
-            _, addresses, _, _ = await asyncio.wait_for(self.coordinator.membership.remote(),
-                                                        COORDINATOR_CALL_TIMEOUT_S)
+            _, addresses, _, _ = await self._membership()
         except Exception as exc:  # noqa: BLE001 - the coordinator restarting: later
             logger.warning("ingress: no engine membership at start: %s", exc)
             addresses = []
@@ -181,10 +202,23 @@ class OpenAIIngress:
             await asyncio.wait({task}, timeout=START_CONNECT_S)
         return task
 
+    async def _membership(self) -> tuple[int, list[str], dict[str, dict], bool]:
+        """The coordinator's membership, asked now (bounded), and kept in self.view."""
+        try:
+            membership = await ask(self.coordinator.membership.remote(), "membership",
+                                   COORDINATOR_CALL_TIMEOUT_S)
+        except Exception as exc:
+            self.view.failed(exc)
+            raise
+        self.view.heard(membership)
+        return membership
+
     async def get_client(self) -> EngineClient:
         """The client for the current engines. The first call waits for them; a
         background loop then follows the coordinator's engine set (engines joining,
-        leaving, restarted) and reconnects when this client reports a dead engine."""
+        leaving, restarted) and reconnects when this client reports a dead engine.
+        Once a membership with engines is known, a reconnect takes it from self.view
+        (the loop keeps it current): a request never waits on the coordinator."""
         if self._client is not None and self._client.healthy:
             return self._client
         async with self._lock:
@@ -193,12 +227,10 @@ class OpenAIIngress:
             dead = {e.address for e in self._client.engines if e.dead} if self._client else set()
             deadline = time.monotonic() + ENGINE_WAIT_S
             while True:
-                try:
-                    version, addresses, self._keys, _ = await asyncio.wait_for(
-                        self.coordinator.membership.remote(), COORDINATOR_CALL_TIMEOUT_S)
-                except asyncio.TimeoutError:
-                    raise NoEnginesError("the coordinator did not answer within "
-                                         f"{COORDINATOR_CALL_TIMEOUT_S:.0f}s") from None
+                if self.view.addresses:  # the last membership heard (the follower's)
+                    version, addresses = self.view.version, self.view.addresses
+                else:  # none yet (starting): ask; a CoordinatorTimeoutError is a 503
+                    version, addresses, _, _ = await self._membership()
                 live = [a for a in addresses if a not in dead]
                 if live:
                     break
@@ -217,7 +249,7 @@ class OpenAIIngress:
                       handshake_timeout_s: float = 30.0) -> None:
         """Connect to a new engine set; the old client finishes its streams, then closes."""
         client = await EngineClient.connect(addresses, await self._tokenizer(),
-                                            keys=client_keys(self._keys),
+                                            keys=client_keys(self.view.keys),
                                             routing=self.args.routing,
                                             handshake_timeout_s=handshake_timeout_s)
         if self._client is not None:  # sessions stay on their engines when those stay
@@ -230,16 +262,21 @@ class OpenAIIngress:
 
     async def _follow(self) -> None:
         pushed = time.monotonic()
+        fetched_adapters = False
         while True:
             await asyncio.sleep(MEMBERSHIP_POLL_S)
+            if not fetched_adapters and self._app is not None:
+                # the replica's first adapter list, before a request needs it: requests
+                # naming a model answer from it if the coordinator goes silent
+                self._app.state.adapters.refresh_soon()
+                fetched_adapters = True
             client = self._client
             self._heap_trim.poll(client.num_in_flight, client.requests_submitted)
             if time.monotonic() - pushed >= METRICS_PUSH_S and self._app is not None:
                 pushed = time.monotonic()  # keep the coordinator's sum current between scrapes
                 await self._control.sum_metrics(self._app.state.metrics.snapshot())
             try:
-                version, addresses, self._keys, stopping = await asyncio.wait_for(
-                    self.coordinator.membership.remote(), COORDINATOR_CALL_TIMEOUT_S)
+                version, addresses, _, stopping = await self._membership()
                 if stopping and self._app is not None and not self._app.state.stopping:
                     self._app.state.stopping = True
                     logger.info("ingress: the server is stopping: /health answers 503, "
@@ -255,7 +292,7 @@ class OpenAIIngress:
                     self._retried = time.monotonic()
                     probe = await EngineClient.connect(
                         missing, await self._tokenizer(),
-                        keys=client_keys(self._keys),
+                        keys=client_keys(self.view.keys),
                         handshake_timeout_s=ENGINE_RETRY_HANDSHAKE_S)
                     await probe.shutdown()
                     async with self._lock:
@@ -287,7 +324,7 @@ class OpenAIIngress:
                                  response_store_ttl_s=a.response_store_ttl_s,
                                  response_store_max_bytes=a.response_store_max_bytes,
                                  replica_name=_replica_name())
-        self._control = CoordinatorControl(self.coordinator)
+        self._control = CoordinatorControl(self.coordinator, self.view)
         self._app = build_api_app(self.get_client, options, self._control,
                                   CoordinatorResponses(self.coordinator))
         return self._app
