@@ -11,7 +11,8 @@
   aggregation rules of docs/architecture.md (is_sleeping must agree, reset is an AND,
   sleep / wake_up must succeed everywhere and failures name the rank).
 - Keeps the rank table in Ray's GCS (deployments/serve/rank_store.py): a coordinator that
-  Serve restarts hands out no rank twice and lists whichever engines re-register.
+  Serve restarts hands out no rank twice and lists whichever engines re-register. Its
+  writes run off this replica's event loop; it is deleted only with the application.
 - Sums the ingress replicas' request metrics, so that /metrics never goes backwards
   whichever replica a scrape reaches.
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import time
 from typing import Any
 
@@ -28,7 +30,7 @@ from ray import serve
 from deployments.apis.responses.store import ResponseStore
 from deployments.config import AppArgs
 from deployments.serve.metrics_sum import MetricsSum
-from deployments.serve.rank_store import RankStore, RankTable
+from deployments.serve.rank_store import STORE_TIMEOUT_S, RankStore, RankTable, StoreWriter
 from engine.errors import NoEnginesError
 from engine.wire.core_client import EngineClient
 from engine.wire.curve_auth import ClientKeys, client_keys
@@ -36,9 +38,6 @@ from engine.wire.curve_auth import ClientKeys, client_keys
 logger = logging.getLogger(__name__)
 STALE_AFTER_S = 30.0
 PROBE_TIMEOUT_S = 2.0
-# what an engine or an ingress replica waits for an answer to a routine call (membership,
-# heartbeat, register): a coordinator being restarted must not hang their loops
-COORDINATOR_CALL_TIMEOUT_S = 10.0
 
 
 async def _accepts(address: str) -> bool:
@@ -107,6 +106,10 @@ class Coordinator:
         self._client: EngineClient | None = None
         self._client_addresses: list[str] = []
         self._lock = asyncio.Lock()
+        # assign_rank awaits probes: two replacement engines asking at once both saw the
+        # same rank free and both got it. Assignments take turns.
+        self._assigning = asyncio.Lock()
+        self._assigned_at: dict[int, float] = {}  # rank -> when handed out (unregistered)
         self._metrics = MetricsSum()
         # stored Responses, one store for every ingress replica (its module says why)
         self._responses = ResponseStore(self.args.response_store_max,
@@ -114,9 +117,10 @@ class Coordinator:
                                         self.args.response_store_max_bytes)
         # ranks survive a restart (deployments/serve/rank_store.py): the engines that own them
         # count as seen at the restart, and come back at their next health check
-        self._store = self._rank_store()
-        self._restored_at = 0.0
-        table = self._store.load()
+        self._store = StoreWriter(self._rank_store())
+        self._restored_at = -STALE_AFTER_S  # no owner restored: none counts as seen
+        self._stopped = False
+        table = self._store.load()  # no table in time: this start fails, Serve retries
         if table is not None:
             self.owner, self.version = table.owner, table.version + 1
             self.addresses = {r: a for r, a in table.address.items() if r in self.owner}
@@ -129,21 +133,27 @@ class Coordinator:
     def _rank_store(self):
         return RankStore(serve.get_replica_context().app_name)
 
-    def _save(self) -> None:
-        try:
-            self._store.save(RankTable(dict(self.owner), self.version,
-                                       {r: a for r, a in self.addresses.items()
-                                        if r in self.owner}))
-        except Exception as exc:  # the GCS restarting: the next change writes it again
-            logger.warning("could not save the rank table: %s", exc)
+    def _save(self):
+        """Queue the table's write (off the event loop, in order); its future."""
+        return self._store.save(RankTable(dict(self.owner), self.version,
+                                          {r: a for r, a in self.addresses.items()
+                                           if r in self.owner}))
 
     def __del__(self) -> None:
-        """A graceful stop (the application deleted or redeployed): the next deploy starts
-        with no ranks owned."""
+        """A graceful stop. The queued writes land first; the table is deleted only when
+        the application goes away (its next deploy starts with no ranks owned), not when
+        Serve restarts or moves this replica while the engines keep their ranks
+        (rank_store.py says how the two are told apart)."""
+        if getattr(self, "_stopped", True) or sys.is_finalizing():
+            return  # once (Serve calls it, then the collector); not at interpreter exit
+        self._stopped = True
         try:
-            self._store.delete()
-        except Exception:  # Ray already down
-            pass
+            self._store.flush()
+            if self._store.app_going_away():
+                self._store.delete()
+        except Exception as exc:  # noqa: BLE001 - Ray already down
+            logger.warning("rank table not settled at stop: %s", exc)
+        self._store.close()
 
     # ---- ranks and registry ------------------------------------------------------------------
     async def assign_rank(self, replica_id: str) -> int:
@@ -155,32 +165,50 @@ class Coordinator:
         port refuses connections (it died meanwhile: waiting STALE_AFTER_S for it kept
         its replacement out for half a minute).
         """
+        async with self._assigning:  # one at a time: each rank is handed out once
+            rank = await self._pick_rank(replica_id)
+            if self.owner.get(rank) == replica_id:
+                return rank  # asked again (a retried start)
+            self.owner[rank] = replica_id
+            self._assigned_at[rank] = time.monotonic()
+            self.addresses.pop(rank, None)
+            if self.registry.pop(rank, None) is not None:
+                self.version += 1
+            written = self._save()
+        try:  # on record before the engine uses it, unless the GCS is slow
+            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(written)),
+                                   STORE_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - it lands later, in order
+            logger.warning("rank %d: the rank table not yet saved: %s", rank, exc)
+        logger.info("rank %d assigned to replica %s", rank, replica_id)
+        return rank
+
+    async def _pick_rank(self, replica_id: str) -> int:
+        """assign_rank's choice; the taken ranks' engines are probed concurrently."""
         for rank, owner in self.owner.items():
             if owner == replica_id:
                 return rank
         free = [r for r in range(self.max_ranks) if r not in self.owner]
+        if free:
+            return min(free)
+        now = time.monotonic()
+
+        async def gone(r: int) -> bool:
+            entry = self.registry.get(r)
+            # an unregistered owner counts as seen when it was handed the rank (or the
+            # table restored): it may still be loading its model
+            seen = entry["seen"] if entry else max(self._restored_at,
+                                                   self._assigned_at.get(r, -STALE_AFTER_S))
+            if now - seen > STALE_AFTER_S:
+                return True
+            if entry is not None:
+                return not await _answers(entry["address"], entry.get("keys"))
+            return r in self.addresses and not await _accepts(self.addresses[r])
+        ranks = range(self.max_ranks)
+        free = [r for r, out in zip(ranks, await asyncio.gather(*map(gone, ranks))) if out]
         if not free:
-            now = time.monotonic()
-            for r in range(self.max_ranks):
-                entry = self.registry.get(r)
-                seen = entry["seen"] if entry else self._restored_at
-                silent = now - seen > STALE_AFTER_S
-                if silent or (entry and not await _answers(entry["address"],
-                                                             entry.get("keys"))):
-                    free.append(r)
-                elif entry is None and r in self.addresses and \
-                        not await _accepts(self.addresses[r]):
-                    free.append(r)
-            if not free:
-                raise RuntimeError(f"all {self.max_ranks} data-parallel ranks are taken")
-        rank = min(free)
-        self.owner[rank] = replica_id
-        self.addresses.pop(rank, None)
-        if self.registry.pop(rank, None) is not None:
-            self.version += 1
-        self._save()
-        logger.info("rank %d assigned to replica %s", rank, replica_id)
-        return rank
+            raise RuntimeError(f"all {self.max_ranks} data-parallel ranks are taken")
+        return min(free)
 
     def register(self, rank: int, replica_id: str, address: str, ready: dict,
                  keys: dict | None = None) -> None:
@@ -192,6 +220,7 @@ class Coordinator:
         self.owner[rank] = replica_id
         self.registry[rank] = {"address": address, "ready": ready, "seen": time.monotonic(),
                                "keys": keys}
+        self._assigned_at.pop(rank, None)
         self.addresses[rank] = address
         self.version += 1
         self._save()
@@ -210,6 +239,7 @@ class Coordinator:
         so the ingress replicas stop sending it requests while it drains."""
         if self.owner.get(rank) == replica_id:
             del self.owner[rank]
+            self._assigned_at.pop(rank, None)
             self.addresses.pop(rank, None)
             if self.registry.pop(rank, None) is not None:
                 self.version += 1
