@@ -6,7 +6,8 @@ import asyncio
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from deployments.serve.metrics_sum import MetricsSum, at_least
+from deployments.serve import metrics_sum
+from deployments.serve.metrics_sum import MetricsSum, ReplicaSweep, at_least
 from deployments.apis.server import ClientControl, IngressOptions, build_api_app
 from tests.test_openai_app import MODEL
 
@@ -36,6 +37,166 @@ def test_the_sum_covers_every_replica_ever_heard_and_never_falls():
 def test_a_replica_without_an_answer_serves_its_last_sum_raised_to_its_own():
     assert _total(at_least(_counter(10), _counter(4))) == 10  # the last sum holds
     assert _total(at_least(_counter(10), _counter(12))) == 12  # it counted more since
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _histogram(count: float, total: float) -> list:
+    return [["vllm:e2e_request_latency_seconds", "Latency", "histogram",
+             [["vllm:e2e_request_latency_seconds_bucket", {"le": "+Inf"}, count],
+              ["vllm:e2e_request_latency_seconds_count", {}, count],
+              ["vllm:e2e_request_latency_seconds_sum", {}, total]]]]
+
+
+def _values(snapshot) -> dict:
+    return {(name, tuple(sorted(labels.items()))): v
+            for *_, samples in snapshot for name, labels, v in samples}
+
+
+def _reports_every_5s(hub, clock, replicas, rounds, value_of, totals):
+    for _ in range(rounds):
+        clock.now += 5.0
+        for r in replicas:
+            totals.append(_values(hub.report(r, value_of(r))))
+
+
+def test_a_gone_replica_is_forgotten_and_its_counts_stay_in_the_sum():
+    clock = Clock()
+    hub = MetricsSum(clock)
+    sent = {"a": 0, "b": 0}
+
+    def both(r):  # each replica counts 1 more request each round
+        sent[r] += 1
+        return _counter(sent[r]) + _histogram(sent[r], 0.5 * sent[r])
+    totals = []
+    _reports_every_5s(hub, clock, ["a", "b"], 3, both, totals)
+    assert hub.silent() == []
+    _reports_every_5s(hub, clock, ["a"], 13, both, totals)  # b stopped reporting
+    assert hub.silent() == ["b"]  # 65 s of a's reports without one from b
+    hub.retire(hub.silent())
+    assert hub.replicas == ["a"]
+    _reports_every_5s(hub, clock, ["a"], 2, both, totals)
+    for before, after in zip(totals, totals[1:]):  # never backwards, histograms included
+        assert all(after[k] >= v for k, v in before.items()), (before, after)
+    last = totals[-1]
+    assert last[("vllm:request_success_total", (("finished_reason", "length"),))] == 18 + 3
+    assert last[("vllm:e2e_request_latency_seconds_count", ())] == 21
+    assert last[("vllm:e2e_request_latency_seconds_sum", ())] == 10.5
+    # a late report from b (Ray does not order calls) is not counted on top of its fold
+    assert _values(hub.report("b", both("b")))[
+        ("vllm:request_success_total", (("finished_reason", "length"),))] == 21
+    assert hub.replicas == ["a"]
+
+
+def test_memory_stays_bounded_while_replicas_come_and_go(monkeypatch):
+    monkeypatch.setattr(metrics_sum, "RETIRED_IDS_KEPT", 100)
+    clock = Clock()
+    hub = MetricsSum(clock)
+    for i in range(2000):  # a replica starts, counts, reports, is replaced
+        clock.now += 5.0
+        hub.report("steady", _counter(i))
+        hub.report(f"r{i}", _counter(1))
+        hub.retire(hub.silent())
+    assert len(hub.replicas) <= 14  # the steady one and the ones not yet silent 60 s
+    assert len(hub._retired_ids) <= 100 and len(hub._retired_order) <= 100
+    assert _total(hub.total()) == 1999 + 2000  # every request still counted once
+
+
+def test_a_replica_that_paused_briefly_is_not_counted_twice():
+    clock = Clock()
+    hub = MetricsSum(clock)
+    hub.report("a", _counter(5))
+    hub.report("b", _counter(1))
+    for _ in range(10):  # a silent for 50 s while b reports
+        clock.now += 5.0
+        hub.report("b", _counter(1))
+    assert hub.silent() == []
+    assert _total(hub.report("a", _counter(7))) == 7 + 1  # a's 7 replaces its 5
+
+
+def test_a_stalled_coordinator_takes_nobody_for_gone():
+    clock = Clock()
+    hub = MetricsSum(clock)
+    hub.report("a", _counter(1))
+    hub.report("b", _counter(1))
+    clock.now += 600.0  # the coordinator was stopped (SIGSTOP) for 10 minutes
+    hub.report("a", _counter(2))
+    assert hub.silent() == []  # b reports next, as soon as its call goes through
+
+
+def test_the_sweep_retires_only_what_serve_no_longer_runs():
+    clock = Clock()
+    hub = MetricsSum(clock)
+    for r in ("a", "paused", "gone"):
+        hub.report(r, _counter(1))
+    for _ in range(13):
+        clock.now += 5.0
+        hub.report("a", _counter(1))
+    assert sorted(hub.silent()) == ["gone", "paused"]
+    asyncio.run(ReplicaSweep(hub, lambda: {"a", "paused"}, clock).sweep())
+    assert sorted(hub.replicas) == ["a", "paused"]  # Serve still runs `paused`
+    assert _total(hub.total()) == 3
+
+
+def test_without_an_answer_from_serve_silent_replicas_are_kept_for_a_while(monkeypatch):
+    monkeypatch.setattr(metrics_sum, "SERVE_QUERY_TIMEOUT_S", 0.2)
+    clock = Clock()
+    hub = MetricsSum(clock)
+    hub.report("a", _counter(1))
+    hub.report("b", _counter(1))
+    for _ in range(13):
+        clock.now += 5.0
+        hub.report("a", _counter(1))
+
+    def failing():
+        raise RuntimeError("no Serve controller")
+
+    def hanging():
+        import time
+        time.sleep(1.0)
+        return set()
+
+    async def main():
+        for running in (failing, hanging):
+            sweep = ReplicaSweep(hub, running, clock)
+            await sweep.sweep()  # answers within the timeout, keeps b
+            assert sorted(hub.replicas) == ["a", "b"]
+        for _ in range(720):  # silent for an hour: forgotten without Serve's word
+            clock.now += 5.0
+            hub.report("a", _counter(1))
+        await ReplicaSweep(hub, failing, clock).sweep()
+        assert hub.replicas == ["a"]
+        assert _total(hub.total()) == 2
+    asyncio.run(main())
+
+
+def test_the_coordinator_sweeps_after_a_report(monkeypatch):
+    clock = Clock()
+    hub = MetricsSum(clock)
+    asked = []
+
+    def running():
+        asked.append(1)
+        return {"a"}
+
+    async def main():
+        sweep = ReplicaSweep(hub, running, clock)
+        hub.report("a", _counter(1))
+        hub.report("b", _counter(1))
+        sweep.poke()  # nobody silent: Serve is not asked
+        for _ in range(13):
+            clock.now += 5.0
+            hub.report("a", _counter(1))
+            sweep.poke()
+        await sweep._task
+        assert asked == [1] and hub.replicas == ["a"]
+    asyncio.run(main())
 
 
 class SharedControl(ClientControl):

@@ -14,7 +14,7 @@
   Serve restarts hands out no rank twice and lists whichever engines re-register. Its
   writes run off this replica's event loop; it is deleted only with the application.
 - Sums the ingress replicas' request metrics, so that /metrics never goes backwards
-  whichever replica a scrape reaches.
+  whichever replica a scrape reaches; forgets the replicas Serve no longer runs.
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from ray import serve
 
 from deployments.apis.responses.store import ResponseStore
 from deployments.config import AppArgs
-from deployments.serve.metrics_sum import MetricsSum
+from deployments.serve.metrics_sum import MetricsSum, ReplicaSweep, serve_running_replicas
 from deployments.serve.rank_store import STORE_TIMEOUT_S, RankStore, RankTable, StoreWriter
 from engine.errors import NoEnginesError
 from engine.wire.core_client import EngineClient
@@ -111,6 +111,8 @@ class Coordinator:
         self._assigning = asyncio.Lock()
         self._assigned_at: dict[int, float] = {}  # rank -> when handed out (unregistered)
         self._metrics = MetricsSum()
+        # forgets the ingress replicas Serve no longer runs (their counts stay summed)
+        self._metrics_sweep = ReplicaSweep(self._metrics, serve_running_replicas)
         # stored Responses, one store for every ingress replica (its module says why)
         self._responses = ResponseStore(self.args.response_store_max,
                                         self.args.response_store_ttl_s,
@@ -307,7 +309,9 @@ class Coordinator:
     async def report_metrics(self, replica_id: str, snapshot: list) -> list:
         """An ingress replica's request metrics in; the sum over all replicas out
         (deployments/serve/metrics_sum.py)."""
-        return self._metrics.report(replica_id, snapshot)
+        total = self._metrics.report(replica_id, snapshot)
+        self._metrics_sweep.poke()
+        return total
 
     async def put_response(self, response_id: str, record: dict) -> bool:
         return self._responses.put(response_id, record)

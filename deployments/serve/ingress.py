@@ -57,7 +57,9 @@ class CoordinatorControl:
     def __init__(self, coordinator, view: CoordinatorView | None = None) -> None:
         self.coordinator = coordinator
         self.view = view or CoordinatorView()
-        self.replica_id = uuid.uuid4().hex  # names this replica's share of the metrics
+        # names this replica's share of the metrics: Serve's id for it, so that the
+        # coordinator can ask Serve whether it still runs (deployments/serve/metrics_sum.py)
+        self.replica_id = _replica_name() or uuid.uuid4().hex
 
     async def _ask(self, method: str, *args, timeout_s: float | None = None):
         """One call, bounded (CONTROL_TIMEOUT_S unless told), its outcome in the view."""
