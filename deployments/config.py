@@ -75,9 +75,10 @@ class AppArgs(BaseModel):
         "STRICT_PACK", description="placement-group strategy of each engine's TP ranks",
         json_schema_extra={"enum": list(PLACEMENT_STRATEGIES)})
     engine_step_timeout_s: float = Field(
-        300.0, gt=0, description="an engine whose step has run this long fails its health "
-        "check and Serve replaces it (a hung device or collective: its io thread still "
-        "answers, so it looked alive)")
+        300.0, gt=0, description="an engine whose core loop has completed nothing (a "
+        "step, a utility call such as wake_up or add_lora, an input) for this long fails "
+        "its health check and Serve replaces it (a hung device, collective or load: its "
+        "io thread still answers, so it looked alive)")
     ingress_num_cpus: float = Field(0.5, ge=0, description="Ray CPUs per ingress replica")
     ingress_autoscaling: IngressAutoscaling = Field(
         default_factory=IngressAutoscaling,

@@ -2,9 +2,10 @@
 
 The replica asks the coordinator for its rank, builds the engine core (the real
 EngineCore, or the mock for model=mock), serves it over ZMQ on its node's address,
-and registers the address. Serve's health check reflects the engine loop (a dead tensor-parallel worker makes
-it fail, so Serve restarts the replica); on shutdown the replica drains, releases
-its rank and stops the server (and its TP workers).
+and registers the address. Serve's health check reflects the engine loop (a dead
+tensor-parallel worker, or a core loop that completed nothing for
+engine_step_timeout_s, makes it fail, so Serve restarts the replica); on shutdown the
+replica drains, releases its rank and stops the server (and its TP workers).
 """
 from __future__ import annotations
 
@@ -135,10 +136,15 @@ class EngineServer:
             return
         if not self.server.alive():
             raise RuntimeError(f"engine rank {self.rank}: engine loop stopped")
-        stuck = self.server.step_watch.running_for()
+        # a step, a utility call (sleep, wake_up, add_lora) or an input still running:
+        # the same bound for each, as each legitimately takes long (a big prefill, a
+        # wake_up reloading weights) and none has done anything in 300 s when it hangs
+        stuck = self.server.loop_watch.busy_for()
         if stuck > self.args.engine_step_timeout_s:
-            raise RuntimeError(f"engine rank {self.rank}: its step has run for {stuck:.0f}s "
-                               f"(engine_step_timeout_s {self.args.engine_step_timeout_s:g})")
+            raise RuntimeError(
+                f"engine rank {self.rank}: its core loop has completed nothing (a step, a "
+                f"call, an input) for {stuck:.0f}s (engine_step_timeout_s "
+                f"{self.args.engine_step_timeout_s:g})")
         try:
             known = await ask(self.coordinator.heartbeat.remote(self.rank, self.replica_id),
                               "heartbeat", COORDINATOR_CALL_TIMEOUT_S)

@@ -29,13 +29,15 @@ def _merge(msgs: list[EngineCoreOutputs]) -> EngineCoreOutputs:
     Outputs stay in order (a request's outputs fold in order on the client); the
     latest stats win; the timestamp is the first one set (when the earliest of these
     outputs was made: a first token's time is not pushed later); the run's KV events
-    (coalesce lets at most one message of a run carry some) ride along."""
+    (coalesce lets at most one message of a run carry some) ride along; the loop's
+    age is the last one's (an io thread refusal carries it)."""
     return EngineCoreOutputs(
         msgs[0].engine_index, [out for m in msgs for out in m.outputs],
         timestamp=next((m.timestamp for m in msgs if m.timestamp), 0.0),
         scheduler_stats=next((m.scheduler_stats for m in reversed(msgs)
                               if m.scheduler_stats is not None), None),
-        kv_events=next((m.kv_events for m in msgs if m.kv_events is not None), None))
+        kv_events=next((m.kv_events for m in msgs if m.kv_events is not None), None),
+        step_running_s=msgs[-1].step_running_s)
 
 
 def coalesce(items: list[Item]) -> list[Item]:

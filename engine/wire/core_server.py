@@ -9,7 +9,9 @@ Threads, so that socket work never runs on the model thread:
   when it gets to them go out as one message (engine/wire/coalesce.py).
 - core loop (the caller's thread, or one started by start()): drains the input
   queue, steps the core, routes each output to the client that sent the request.
-  When idle it blocks on the input queue: no busy loop.
+  When idle it blocks on the input queue: no busy loop. It restarts its LoopWatch at
+  each unit of work it completes (engine/wire/loop_watch.py); heartbeats carry the
+  watch's reading, so a loop stuck anywhere, in a step or not, shows.
 
 KV events (the core's prefix-cache changes, engine/core/kv_events.py) go to every
 connected client at most every kv_events_interval_s, riding on that step's outputs
@@ -55,7 +57,7 @@ from engine.wire.protocol import (
     UtilityOutput,
     UtilityRequest,
 )
-from engine.wire.step_watch import StepWatch
+from engine.wire.loop_watch import LoopWatch
 
 logger = logging.getLogger(__name__)
 MAX_QUEUED_ADDS = 4096  # for a core without config.max_waiting_requests
@@ -124,7 +126,7 @@ class EngineCoreServer:
         self._ctx = zmq.Context()
         self._curve = CurveServer(self._ctx, keys) if keys is not None else None
         self._inputs: queue.Queue = queue.Queue()
-        self.step_watch = StepWatch()  # a step that never ends is not liveness
+        self.loop_watch = LoopWatch()  # a loop that completes nothing is not liveness
         # ADDs the io thread queued and the core loop took: a step that runs long (a big
         # prefill, a stalled device) would otherwise let a flood of requests pile up here
         # unbounded, ahead of the waiting queue's own bound. Each counter has one writer.
@@ -282,7 +284,7 @@ class EngineCoreServer:
 
     def _send_heartbeats(self, router: zmq.Socket, encoder: msgspec.msgpack.Encoder,
                          sent_at: dict[bytes, float]) -> None:
-        """A heartbeat (stats, step age) to each client sent nothing for an interval
+        """A heartbeat (stats, the loop's time on its current work) to each client sent nothing for an interval
         (io thread); `sent_at` keeps only the current clients."""
         now = time.monotonic()
         clients = list(self._clients)
@@ -292,7 +294,7 @@ class EngineCoreServer:
         if due:
             beat = encoder.encode(EngineCoreOutputs(
                 self.engine_index, timestamp=time.time(), scheduler_stats=self._safe_stats(),
-                step_running_s=self.step_watch.running_for()))
+                step_running_s=self.loop_watch.busy_for()))
             for identity in due:
                 router.send_multipart([identity, OUTPUTS, beat])
                 sent_at[identity] = now
@@ -333,7 +335,9 @@ class EngineCoreServer:
                     self._send(identity, EngineCoreOutputs(self.engine_index, [EngineCoreOutput(
                         msg.request_id, [], FINISH_ERROR, error="EngineOverloadedError: "
                         f"{self.max_queued_adds} requests are queued for engine "
-                        f"{self.engine_index} behind a step still running; retry shortly")]))
+                        f"{self.engine_index} behind a step still running; retry shortly")],
+                        # sent from this thread: 0 would tell the client a stuck loop moved
+                        step_running_s=self.loop_watch.busy_for()))
                     return
                 self._adds_in += 1
             elif kind == ABORT:
@@ -399,21 +403,41 @@ class EngineCoreServer:
 
     # ---- core loop ----------------------------------------------------------------------
     def _core_loop(self) -> None:
-        core = self.core
+        try:
+            self._loop()
+        finally:  # a stopped loop is not a stuck one (alive() says it stopped)
+            self.loop_watch.waiting()
+
+    def _loop(self) -> None:
+        """Each input handled and each step is a unit of work: the watch restarts after
+        it. Only the wait for input stops the watch; everything else the loop does
+        (its bookkeeping, the stats and KV events it gathers) counts toward the next
+        unit, so a hang there shows as well."""
+        core, watch = self.core, self.loop_watch
+        watch.progressed()
         while not self._stopped.is_set():
             busy = core.has_unfinished_requests()
             delay = _next_delay(core) if busy else None
             if self._kv_dirty:  # wake up when the pending KV events are due
                 due = max(0.0, self._kv_sent_at + self.kv_events_interval_s - time.monotonic())
                 delay = due if delay is None else min(delay, due)
-            try:
-                item = self._inputs.get(timeout=delay) if delay != 0 else self._inputs.get_nowait()
-            except queue.Empty:
-                item = None
+            if delay == 0:
+                try:
+                    item = self._inputs.get_nowait()
+                except queue.Empty:
+                    item = None
+            else:
+                watch.waiting()
+                try:
+                    item = self._inputs.get(timeout=delay)
+                except queue.Empty:
+                    item = None
+                watch.progressed()
             while item is not None:
                 if item is _STOP:
                     return
                 self._handle(*item)
+                watch.progressed()
                 self._kv_dirty = True
                 try:
                     item = self._inputs.get_nowait()
@@ -422,7 +446,6 @@ class EngineCoreServer:
             if not (core.has_unfinished_requests() and self._dead_error is None):
                 self._route([], self._due_kv_events())
             else:
-                self.step_watch.started()
                 try:
                     outputs = core.step()
                 except EngineDeadError as exc:  # e.g. a tensor-parallel worker died
@@ -435,7 +458,7 @@ class EngineCoreServer:
                     logger.exception("engine %d: step failed; failing its requests",
                                      self.engine_index)
                     outputs = self._fail_all("engine step failed")
-                self.step_watch.finished()
+                watch.progressed()
                 self._kv_dirty = True
                 self._route(outputs, self._due_kv_events())
 
@@ -458,12 +481,8 @@ class EngineCoreServer:
             self._owner_of[msg.request_id] = identity
         elif kind == ABORT:
             self.core.abort_requests(msg)
-        elif kind == UTILITY:  # timed as a step: a wake_up or add_lora that never returns
-            self.step_watch.started()
-            try:
-                result = self._call_utility(msg)
-            finally:
-                self.step_watch.finished()
+        elif kind == UTILITY:  # a wake_up or add_lora that never returns shows on the watch
+            result = self._call_utility(msg)
             self._send(identity, EngineCoreOutputs(
                 self.engine_index, utility_output=result,
                 timestamp=time.time(), scheduler_stats=self._safe_stats()))

@@ -204,7 +204,11 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
     scheduler_stats: SchedulerStats | None = None
     wave_complete: int | None = None  # set when the engine went idle ending this wave
     kv_events: KVEvents | None = None  # prefix-cache changes, batched (core_server)
-    # heartbeats only: seconds the engine's current step (or utility call) has run, 0
-    # between steps; the io thread beats whatever the core loop does, so this is how a
-    # client tells a wedged engine from a live one (core_client routes around it)
+    # heartbeats (and refusals sent by the io thread): seconds the engine's core loop
+    # has completed nothing, no step, utility call or input (engine/wire/loop_watch.py),
+    # 0 while it waits for input and on what the loop itself sends. The io thread beats
+    # whatever the loop does, so this is how a client tells a wedged engine from a live
+    # one (core_client routes around it). It timed steps and utility calls only before
+    # issue 62, in this same last slot: a peer of either kind reads the other's, so the
+    # wider meaning needed no PROTOCOL_VERSION bump (the name stays for that reason).
     step_running_s: float = 0.0
