@@ -37,6 +37,24 @@ class ParamError(InvalidRequestError):
         self.param = param
 
 
+# the request fields a structured-outputs constraint comes from, in each API
+CONSTRAINT_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex",
+                     "guided_choice", "guided_grammar")
+
+
+def constraint_param(body: Any) -> str:
+    """The field of `body` that asked for its structured-outputs constraint (for an
+    error about the constraint): one of CONSTRAINT_FIELDS, the Responses API's
+    text.format, else tool_choice (a forced tool call's constraint)."""
+    for name in CONSTRAINT_FIELDS:
+        if getattr(body, name, None) is not None:
+            return name
+    fmt = getattr(getattr(body, "text", None), "format", None)
+    if fmt is not None and getattr(fmt, "type", "text") != "text":
+        return "text.format"
+    return "tool_choice"
+
+
 def first_unsupported(body: Any, table: dict[str, Any]) -> ParamError | None:
     """The first field of `body` set to something Flotilla does not implement: table
     maps each such field to the value (or tuple of values) that is accepted, its "off"."""
@@ -86,8 +104,8 @@ def map_error(exc: BaseException) -> HTTPError:
 def _mapped(exc: BaseException) -> HTTPError:
     if isinstance(exc, ParamError):
         return HTTPError(400, str(exc), "BadRequestError", exc.param)
-    if isinstance(exc, (InvalidRequestError, ValueError)):
-        return HTTPError(400, str(exc), "BadRequestError")
+    if isinstance(exc, (InvalidRequestError, ValueError)):  # some name their field
+        return HTTPError(400, str(exc), "BadRequestError", getattr(exc, "param", None))
     if isinstance(exc, EngineOverloadedError):
         return HTTPError(429, str(exc), "RateLimitError",
                          headers={"retry-after": str(RETRY_AFTER_S)})

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextvars
 import functools
 from typing import Any, Callable, TypeVar
 
@@ -40,11 +41,13 @@ class PrepOffload:
                                                            thread_name_prefix="prepare")
 
     async def run(self, heavy: bool, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """fn(*args, **kwargs), on a thread when heavy, else inline."""
+        """fn(*args, **kwargs), on a thread when heavy, else inline. The thread runs it in
+        a copy of the caller's context variables, as asyncio.to_thread does (the
+        request's grammar-check deadline: engine/structured/check_limit.py)."""
         if not heavy:
             return fn(*args, **kwargs)
         return await asyncio.get_running_loop().run_in_executor(
-            self._pool, functools.partial(fn, *args, **kwargs))
+            self._pool, contextvars.copy_context().run, functools.partial(fn, *args, **kwargs))
 
     def shutdown(self) -> None:
         """Work already handed over finishes (its caller sees the client closed)."""

@@ -9,6 +9,7 @@ costs ~3.7 s (it loads triton), which no unconstrained server should pay.
 from __future__ import annotations
 
 import atexit
+import functools
 import hashlib
 import json
 import re
@@ -17,6 +18,7 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 from engine.errors import InvalidRequestError
+from engine.structured.check_limit import run_check
 from engine.structured.params import StructuredOutputsParams
 
 if TYPE_CHECKING:  # torch too: the ingress checks grammars without loading it
@@ -70,13 +72,20 @@ _checked_lock = threading.Lock()
 
 def check_structured_outputs(spec: StructuredOutputsParams) -> None:
     """Raise InvalidRequestError unless spec compiles (the frontend's check, so a bad
-    schema is answered before it reaches a scheduler). A spec that built before is not
-    rebuilt; only its digest is kept, so large schemas do not pile up in memory."""
+    schema is answered before it reaches a scheduler), within a time limit inside the
+    request's deadline (engine/structured/check_limit.py). A spec that built before is
+    not rebuilt; only its digest is kept, so large schemas do not pile up in memory."""
     digest = hashlib.sha256(spec.cache_key()).digest()
     with _checked_lock:
         if digest in _checked:
             _checked.move_to_end(digest)
             return
+    run_check(digest, functools.partial(_build_and_mark, spec, digest))
+
+
+def _build_and_mark(spec: StructuredOutputsParams, digest: bytes) -> None:
+    """On the check's thread: a build that ends after its request gave up still marks
+    the spec checked."""
     build_grammar(spec)
     with _checked_lock:
         _checked[digest] = None
