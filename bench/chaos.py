@@ -5,14 +5,18 @@ request hung, nothing leaked, and the membership healed after every fault.
     python bench/chaos.py                        # mock engines, 10 minutes at c=128
     python bench/chaos.py --model default        # the default model (SmolLM2-135M)
     python bench/chaos.py --duration 60 ...      # shorter (the suite: tests/e2e/test_soak.py)
+    python bench/chaos.py --faults stop_coordinator --baseline 10 --duration 90   # one fault
 
 Load: `concurrency` clients, one request after another: streamed and plain
 completions and chat, n = 2 or 3, clients that disconnect mid-stream and, on a
 real model, JSON-schema structured outputs. Every request carries `timeout` (its deadline).
 After a fault-free spell (the goodput baseline), a fault every 20-40 s, at random:
 kill -9 of an ingress replica, an engine replica or the coordinator; SIGSTOP of an
-engine or an ingress replica for 3-15 s, then SIGCONT; or hostile requests (a fan-out
-past max_sequences_per_request, 5,000 stop strings, a grammar that compiles for long).
+engine or an ingress replica for 3-15 s, then SIGCONT; SIGSTOP of the coordinator for
+COORDINATOR_STOP_S, probing meanwhile that completions, /v1/models and an unknown model
+are still answered (it is off the request path: the ingress serves from what it last
+heard); or hostile requests (a fan-out past max_sequences_per_request, 5,000 stop
+strings, a grammar that compiles for long).
 After each fault it probes every engine through the front door (vLLM's
 x-data-parallel-rank header) until each answers three times in a row: the membership is
 whole again. Outcomes: ok; a clear error (an HTTP error with an OpenAI error body, or an
@@ -20,7 +24,8 @@ SSE error event); proxy (a 5xx without one, from the HTTP proxy in front when th
 replica under the request died); cut (the connection dropped: its ingress replica was
 killed); unclear (any other answer: a defect); hung (no answer `HANG_SLACK_S` past its
 deadline). Checks: 0 hung, every fault healed within
-HEAL_LIMIT_S, every engine back to 0 running, 0 waiting and 0 KV in use after the run.
+HEAL_LIMIT_S, every engine back to 0 running, 0 waiting and 0 KV in use after the run,
+every probe answered while the coordinator was stopped.
 """
 from __future__ import annotations
 
@@ -48,11 +53,15 @@ from bench.soak import descendants, mock_server, request_body  # noqa: E402
 APP = "flotilla"
 ROLES = {"ingress": "OpenAIIngress", "engine": "EngineServer", "coordinator": "Coordinator"}
 FAULTS = ("kill_ingress", "kill_engine", "kill_coordinator", "stop_engine", "stop_ingress",
-          "hostile")
+          "stop_coordinator", "hostile")
 DATA_PARALLEL = 2
 HANG_SLACK_S = 20.0  # past its deadline plus the longest SIGSTOP, a request is hung
 HEAL_LIMIT_S = 30.0
 PROBES_IN_A_ROW = 3
+# the coordinator's SIGSTOP: past every routine call's bound (coordinator_calls.py, 10 s),
+# so the engines' heartbeats and the ingress's polls time out while requests go on
+COORDINATOR_STOP_S = 20.0
+MEANWHILE_ANSWER_S = 5.0  # each probe while it is stopped: answered within this, or failed
 MUST_REFUSE = 2  # of hostile_bodies(): the first ones, which no server may serve
 
 
@@ -192,6 +201,7 @@ class Fault:
     healed_s: float | None = None  # from its end (the kill, the SIGCONT) to a whole membership
     duration_s: float = 0.0  # from its start to healed
     probe_failures: Counter = field(default_factory=Counter)  # why, until healed
+    meanwhile: Counter = field(default_factory=Counter)  # coordinator stopped: answered, why not
 
 
 def hostile_bodies(model: str) -> list[tuple[str, dict]]:
@@ -248,9 +258,49 @@ async def wait_whole(base_url: str, model: str, probe_timeout: float,
     return None, why
 
 
+async def answered_meanwhile(base_url: str, model: str, seconds: float,
+                             meanwhile: Counter) -> None:
+    """For `seconds`, a round a second of what must not wait on the coordinator: a
+    completion (200), GET /v1/models (200), a model nobody serves (404), each within
+    MEANWHILE_ANSWER_S; counts "answered" and each failure."""
+    probes = [("POST", "/v1/completions", {"model": model, "prompt": "meanwhile",
+                                           "max_tokens": 1, "timeout": MEANWHILE_ANSWER_S}, 200),
+              ("GET", "/v1/models", None, 200),
+              ("POST", "/v1/completions", {"model": "nobody-serves-this", "prompt": "x",
+                                           "max_tokens": 1}, 404)]
+    end = time.monotonic() + seconds
+    bound = aiohttp.ClientTimeout(total=MEANWHILE_ANSWER_S)
+    async with aiohttp.ClientSession(timeout=bound) as http:
+        while time.monotonic() < end:
+            started = time.monotonic()
+            for method, path, body, want in probes:
+                try:
+                    async with http.request(method, base_url + path, json=body) as r:
+                        await r.read()
+                        meanwhile["answered" if r.status == want else
+                                  f"{method} {path}: HTTP {r.status}"] += 1
+                except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as exc:
+                    meanwhile[f"{method} {path}: {type(exc).__name__}"] += 1
+            await asyncio.sleep(max(0.0, min(1.0 - (time.monotonic() - started),
+                                             end - time.monotonic())))
+
+
 async def inject(kind: str, root: int, base_url: str, model: str, rng: random.Random,
-                 hostile: Tally, stop_s: tuple[float, float] = (3.0, 15.0)) -> str:
-    """Apply one fault; returns what was done (the fault is over when this returns)."""
+                 hostile: Tally, stop_s: tuple[float, float] = (3.0, 15.0),
+                 meanwhile: Counter | None = None) -> str:
+    """Apply one fault; returns what was done (the fault is over when this returns).
+    meanwhile: where a coordinator's SIGSTOP counts the probes answered during it."""
+    if kind == "stop_coordinator":
+        pids = replica_pids(root, "coordinator")
+        if not pids:
+            return "no such replica running"
+        os.kill(pids[0], signal.SIGSTOP)
+        try:
+            await answered_meanwhile(base_url, model, COORDINATOR_STOP_S,
+                                     Counter() if meanwhile is None else meanwhile)
+        finally:
+            os.kill(pids[0], signal.SIGCONT)
+        return f"SIGSTOP {pids[0]} for {COORDINATOR_STOP_S:.1f}s"
     if kind.startswith("kill_") or kind.startswith("stop_"):
         pids = replica_pids(root, kind.split("_", 1)[1])
         if not pids:
@@ -310,6 +360,11 @@ class Report:
             bad.append(f"membership not whole within {HEAL_LIMIT_S:g}s: {unhealed}")
         if self.end_load != {"running": 0.0, "waiting": 0.0, "kv_usage": 0.0}:
             bad.append(f"engines not idle after the run: {self.end_load}")
+        unanswered = [f"at {f.at:.0f}s: {dict(f.meanwhile)}" for f in self.faults
+                      if f.kind == "stop_coordinator" and not f.detail.startswith("no such")
+                      and (not f.meanwhile["answered"] or len(f.meanwhile) > 1)]
+        if unanswered:
+            bad.append(f"not answered while the coordinator was stopped: {unanswered}")
         if self.hostile.outcomes["served"]:
             bad.append(f"hostile requests served: {self.hostile.examples.get('served')}")
         return bad
@@ -332,6 +387,9 @@ class Report:
             print(f"  {f.at:6.0f}s {f.kind:<17} {healed}  ({f.detail})")
             for why, n in f.probe_failures.most_common(3):
                 print(f"          probes failing: {n} x {why}")
+            if f.meanwhile:
+                print("          meanwhile: " + ", ".join(
+                    f"{why} {n}" for why, n in f.meanwhile.most_common()))
         windows = [(f.at, f.at + f.duration_s) for f in self.faults
                    if f.kind != "hostile"]
         print(f"  goodput: fault-free {self.goodput([(0, self.baseline_s)]):.0f} tok/s; "
@@ -391,7 +449,8 @@ async def _chaos(root: int, base_url: str, model: str, duration: float, concurre
     while time.monotonic() - t0 < duration - 5 and (plan is None or plan):
         kind = plan.pop(0) if plan is not None else rng.choice(FAULTS)
         fault = Fault(kind, time.monotonic() - t0)
-        fault.detail = await inject(kind, root, base_url, model, rng, hostile, stop_s)
+        fault.detail = await inject(kind, root, base_url, model, rng, hostile, stop_s,
+                                    fault.meanwhile)
         ended = time.monotonic()
         fault.healed_s, fault.probe_failures = await wait_whole(base_url, model,
                                                                 probe_timeout)
@@ -429,13 +488,19 @@ def main() -> int:
                         help="fault-free seconds first (the goodput baseline)")
     parser.add_argument("--port", type=int, default=8012)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--faults", type=lambda v: v.split(","), default=None,
+                        help="a fixed sequence, comma-separated, of " + ", ".join(FAULTS) +
+                        " (the load ends after the last); default: at random")
     args = parser.parse_args()
+    if args.faults and not set(args.faults) <= set(FAULTS):
+        parser.error(f"unknown faults {sorted(set(args.faults) - set(FAULTS))}")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     log_dir = Path(tempfile.mkdtemp(prefix="chaos-"))
     proc = start_server(mock_server(args.port, args.model), args.port, log_dir / "server.log")
     try:
         report = chaos_running(proc, f"http://127.0.0.1:{args.port}", args.model,
-                               args.duration, args.concurrency, args.baseline, seed=args.seed)
+                               args.duration, args.concurrency, args.baseline,
+                               faults=args.faults, seed=args.seed)
     finally:
         stop_server(proc)
     report.print()

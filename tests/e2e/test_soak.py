@@ -6,7 +6,8 @@ ingress replicas), in this order:
   request running or waiting and no KV block held once the load ends;
 - then bench/chaos.py's short version at concurrency 32: each fault the issue names
   once (kill -9 of an ingress replica, the coordinator and an engine replica, SIGSTOP
-  of an ingress and an engine, hostile requests): no request hung past its deadline,
+  of an ingress, an engine and the coordinator, hostile requests): no request hung
+  past its deadline, every probe answered while the coordinator was stopped,
   no answer but an OpenAI error body (or the proxy's 5xx for a request whose replica
   died), the membership whole within 30 s of each fault, the engines idle after.
 """
@@ -19,8 +20,8 @@ from tests.e2e.ray_head import free_ports
 
 # the ingress killed first: its orphaned streams are aborted (client_timeout_s) while
 # the rest runs; the engine last, as its replacement takes longest to rejoin
-CHAOS_FAULTS = ["kill_ingress", "hostile", "stop_engine", "stop_ingress", "kill_coordinator",
-                "kill_engine"]
+CHAOS_FAULTS = ["kill_ingress", "hostile", "stop_engine", "stop_ingress", "stop_coordinator",
+                "kill_coordinator", "kill_engine"]
 
 
 @pytest.fixture(scope="module")
@@ -63,3 +64,19 @@ def test_the_leak_check_names_new_threads_and_spares_self_sizing_pools():
     assert Report(1, 1, {}, [], 0, 0, 60, start, pool, idle, idle, 0, {}).check() == []
     assert Report(1, 1, {}, [], 0, 0, 60, start, leak, idle, idle, 0, {}).check() == [
         "threads of 7 ray::ServeController: new {'worker': 1}"]
+
+
+def test_the_chaos_check_wants_every_probe_answered_while_the_coordinator_is_stopped():
+    from collections import Counter
+
+    from bench.chaos import Fault, Report, Tally
+    idle = {"running": 0.0, "waiting": 0.0, "kv_usage": 0.0}
+
+    def report(meanwhile: Counter) -> Report:
+        fault = Fault("stop_coordinator", 10.0, "SIGSTOP 7 for 20.0s", 1.0, 25.0, Counter(),
+                      meanwhile)
+        return Report("mock", 60, 5, Tally(), Tally(), [fault], idle, 0.0)
+    assert report(Counter(answered=60)).check() == []
+    assert "not answered while the coordinator was stopped" in report(
+        Counter({"answered": 57, "GET /v1/models: TimeoutError": 3})).check()[0]
+    assert report(Counter()).check()  # nothing answered at all
