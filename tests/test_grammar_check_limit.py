@@ -45,6 +45,50 @@ def slow_builds(monkeypatch):
     release.set()
 
 
+def test_a_check_past_the_limit_is_a_400_naming_the_field(engines, slow_builds,  # noqa: F811
+                                                          monkeypatch):
+    monkeypatch.setattr(check_limit, "CHECK_TIMEOUT_S", 0.3)
+    engines.add(itl_s=0.001)
+
+    async def test(http, oai):
+        start = time.monotonic()
+        r = await http.post("/v1/chat/completions", json={
+            "model": MODEL, "messages": MSGS, "max_tokens": 2,
+            "response_format": _schema("slow_a")})
+        assert time.monotonic() - start < 3
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == "response_format" and error["type"] == "BadRequestError"
+        assert "did not build within 0.3 s" in error["message"]
+        r = await http.post("/v1/completions", json={
+            "model": MODEL, "prompt": "Hi", "max_tokens": 2,
+            "structured_outputs": {"json": _schema("slow_b")["json_schema"]["schema"]}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "structured_outputs"
+        # the app keeps serving: unconstrained, and constrained with a schema that builds
+        r = await http.post("/v1/chat/completions", json={
+            "model": MODEL, "messages": MSGS, "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        r = await http.post("/v1/chat/completions", json={
+            "model": MODEL, "messages": MSGS, "max_tokens": 2,
+            "response_format": _schema("quick")})
+        assert _checked(r), r.text
+    serve(engines, test)
+
+
+def test_the_check_ends_at_the_requests_own_timeout(engines, slow_builds):  # noqa: F811
+    engines.add(itl_s=0.001)
+
+    async def test(http, oai):
+        start = time.monotonic()
+        r = await http.post("/v1/chat/completions", json={
+            "model": MODEL, "messages": MSGS, "max_tokens": 2, "timeout": 0.4,
+            "response_format": _schema("slow_c")})
+        took = time.monotonic() - start
+        assert r.status_code == 408, r.text
+        assert took < 2.0, took  # not the 5 s the build takes, nor CHECK_TIMEOUT_S
+    serve(engines, test)
+
+
 def test_runaway_builds_are_bounded_and_a_retry_joins_the_running_one(  # noqa: F811
         engines, slow_builds, monkeypatch):
     monkeypatch.setattr(check_limit, "CHECK_TIMEOUT_S", 0.2)

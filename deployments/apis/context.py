@@ -21,13 +21,14 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from deployments.apis.common.chat_prep import ChatInput, PreparedChat, prepare_chat
-from deployments.apis.errors import HTTPError, map_error, openai_error_response
+from deployments.apis.errors import HTTPError, constraint_param, map_error, openai_error_response
 from deployments.apis.lora_admin import AdapterDirectory
 from deployments.apis.options import IngressOptions
 from deployments.serve.metrics import IngressMetrics
 from deployments.serve.metrics_sum import Snapshot
 from engine import tracing
 from engine.frontend.prep_offload import INLINE_CHARS
+from engine.structured import check_limit
 from engine.lora.request import LoRARequest
 from engine.outputs import RequestOutput
 from engine.wire.core_client import EngineClient
@@ -62,26 +63,6 @@ async def read_capped(request: Request, limit: int) -> bytes:
             raise HTTPError(413, f"request body over {limit} bytes", "RequestTooLargeError")
         chunks.append(chunk)
     return b"".join(chunks)
-
-
-class ClosingStreamingResponse(StreamingResponse):
-    """A stream that closes its body, and the engine stream behind it, however it ends:
-    when the client goes away mid-stream Starlette stops iterating and leaves the body
-    generator suspended until it is garbage-collected, and a body never started would
-    never close the engine stream its request opened. close: that engine stream's."""
-
-    def __init__(self, content, close: Callable[[], Awaitable[None]], **kwargs: Any) -> None:
-        super().__init__(content, **kwargs)
-        self._close = close
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            closing = getattr(self.body_iterator, "aclose", None)
-            if closing is not None:
-                await closing()
-            await self._close()
 
 
 def _http_span(request: Request, rid: str):
@@ -226,6 +207,8 @@ class ApiContext:
             "priority": getattr(body, "priority", 0),
             "deadline": None if timeout is None else time.monotonic() + timeout,
             "session_id": _session_id(request)}  # the same engine
+        # its grammar check ends within the deadline too (engine/structured/check_limit.py)
+        check_limit.scope(out["deadline"], lambda: constraint_param(body))
         span = getattr(request.state, "trace_span", None)
         if span is not None:
             out["trace_headers"] = tracing.headers_of(span)

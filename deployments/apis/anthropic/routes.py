@@ -23,7 +23,8 @@ from deployments.apis.anthropic.render import (
     new_message_id,
     sse_events,
 )
-from deployments.apis.context import ApiContext, ClosingStreamingResponse
+from deployments.apis.context import ApiContext
+from deployments.apis.streaming import ClosingStreamingResponse
 from deployments.apis.events import Generation
 
 

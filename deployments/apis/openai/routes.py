@@ -18,7 +18,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from deployments.apis.common.chat_prep import ChatInput
-from deployments.apis.context import ApiContext, ClosingStreamingResponse
+from deployments.apis.context import ApiContext
+from deployments.apis.streaming import ClosingStreamingResponse
 from deployments.apis.events import Generation, OutputPlan
 from deployments.apis.openai.prompt_batch import echo_prompt, merge_prompt_streams
 from deployments.apis.openai.protocol import (

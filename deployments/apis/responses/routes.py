@@ -18,7 +18,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from deployments.apis.common.chat_prep import ChatInput
-from deployments.apis.context import ApiContext, ClosingStreamingResponse
+from deployments.apis.context import ApiContext
+from deployments.apis.streaming import ClosingStreamingResponse
 from deployments.apis.errors import HTTPError, map_error
 from deployments.apis.events import Generation
 from deployments.apis.responses.protocol import ResponsesRequest, input_messages
