@@ -27,8 +27,8 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from serve import FLOTILLA, REPO, Server, start_server, stop_server  # noqa: E402
+sys.path.insert(0, str(HERE.parent))
+from bench.serve import FLOTILLA, REPO, Server, start_server, stop_server  # noqa: E402
 
 MODEL = "mock"
 ITL_S = 0.02
@@ -65,14 +65,16 @@ def running(host: str, port: int) -> tuple[float, float]:
     return total, took
 
 
-async def open_stream(host: str, port: int, index: int) -> asyncio.StreamWriter:
-    """One streamed completion, read up to its first event; returns its writer."""
-    body = json.dumps({"model": MODEL, "prompt": f"storm {index}", "max_tokens": MAX_TOKENS,
+async def open_stream(host: str, port: int, index: int, model: str = MODEL,
+                      max_tokens: int = MAX_TOKENS, prefix: str = "") -> asyncio.StreamWriter:
+    """One streamed completion, read up to its first event; returns its writer (the
+    suite's storm test opens its streams with this too: tests/e2e/test_serve_app.py)."""
+    body = json.dumps({"model": model, "prompt": f"storm {index}", "max_tokens": max_tokens,
                        "ignore_eos": True, "stream": True}).encode()
     reader, writer = await asyncio.open_connection(host, port)
-    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: "
+    writer.write(b"POST %s/v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: "
                  b"application/json\r\nContent-Length: %d\r\n\r\n%s"
-                 % (host.encode(), len(body), body))
+                 % (prefix.encode(), host.encode(), len(body), body))
     await writer.drain()
     seen = b""
     while b"data: " not in seen:

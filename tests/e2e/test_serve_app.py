@@ -12,6 +12,16 @@ from engine.wire.ports import free_port
 from tests.e2e import agent_api_checks as agent
 
 
+STORM_ITL_S = 0.02
+STORM_TOKENS = 9000  # 3 minutes a stream at STORM_ITL_S
+STORM_STREAMS = 256
+# streaming before the drop: the longer they streamed, the longer Starlette's task group
+# held them (session 43, this test on Zen 4: 15 s and more after 10 s of streaming, 2.8 s
+# with deployments/apis/streaming.py; after 3 s it cleared in time even so)
+STORM_HOLD_S = 10.0
+STORM_IDLE_S = 15.0  # far below a stream's natural end (3 minutes): only aborts get there
+
+
 @pytest.fixture(scope="module")
 def base_url():
     import ray
@@ -36,6 +46,14 @@ def base_url():
                              "mock_scripted": True, "reasoning_parser": "deepseek_r1",
                              "ingress_autoscaling": {"min_replicas": 2, "max_replicas": 2}}),
                   name="disagree", route_prefix="/disagree")
+        # slow enough that a stream left running would outlive the disconnect tests by
+        # minutes (STORM_TOKENS at 20 ms a token), one ingress replica carrying them all
+        serve.run(build_app({"model": "mock", "data_parallel_size": 2, "engine_num_cpus": 0,
+                             "ingress_num_cpus": 0, "dev_mode": True,
+                             "mock_itl_s": STORM_ITL_S, "served_model_name": "mock",
+                             "max_model_len": STORM_TOKENS + 64,
+                             "ingress_autoscaling": {"min_replicas": 1, "max_replicas": 1}}),
+                  name="storm", route_prefix="/storm")
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()
@@ -111,9 +129,9 @@ def test_engines_that_disagree_give_500_naming_both_values(base_url):
         assert ok.status_code == 200
 
 
-def _wait_idle(coordinator) -> list[dict]:
+def _wait_idle(coordinator, within_s: float = 10.0) -> list[dict]:
     import time
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
         stats = coordinator.stats.remote().result()
         if all(s["num_running_reqs"] == 0 and s["kv_cache_usage"] == 0 for s in stats):
@@ -151,12 +169,12 @@ def test_client_disconnect_aborts_at_the_engine(base_url, prompts):
     import time
 
     from ray import serve
-    coordinator = serve.get_deployment_handle("Coordinator", app_name="flotilla")
+    coordinator = serve.get_deployment_handle("Coordinator", app_name="storm")
     prompt = "tell me everything" if prompts == 1 else [f"tell me about {i}"
                                                          for i in range(prompts)]
-    with httpx.Client(base_url=base_url, timeout=60) as http:
+    with httpx.Client(base_url=f"{base_url}/storm", timeout=60) as http:
         with http.stream("POST", "/v1/completions", json={
-                "prompt": prompt, "max_tokens": 3000, "ignore_eos": True,
+                "prompt": prompt, "max_tokens": STORM_TOKENS, "ignore_eos": True,
                 "stream": True}) as r:
             lines = r.iter_lines()
             got = [next(lines) for _ in range(6)]
@@ -167,8 +185,46 @@ def test_client_disconnect_aborts_at_the_engine(base_url, prompts):
                     time.monotonic() < deadline:
                 busy = coordinator.stats.remote().result()
             assert sum(s["num_running_reqs"] for s in busy) == prompts, busy
-    stats = _wait_idle(coordinator)
+    stats = _wait_idle(coordinator, STORM_IDLE_S)
     assert all(s["num_running_reqs"] == 0 and s["kv_cache_usage"] == 0 for s in stats), stats
+
+
+def test_a_storm_of_dropped_streams_is_aborted_at_the_engines(base_url):
+    """STORM_STREAMS live streams on one ingress replica, dropped by their clients at
+    once (each socket reset), all end at the engines long before they would have
+    finished: under that load Starlette's task group deferred each body's cancellation
+    while outputs kept waking it (issue 62), and they ran to their natural end."""
+    import time
+
+    from ray import serve
+
+    from bench.disconnect_storm import open_stream
+    coordinator = serve.get_deployment_handle("Coordinator", app_name="storm")
+    host, port = base_url.removeprefix("http://").split(":")
+
+    async def open_all():
+        return await asyncio.gather(*(open_stream(host, int(port), i, "mock", STORM_TOKENS,
+                                                  "/storm") for i in range(STORM_STREAMS)))
+    loop = asyncio.new_event_loop()
+    try:
+        writers = loop.run_until_complete(open_all())
+        deadline = time.monotonic() + 30
+        running = 0
+        while running < STORM_STREAMS and time.monotonic() < deadline:
+            running = sum(s["num_running_reqs"] for s in coordinator.stats.remote().result())
+        assert running == STORM_STREAMS
+        time.sleep(STORM_HOLD_S)
+        for w in writers:
+            w.transport.abort()
+        loop.run_until_complete(asyncio.sleep(0))
+    finally:
+        loop.close()
+    stats = _wait_idle(coordinator, STORM_IDLE_S)
+    assert all(s["num_running_reqs"] == 0 and s["kv_cache_usage"] == 0 for s in stats), stats
+    with httpx.Client(base_url=f"{base_url}/storm", timeout=60) as http:
+        r = http.post("/v1/completions", json={"model": "mock", "prompt": "after",
+                                               "max_tokens": 3})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
 
 
 def test_killed_engine_replica_is_replaced_and_serving_resumes(base_url):
