@@ -34,6 +34,7 @@ MODEL = "mock"
 ITL_S = 0.02
 MAX_TOKENS = 1500
 MAX_NUM_SEQS = 1024  # per engine: 1,024 streams all run (the default 256 would queue some)
+EXTRA: list[str] = []  # more `key=value` app options for serve run (--option)
 
 
 def launch_argv(kind: str, port: int) -> list[str]:
@@ -45,7 +46,7 @@ def launch_argv(kind: str, port: int) -> list[str]:
     serve = str(Path(sys.executable).parent / "serve")
     return [serve, "run", "deployments.app:build_app", f"model={MODEL}",
             "data_parallel_size=2", f"mock_itl_s={ITL_S}",
-            f"max_num_seqs={MAX_NUM_SEQS}"]  # on Serve's own port, 8000
+            f"max_num_seqs={MAX_NUM_SEQS}", *EXTRA]  # on Serve's own port, 8000
 
 
 def running(host: str, port: int) -> tuple[float, float]:
@@ -125,9 +126,12 @@ def main() -> int:
     ap.add_argument("--launch", choices=("flotilla", "serve-run"), default="flotilla")
     ap.add_argument("--streams", type=int, nargs="+", default=[256, 1024])
     ap.add_argument("--port", type=int, default=8321)
+    ap.add_argument("--option", action="append", default=[],
+                    help="an app option for serve run, key=value (e.g. stream_interval_s=0.05)")
     ap.add_argument("--hold-s", type=float, default=5.0,
                     help="seconds the streams run, all of them running, before the drop")
     args = ap.parse_args()
+    EXTRA.extend(args.option)
     proc = None
     if args.url:
         host, _, port = args.url.removeprefix("http://").rstrip("/").partition(":")

@@ -21,6 +21,11 @@ from engine.wire.mock import MockConfig, MockTiming
 from engine.wire.routing import ROUTING_POLICIES
 
 MOCK_MODEL = "mock"
+# a streamed response's pace (AppArgs.stream_interval_s): every output as it comes, as
+# vLLM streams. Ray Serve LLM's 50 ms did not bring serve run's disconnect storm under 1 s
+# on 2 shared cores (bench/disconnect_storm.py, session 43: 1.2-2.6 s at 50 ms, 1.1-1.7 s
+# at 100 ms, 1.3-3.8 s at 0): the per-event work was not what held the aborts back
+STREAM_INTERVAL_S = 0.0
 MOCK_MAX_MODEL_LEN = 4096  # the mock engine's context length when max_model_len is none
 # Ray CPUs an engine replica asks for when engine_num_cpus is not set: a model engine
 # computes on its CPU; the mock engine only encodes messages, so it asks for almost
@@ -127,6 +132,12 @@ class AppArgs(BaseModel):
         600.0, gt=0, allow_inf_nan=False, description="the longest `timeout` a request may "
         "name; a longer one (or a non-finite one) is refused with 400, so a client cannot "
         "switch its deadline off")
+    stream_interval_s: float = Field(
+        STREAM_INTERVAL_S, ge=0, le=1, description="a streamed response sends at most one "
+        "event per engine output this often: the outputs that arrive meanwhile go out "
+        "merged (0: every output as it comes). Each event costs the ingress and Serve's "
+        "proxy the same whatever it holds, so under many streams this bounds their work "
+        "(Ray Serve LLM batches streams every 50 ms too)")
     routing: str = Field(
         "prefix", description="how an ingress picks the engine of a request: prefix (least "
         "uncached prefill plus queue, from the engines' KV events), least_loaded, or "

@@ -26,6 +26,7 @@ SAMPLES = {
     "tool_call_parser": "llama3_json", "reasoning_parser": "qwen3",
     "response_store_max": "500", "response_store_ttl_s": "120.0",
     "response_store_max_bytes": "1048576", "max_request_timeout_s": "900.0",
+    "stream_interval_s": "0.02",
     "chat_template": "{{ messages }}",
     "generation_config": "vllm", "override_generation_config": '{"temperature": 0.5}',
     "lora_modules": json.dumps({"ad": "/adapters/ad"}), "scheduling_policy": "priority",

@@ -12,6 +12,7 @@ is the fold of its streamer), so they cannot disagree either.
 """
 from __future__ import annotations
 
+import asyncio
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
@@ -157,6 +158,7 @@ class Generation:
         """count_tokens: how many tokens a text is (the reasoning's count in usage:
         an engine output may hold both thinking and answer tokens)."""
         self.stream = stream
+        self.interval_s = 0.0  # a streamed response's pace (IngressOptions.stream_interval_s)
         self._count_tokens = count_tokens
         self._reasoning_chars: list[str] = []
         self.plan = plan
@@ -178,6 +180,10 @@ class Generation:
             out = first if first is not None else await anext(self.stream, None)
             while out is not None:
                 yield self._step(out)
+                if self.interval_s and not out.finished:
+                    # what comes meanwhile is merged into the next output (the client
+                    # holds a stream's new tokens until they are taken)
+                    await asyncio.sleep(self.interval_s)
                 out = await anext(self.stream, None)
         except RequestTimeoutError as exc:
             self._prompt_tokens.setdefault(exc.request_id, exc.prompt_tokens)

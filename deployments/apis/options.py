@@ -20,6 +20,7 @@ class IngressOptions:
     reasoning_parser: str | None = None
     request_timeout_s: float | None = 600.0  # a request's deadline when it names none
     max_request_timeout_s: float = 600.0  # the longest `timeout` a request may name
+    stream_interval_s: float = 0.0  # a stream's events at most this often (AppArgs' doc)
     # stored Responses (POST /v1/responses with store): the most kept, and for how long
     response_store_max: int = 10_000
     response_store_ttl_s: float = 3600.0

@@ -322,6 +322,7 @@ class OpenAIIngress:
                                  reasoning_parser=a.reasoning_parser,
                                  request_timeout_s=a.request_timeout_s,
                                  max_request_timeout_s=a.max_request_timeout_s,
+                                 stream_interval_s=a.stream_interval_s,
                                  response_store_max=a.response_store_max,
                                  response_store_ttl_s=a.response_store_ttl_s,
                                  response_store_max_bytes=a.response_store_max_bytes,

@@ -44,6 +44,7 @@ def anthropic_routes(ctx: ApiContext) -> list[Route]:
                              tuple(body.stop_sequences or ()), body.omit_thinking)
         if body.stream:
             first = await ctx.first(stream)  # errors before the first token: HTTP errors
+            gen.interval_s = ctx.options.stream_interval_s
             return ClosingStreamingResponse(sse_events(gen, first, shape), gen.aclose,
                                             media_type="text/event-stream")
         return JSONResponse(await full_message(gen, shape))

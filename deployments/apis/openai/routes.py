@@ -113,6 +113,7 @@ def openai_routes(ctx: ApiContext) -> list[Route]:
         created = int(time.time())
         if body.stream:
             first = await ctx.first(stream)  # errors before the first token: HTTP errors
+            gen.interval_s = ctx.options.stream_interval_s
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return ClosingStreamingResponse(
                 sse_chunks(gen, first, request_id, created, model, include_usage, shape),

@@ -113,6 +113,7 @@ def responses_routes(ctx: ApiContext) -> list[Route]:
                 yield _sse(builder.event("response.failed", response=failed))
             finally:
                 await gen.aclose()
+        gen.interval_s = ctx.options.stream_interval_s
         return ClosingStreamingResponse(events(), gen.aclose, media_type="text/event-stream")
 
     async def retrieve(request: Request, rid: str) -> Response:
