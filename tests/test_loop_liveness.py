@@ -72,26 +72,29 @@ async def _until(check, timeout: float = 15.0) -> bool:
 
 def _wedge(core: MockEngineCore, method: str, inside: threading.Event,
            release: threading.Event) -> None:
-    """Make core.<method> block until released (the first call only, for abort and
-    add: a request whose id says "wedge")."""
+    """Make core.<method> block until released (abort and add: for a request whose id
+    says "wedge"; step: once it has a request to run)."""
     real = getattr(core, method)
 
     def wedged(*args, **kwargs):
         first = args[0] if args else None
         ids = [first.request_id] if hasattr(first, "request_id") else (first or [])
-        if method == "reset_prefix_cache" or any("wedge" in str(i) for i in ids):
+        if (method == "reset_prefix_cache" or any("wedge" in str(i) for i in ids)
+                or (method == "step" and core.has_unfinished_requests())):
             inside.set()
             release.wait(30)
         return real(*args, **kwargs)
     setattr(core, method, wedged)
 
 
-@pytest.mark.parametrize("method", ["add_request", "abort_requests", "reset_prefix_cache"])
-def test_a_loop_wedged_outside_its_step_is_flagged(tokenizer, method):  # noqa: F811
-    """Engine 0's loop wedged in an ADD, an ABORT or a utility call: its heartbeats say
-    so (the client sees it past BOUND_S), new requests go to engine 1, the replica's
-    health check fails; once released, everything is back (0, healthy, routed to).
-    Before, the ADD and the ABORT were never flagged: heartbeats said 0."""
+@pytest.mark.parametrize("method", ["step", "add_request", "abort_requests",
+                                    "reset_prefix_cache"])
+def test_a_wedged_loop_is_flagged(tokenizer, method):  # noqa: F811
+    """Engine 0's loop wedged in a step, an ADD, an ABORT or a utility call: its
+    heartbeats say so (the client sees it past BOUND_S), new requests go to engine 1,
+    the replica's health check fails; once released, everything is back (0, healthy,
+    routed to). Before, the ADD and the ABORT were never flagged: heartbeats said 0
+    (issue 40 had covered the step alone)."""
     cores = [MockEngineCore(MockConfig(vocab_size=len(tokenizer), itl_s=0.001))
              for _ in range(2)]
     inside, release = threading.Event(), threading.Event()
@@ -109,7 +112,7 @@ def test_a_loop_wedged_outside_its_step_is_flagged(tokenizer, method):  # noqa: 
                                             routing="round_robin", stalled_step_s=BOUND_S)
         wedged = None
         try:
-            if method == "add_request":
+            if method in ("add_request", "step"):
                 wedged = asyncio.ensure_future(client.generate(
                     "wedge", [5, 6, 7], PARAMS, data_parallel_rank=0).__anext__())
             elif method == "abort_requests":
