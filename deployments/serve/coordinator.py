@@ -203,8 +203,11 @@ class Coordinator:
                                                    self._assigned_at.get(r, -STALE_AFTER_S))
             if now - seen > STALE_AFTER_S:
                 return True
-            if entry is not None:
-                return not await _answers(entry["address"], entry.get("keys"))
+            if entry is not None:  # a dead engine's port refuses at once; only a live
+                # one is asked to answer (ZMQ retries a refused connect until the probe's
+                # timeout: every replacement of a killed engine waited PROBE_TIMEOUT_S)
+                return not (await _accepts(entry["address"])
+                            and await _answers(entry["address"], entry.get("keys")))
             return r in self.addresses and not await _accepts(self.addresses[r])
         ranks = range(self.max_ranks)
         free = [r for r, out in zip(ranks, await asyncio.gather(*map(gone, ranks))) if out]
@@ -227,6 +230,12 @@ class Coordinator:
         self.version += 1
         self._save()
         logger.info("engine rank %d registered at %s", rank, address)
+
+    def serving(self) -> bool:
+        """Whether the server already serves (its initial engines registered and some
+        engine is registered now): an engine starting then joins a live server (a
+        replacement, a scale-out) and backs its KV pool after ready instead of before."""
+        return bool(self.engines())
 
     def heartbeat(self, rank: int, replica_id: str) -> bool:
         """Whether this coordinator knows the engine; False after a coordinator restart

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, TypeVar
 
@@ -30,6 +31,10 @@ from engine.wire.ports import free_port
 from engine.wire.curve_auth import EngineKeys
 
 logger = logging.getLogger(__name__)
+# Serve's replica logger: its lines reach the replica's log file (logs/serve/) with a
+# timestamp, where the engine's own INFO lines are dropped. A start's phases go there,
+# so a replacement's time to serving can be read from the logs (bench/recovery.py).
+start_log = logging.getLogger("ray.serve")
 DRAIN_TIMEOUT_S = 15.0  # below graceful_shutdown_timeout_s
 # How long a leaving engine keeps refusing (not dropping) new requests: ingress replicas
 # follow the coordinator's membership every 0.5 s, and the release is asynchronous. A
@@ -60,7 +65,15 @@ async def build_on_own_thread(factory: Callable[[], T]) -> T:
         await asyncio.to_thread(builder.shutdown)
 
 
-@serve.deployment(health_check_period_s=5, health_check_timeout_s=30,
+# Serve learns that a replica's process died only when a health check of it fails: the
+# check in flight fails at once, else the next one, up to a period later. At 5 s an
+# engine killed under load was noticed 0.9-4.7 s after the kill (bench/recovery.py);
+# every second of that counts against a replacement's 30 s to serving (issue 62). A
+# check is a call into this replica's event loop and a heartbeat to the coordinator.
+HEALTH_CHECK_PERIOD_S = 2.0
+
+
+@serve.deployment(health_check_period_s=HEALTH_CHECK_PERIOD_S, health_check_timeout_s=30,
                   graceful_shutdown_timeout_s=20)
 class EngineServer:
     async def __init__(self, args: dict, coordinator) -> None:
@@ -72,10 +85,14 @@ class EngineServer:
         await self._start()
 
     async def _start(self) -> None:
+        started = time.perf_counter()
         # bounded: a silent coordinator fails this start (CoordinatorTimeoutError), and
         # Serve starts the replica again, instead of it waiting for ever
         self.rank = await ask(self.coordinator.assign_rank.remote(self.replica_id),
                               "assign_rank", ASSIGN_RANK_TIMEOUT_S)
+        start_log.info("engine rank %d: rank assigned in %.1fs", self.rank,
+                       time.perf_counter() - started)
+        mark = time.perf_counter()
         try:
             core = await self._build_core()
         except BaseException:
@@ -88,7 +105,12 @@ class EngineServer:
         # CURVE keys made here, handed to clients only through the coordinator (Ray)
         self.keys = EngineKeys.generate()
         self.server = EngineCoreServer(core, address, self.rank, keys=self.keys).start()
+        built = time.perf_counter() - mark
         await self._register()
+        parts = ", ".join(f"{k} {v:.1f}" for k, v in getattr(core, "startup_s", {}).items())
+        start_log.info("engine rank %d: serving %.1fs after its start (built in %.1fs: %s; "
+                       "registered in %.1fs)", self.rank, time.perf_counter() - started,
+                       built, parts or "-", time.perf_counter() - mark - built)
 
     async def _build_core(self):
         """The engine core for self.rank: the mock, or the real one (on its own thread)."""
@@ -103,7 +125,25 @@ class EngineServer:
             from deployments.serve.tp_workers import RayWorkerLauncher
             launcher = RayWorkerLauncher(self.args.engine_cpus, self.args.engine_num_gpus)
         config = self.args.engine_config(self.rank)
-        return await build_on_own_thread(lambda: EngineCore(config, launcher))
+        joining = await self._joining()
+        return await build_on_own_thread(
+            lambda: EngineCore(config, launcher, kv_pages_before_ready=not joining))
+
+    async def _joining(self) -> bool:
+        """Whether this engine joins a server that already serves (it replaces a dead
+        engine, or scales out): the live engines carry the load meanwhile, so its KV
+        pool is backed after ready (hugepages.BackgroundPopulate: it took 4.9-10.9 s of a
+        replacement's start under load on 2 cores), not before as at a first
+        start, where no engine serves until all have started. Unknown (the coordinator
+        silent): as at a first start."""
+        try:
+            return bool(await ask(self.coordinator.serving.remote(), "serving",
+                                  COORDINATOR_CALL_TIMEOUT_S))
+        except Exception as exc:  # noqa: BLE001 - only the choice above depends on it
+            logger.warning("engine rank %d: the coordinator did not say whether the "
+                           "server serves (%s); the KV pool is backed before ready",
+                           self.rank, exc or type(exc).__name__)
+            return False
 
     async def _register(self) -> None:
         ready = self.server.core.ready_response(self.rank)

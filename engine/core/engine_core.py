@@ -65,10 +65,16 @@ logger = logging.getLogger(__name__)
 
 
 class EngineCore(EngineLoRA):
-    def __init__(self, config: EngineConfig, worker_launcher=None) -> None:
+    def __init__(self, config: EngineConfig, worker_launcher=None,
+                 kv_pages_before_ready: bool = True) -> None:
         """worker_launcher starts the tensor-parallel workers (ranks 1..N-1) when
-        config.tensor_parallel_size > 1; default: local processes."""
+        config.tensor_parallel_size > 1; default: local processes. kv_pages_before_ready
+        False: the KV pool's pages (CPU) are backed in the background after ready, for
+        an engine joining a server that already serves (deployments/serve/engine_server.py)."""
         self.config = config
+        # seconds each part of the build took (the server logs them: where a start goes)
+        self.startup_s: dict[str, float] = {}
+        mark = time.perf_counter()
         self.limits = RequestLimits.of(config)
         self.checkpoint = resolve_model(config.model, weights=config.load_format != "dummy")
         hf_config = load_hf_config(self.checkpoint)
@@ -88,6 +94,7 @@ class EngineCore(EngineLoRA):
         self.eos_token_ids = _eos_ids(self.checkpoint, hf_config)
         self.sampling_defaults = sampling_defaults(self.checkpoint, config.generation_config,
                                                    config.override_generation_config)
+        self.startup_s["config"], mark = time.perf_counter() - mark, time.perf_counter()
         if config.tensor_parallel_size > 1:
             from engine.executor.tp_executor import TPExecutor
             self.runner = TPExecutor(config, self.shape, hf_config, self.checkpoint, max_len,
@@ -101,8 +108,11 @@ class EngineCore(EngineLoRA):
             SpecDecoder.check_model(self.shape)
             self.spec = SpecDecoder(spec, ProposerContext(
                 config, self.shape, max_len, self.device, self.dtype, self._rank0_runner))
+        self.startup_s["weights"], mark = time.perf_counter() - mark, time.perf_counter()
         self.num_blocks = self._num_blocks()
+        self._rank0_runner.kv_pages_before_ready = kv_pages_before_ready
         self.runner.allocate_kv_cache(self.num_blocks)
+        self.startup_s["kv_pool"], mark = time.perf_counter() - mark, time.perf_counter()
         # A request must fit in the pool on its own, or it could never be scheduled.
         self.max_model_len = self._pool_bounded_len(max_len)
         self.kv = self._kv_manager()
@@ -132,7 +142,9 @@ class EngineCore(EngineLoRA):
         self._iteration_counts = [0] * (len(ITERATION_TOKENS_BUCKETS) + 1)
         self._iteration_sum = 0
         self._sleep_level = 0  # 0 awake; 1 KV cache freed (weights off GPU); 2 weights freed
+        self.startup_s["rest"], mark = time.perf_counter() - mark, time.perf_counter()
         self._warm_up()
+        self.startup_s["warm_up"] = time.perf_counter() - mark
         logger.info("engine ready: %s on %s/%s, %d KV blocks of %d tokens, max_model_len %d, "
                     "sampling defaults %s (generation_config=%s)", self.shape.architecture,
                     self.device, self.dtype, self.num_blocks, config.block_size,

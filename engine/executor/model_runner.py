@@ -38,6 +38,7 @@ from engine.lora.manager import AdapterCache
 from engine.lora.request import LoRARequest
 from engine.lora.slots import LoRASlots
 from engine.model.hugepages import (
+    BackgroundPopulate,
     anonymous_regions,
     collapse_new_regions,
     lazily_zeroed,
@@ -104,6 +105,10 @@ class ModelRunner(StepMetadataBuilder, KVBudget):
         if config.enable_lora:
             self._enable_lora()
         self.kv_caches: torch.Tensor | None = None
+        # False: the KV pool's pages are backed after ready, in the background (an engine
+        # joining a server already serving; hugepages.BackgroundPopulate says why)
+        self.kv_pages_before_ready = True
+        self._populating: BackgroundPopulate | None = None
         self.slot_pos: torch.Tensor | None = None  # flex: each slot's position (flex_paged)
         self.layer_caches: list[tuple[torch.Tensor, torch.Tensor]] = []  # views, per layer
         self.num_blocks = 0
@@ -380,12 +385,20 @@ class ModelRunner(StepMetadataBuilder, KVBudget):
         fault (and, in a VM, often the host's too), and taken during decode each one
         stalls a step. W1 (Zen 5 VM, bf16): 1,627-1,649 -> 1,853-1,866 tok/s, system
         time 0.25-0.65 -> 0.00-0.04 s. Done before the engine reports ready, so its first
-        requests run as fast as later ones (hugepages.populate_now has the figures)."""
+        requests run as fast as later ones (hugepages.populate_now has the figures);
+        after, in the background, for an engine joining a server that already serves."""
         blocks = min(num_blocks, self.config.max_num_seqs * self.max_pages)
-        populate_now([slot[:blocks] for slot in self.kv_caches],  # each slot's blocks: one span
-                     f"KV cache: the first {blocks} of {num_blocks} blocks")
+        spans = [slot[:blocks] for slot in self.kv_caches]  # each slot's blocks: one span
+        what = f"KV cache: the first {blocks} of {num_blocks} blocks"
+        if self.kv_pages_before_ready:
+            populate_now(spans, what)
+        else:
+            self._populating = BackgroundPopulate(spans, what)
 
     def free_kv_cache(self) -> None:
+        if self._populating is not None:
+            self._populating.stop()
+            self._populating = None
         self._drop_graphs()
         self.kv_caches = self.slot_pos = None
         self.layer_caches = []
