@@ -102,8 +102,6 @@ def map_error(exc: BaseException) -> HTTPError:
 
 
 def _mapped(exc: BaseException) -> HTTPError:
-    if isinstance(exc, ParamError):
-        return HTTPError(400, str(exc), "BadRequestError", exc.param)
     if isinstance(exc, (InvalidRequestError, ValueError)):  # some name their field
         return HTTPError(400, str(exc), "BadRequestError", getattr(exc, "param", None))
     if isinstance(exc, EngineOverloadedError):

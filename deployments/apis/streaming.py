@@ -37,14 +37,14 @@ class ClosingStreamingResponse(StreamingResponse):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         task = asyncio.current_task()
-        gone = asyncio.Event()  # set by the listener: the client disconnected
-        listener = asyncio.ensure_future(_cancel_on_disconnect(receive, task, gone))
+        listener = asyncio.ensure_future(self._cancel_on_disconnect(receive, task))
         try:
             await self.stream_response(send)
         except asyncio.CancelledError:
             # ours (the client left): the response ends quietly, as Starlette's does;
             # anyone else's (Serve's, a shutdown's) goes on up
-            if not gone.is_set() or task.uncancel() > 0:
+            gone = listener.done() and not listener.cancelled() and listener.result()
+            if not gone or task.uncancel() > 0:
                 raise
         except OSError as exc:  # ASGI 2.4 servers: a send to a closed connection
             raise ClientDisconnect() from exc
@@ -57,17 +57,13 @@ class ClosingStreamingResponse(StreamingResponse):
         if self.background is not None:
             await self.background()
 
-
-async def _cancel_on_disconnect(receive: Receive, task: asyncio.Task, gone: asyncio.Event
-                                ) -> None:
-    """Wait for the client's disconnect (the request's body was read before the stream
-    began, so receive() has nothing else to give), then cancel the streaming task."""
-    while True:
+    async def _cancel_on_disconnect(self, receive: Receive, task: asyncio.Task) -> bool:
+        """Wait for the client's disconnect (Starlette's own listener: the request's
+        body was read before the stream began), then cancel the streaming task; True
+        when it did."""
         try:
-            message = await receive()
+            await self.listen_for_disconnect(receive)
         except Exception:  # noqa: BLE001 - a receive channel that broke tells nothing
-            return
-        if message["type"] == "http.disconnect":
-            gone.set()
-            task.cancel()
-            return
+            return False
+        task.cancel()
+        return True

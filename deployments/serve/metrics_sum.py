@@ -42,7 +42,7 @@ logger = logging.getLogger(__name__)
 
 Snapshot = list[list[Any]]
 SampleKey = tuple[str, tuple]
-SUMMED_TYPES = ("counter", "histogram")  # what a gone replica's counts stay in the sum as
+SUMMED_TYPES = ("counter", "histogram")  # what a snapshot carries (they add up)
 # the ingress replicas report every METRICS_PUSH_S (5 s, deployments/serve/ingress.py) and
 # at each scrape: a replica silent for 12 reports is asked about (ReplicaSweep)
 SILENT_AFTER_S = 60.0
@@ -103,16 +103,15 @@ class MetricsSum:
         return [r for r, seen in self._seen.items() if self._listened - seen > after_s]
 
     def retire(self, replica_ids: Iterable[str]) -> None:
-        """Forget these replicas: their counters and histograms stay in the sum (folded
-        into the retired total), their other samples go."""
+        """Forget these replicas: their counts (counters and histograms, all a snapshot
+        holds) stay in the sum, folded into the retired total."""
         for replica_id in replica_ids:
             counts = self._counts.pop(replica_id, None)
             self._seen.pop(replica_id, None)
             if counts is None:
                 continue
             for key, value in counts.items():
-                if self._families[self._family_of[key]][1] in SUMMED_TYPES:
-                    self._retired[key] = self._retired.get(key, 0.0) + value
+                self._retired[key] = self._retired.get(key, 0.0) + value
             self._retired_ids.add(replica_id)
             self._retired_order.append(replica_id)
             while len(self._retired_order) > RETIRED_IDS_KEPT:
@@ -216,7 +215,7 @@ def snapshot_of(registry) -> Snapshot:
     *_created timestamps left out: they do not add up)."""
     out: Snapshot = []
     for family in registry.collect():
-        if family.type not in ("counter", "histogram"):
+        if family.type not in SUMMED_TYPES:
             continue
         samples = [[s.name, dict(s.labels), s.value] for s in family.samples
                    if not s.name.endswith("_created")]

@@ -87,6 +87,17 @@ def populate(tensor: torch.Tensor) -> bool:
     return _madvise(start, end - start, _MADV_POPULATE_WRITE)
 
 
+def _spans_to_back(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors' bytes, as spans for populate(); none where the kernel cannot
+    populate (a trial on the first page), the tensors then zeroed in place."""
+    spans = [t.view(torch.uint8).view(-1) for t in tensors if t.numel()]
+    if spans and not populate(spans[0][:_PAGE]):
+        for span in spans:
+            span.zero_()
+        return []
+    return spans
+
+
 def populate_now(tensors: list[torch.Tensor], what: str) -> None:
     """Back the tensors' pages before anything uses them, their contents kept (zeroed in
     place where the kernel cannot populate), as vLLM's torch.zeros writes its pool at
@@ -95,16 +106,11 @@ def populate_now(tensors: list[torch.Tensor], what: str) -> None:
     and the first W1 at 0.88-0.91 of the second (Zen 4 held to AVX2, session 41; in a VM
     the host backing a page stalls the vCPU whatever the guest thread's priority), and
     at 0.93-1.13 populated first, for 3-4 s more of start."""
-    spans = [t.view(torch.uint8).view(-1) for t in tensors if t.numel()]
-    if not spans:
+    if not any(t.numel() for t in tensors):
         return
     started = time.perf_counter()
-    if not populate(spans[0][:_PAGE]):
-        for span in spans:
-            span.zero_()
-    else:
-        for span in spans:
-            populate(span)
+    for span in _spans_to_back(tensors):
+        populate(span)
     logger.info("%s backed in %.2fs", what, time.perf_counter() - started)
 
 
@@ -125,13 +131,9 @@ class BackgroundPopulate:
     _CHUNK = 64 << 20
 
     def __init__(self, tensors: list[torch.Tensor], what: str):
-        self._spans = [t.view(torch.uint8).view(-1) for t in tensors if t.numel()]
+        self._spans = _spans_to_back(tensors)
         self._what, self._stop = what, threading.Event()
         self.thread: threading.Thread | None = None
-        if self._spans and not populate(self._spans[0][:_PAGE]):
-            for span in self._spans:
-                span.zero_()
-            self._spans = []
         if self._spans:
             self.thread = threading.Thread(target=self._run, name="kv-populate", daemon=True)
             _LIVE.add(self)

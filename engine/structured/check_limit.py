@@ -92,17 +92,12 @@ class _Builds:
     def _run(self, digest: bytes, build: Callable[[], Any],
              future: concurrent.futures.Future) -> None:
         try:
-            result = build()
+            future.set_result(build())
         except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
-            outcome: tuple[Any, BaseException | None] = (None, exc)
-        else:
-            outcome = (result, None)
-        if outcome[1] is None:
-            future.set_result(outcome[0])
-        else:
-            future.set_exception(outcome[1])
-        with self._lock:
-            del self._running[digest]
+            future.set_exception(exc)
+        finally:
+            with self._lock:
+                del self._running[digest]
 
     @property
     def running(self) -> int:

@@ -19,7 +19,7 @@ from starlette.routing import Route
 
 from deployments.apis.common.chat_prep import ChatInput
 from deployments.apis.context import ApiContext
-from deployments.apis.streaming import ClosingStreamingResponse
+from deployments.apis.errors import CONSTRAINT_FIELDS
 from deployments.apis.events import Generation, OutputPlan
 from deployments.apis.openai.prompt_batch import echo_prompt, merge_prompt_streams
 from deployments.apis.openai.protocol import (
@@ -29,6 +29,7 @@ from deployments.apis.openai.protocol import (
     NamedToolChoice,
 )
 from deployments.apis.openai.render import Shape, full_response, sse_chunks
+from deployments.apis.streaming import ClosingStreamingResponse
 from engine.errors import EngineRequestError
 from engine.outputs import OutputKind, RequestOutput
 from engine.pooling import PoolingParams
@@ -51,8 +52,7 @@ def chat_input(body: ChatCompletionRequest) -> ChatInput:
 
 
 def _constraint_field(body: ChatCompletionRequest) -> str:
-    for name in ("response_format", "structured_outputs", "guided_json", "guided_regex",
-                 "guided_choice", "guided_grammar"):
+    for name in CONSTRAINT_FIELDS:
         if getattr(body, name) is not None:
             return name
     return "response_format"
