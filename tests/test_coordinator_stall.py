@@ -27,18 +27,19 @@ class _Remote:
 
 
 class StoppableCoordinator:
-    """Answers membership and list_loras until stop(); then no call ever completes (as a
-    SIGSTOPped process: its node still takes the connection, nothing answers)."""
+    """Answers membership and list_loras until stop(); then no call completes until
+    resume() (as a SIGSTOPped process: its node still takes the connection, nothing
+    answers)."""
 
     def __init__(self, addresses: list[str]) -> None:
-        self.stopped = asyncio.Event()
+        self.running = asyncio.Event()
+        self.running.set()
         self.calls: list[str] = []
 
         def method(name, answer):
             async def call(*args):
                 self.calls.append(name)
-                if self.stopped.is_set():
-                    await asyncio.Event().wait()  # never
+                await self.running.wait()
                 return answer()
             return _Remote(call)
         self.membership = method("membership", lambda: (1, list(addresses), {}, False))
@@ -46,7 +47,10 @@ class StoppableCoordinator:
         self.call = method("call", lambda: [None] * len(addresses))
 
     def stop(self) -> None:
-        self.stopped.set()
+        self.running.clear()
+
+    def resume(self) -> None:
+        self.running.set()
 
 
 def test_models_and_unknown_models_are_answered_while_the_coordinator_is_silent(
@@ -107,6 +111,45 @@ def test_models_and_unknown_models_are_answered_while_the_coordinator_is_silent(
     assert details["adapters"]["count"] == 1
     assert isinstance(stalled, TimeoutError)  # what the engines' callers catch
     assert calls.count("list_loras") <= 2  # one fetch at a time, not one per request
+
+
+def test_an_ingress_replica_starting_while_the_coordinator_is_silent_waits_for_it(
+        engines, monkeypatch):  # noqa: F811
+    """A replacement ingress that came up while the coordinator was SIGSTOPped knew no
+    engine and no adapter, and answered the chaos run's probes 503 while the other
+    replica served from memory. Now its constructor (Serve routes to a replica only
+    once that returns) asks until the coordinator answers, and takes the adapter list
+    with the membership: stopped again right after, it serves from what it heard."""
+    monkeypatch.setattr(ingress, "COORDINATOR_CALL_TIMEOUT_S", 0.2)
+    engines.add()
+
+    async def main():
+        coordinator = StoppableCoordinator(engines.addresses)
+        coordinator.stop()
+        cls = ingress.OpenAIIngress.func_or_class.__mro__[1]
+        replica = cls.__new__(cls)
+        init = asyncio.ensure_future(replica.__init__({"model": MODEL}, coordinator, None))
+        await asyncio.sleep(1.5)  # several asks timed out meanwhile
+        waited = not init.done()
+        coordinator.resume()
+        await asyncio.wait_for(init, 5.0)
+        app = replica.__serve_build_asgi_app__()
+        coordinator.stop()
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://x") as http:
+            models = await asyncio.wait_for(http.get("/v1/models"), 2.0)
+            base = await asyncio.wait_for(http.post("/v1/completions", json={
+                "model": MODEL, "prompt": "Hi", "max_tokens": 2}), 2.0)
+        if replica._follower is not None:
+            replica._follower.cancel()
+        await replica._client.shutdown()
+        return waited, models, base, coordinator.calls
+
+    waited, models, base, calls = asyncio.run(main())
+    assert waited and calls.count("membership") >= 3
+    assert models.status_code == 200
+    assert [m["id"] for m in models.json()["data"]] == [MODEL, "ad1"]
+    assert base.status_code == 200, base.text
 
 
 def test_an_engine_replica_gives_up_on_a_silent_coordinator_at_start(monkeypatch):

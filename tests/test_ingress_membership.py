@@ -63,6 +63,42 @@ def test_an_engine_left_out_as_dead_is_tried_again_without_a_membership_change(
     assert addresses == engines.addresses and healthy
 
 
+def test_an_engine_left_out_as_dead_comes_back_while_the_coordinator_is_silent(
+        engines, monkeypatch):  # noqa: F811
+    """The follower tried an engine left out as dead only after a membership answer: an
+    engine that went quiet just before the coordinator stopped stayed out until the
+    coordinator answered again. Now it is tried from the last membership heard."""
+    monkeypatch.setattr(ingress, "MEMBERSHIP_POLL_S", 0.05)
+    monkeypatch.setattr(ingress, "ENGINE_RETRY_S", 0.2)
+    monkeypatch.setattr(ingress, "COORDINATOR_CALL_TIMEOUT_S", 0.1)
+    engines.add()
+    engines.add()
+
+    async def main():
+        replica = await _replica(engines.addresses)
+        client = await replica.get_client()
+
+        async def silent():
+            await asyncio.Event().wait()  # a SIGSTOPped coordinator
+        replica.coordinator.membership = _Remote(silent)
+        client._mark_dead(client.engines[1], "silent for 10.0s (a blip)")
+        narrowed = await replica.get_client()
+        assert [e.address for e in narrowed.engines] == engines.addresses[:1]
+        for _ in range(100):
+            await asyncio.sleep(0.05)
+            if len(replica._client.engines) == 2:
+                break
+        whole = replica._client
+        found = [e.address for e in whole.engines], whole.healthy
+        replica._follower.cancel()
+        for c in {client, narrowed, whole}:
+            await c.shutdown()
+        return found
+
+    addresses, healthy = asyncio.run(main())
+    assert addresses == engines.addresses and healthy
+
+
 def test_a_dead_engine_while_the_coordinator_is_down_leaves_the_replica_healthy(
         engines, monkeypatch):  # noqa: F811
     """The chaos run killed an engine right after the coordinator: the replica's client

@@ -65,6 +65,11 @@ class AdapterDirectory:
         before a request needs it)."""
         self._start()
 
+    def seed(self, adapters: list[LoRARequest]) -> None:
+        """The list as fetched before this directory existed (an ingress replica asks for
+        it while starting, so it never serves without one)."""
+        self._take(adapters)
+
     def details(self) -> dict[str, Any]:
         """For /health: how many adapters are known, and how old the list is."""
         age = time.monotonic() - self._fetched
@@ -102,6 +107,9 @@ class AdapterDirectory:
             self.failure = str(exc) or type(exc).__name__
             logger.warning("LoRA adapter list not fetched: %s", self.failure)
             return
+        self._take(adapters)
+
+    def _take(self, adapters: list[LoRARequest]) -> None:
         self._by_name = {a.lora_name: a for a in adapters}
         self._fetched, self.failure = time.monotonic(), None
 

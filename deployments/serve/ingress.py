@@ -39,6 +39,11 @@ ENGINE_RETRY_S = 5.0
 ENGINE_RETRY_HANDSHAKE_S = 3.0
 # how long a replica starting beside serving engines waits to connect before it serves
 START_CONNECT_S = 30.0
+# how long a starting replica asks for the coordinator's first answer before it serves
+# without one. Without a membership and an adapter list it can only answer 503: in the
+# chaos run a replacement ingress came up while the coordinator was SIGSTOPped and
+# answered 13 of 60 probes 503 (issue 62) while the other replica served from memory
+START_HEAR_COORDINATOR_S = 120.0
 
 
 async def _retire(client: EngineClient) -> None:
@@ -167,7 +172,9 @@ class OpenAIIngress:
         self._follower: asyncio.Task | None = None
         self._lock = asyncio.Lock()
         self._app = None  # the ASGI app, once Serve built it
-        self._control: CoordinatorControl | None = None
+        self._control = CoordinatorControl(self.coordinator, self.view)
+        self._first_adapters: list | None = None  # the adapter list heard at start
+        self._push: asyncio.Task | None = None  # the metrics report in flight
         self._heap_trim = IdleHeapTrim()  # RSS back to what is live once a burst is over
         # loaded at once, while the engines load: it takes seconds (transformers, torch),
         # and loaded when the first engine registered it kept a new server from
@@ -188,21 +195,39 @@ class OpenAIIngress:
         return await asyncio.shield(self._load_tokenizer())
 
     async def _connect_at_start(self) -> asyncio.Task:
-        """Connect to the engines before this replica takes traffic when they already
-        serve (a scale-out, a replacement): a new replica used to report no engine gauge
-        at all until its first request made its client, so scrapes behind the load
-        balancer alternated between full and empty (issue 41). At the app's first start
-        the engines are still loading (minutes, for a real model): the replica starts
-        at once and connects in the background."""
+        """Hear the coordinator, then connect to the engines before this replica takes
+        traffic when they already serve (a scale-out, a replacement): a new replica used
+        to report no engine gauge at all until its first request made its client, so
+        scrapes behind the load balancer alternated between full and empty (issue 41).
+        At the app's first start the engines are still loading (minutes, for a real
+        model): the replica starts at once and connects in the background."""
+        addresses = await self._hear_coordinator()
         task = asyncio.get_running_loop().create_task(self._reconnect())
-        try:
-            _, addresses, _, _ = await self._membership()
-        except Exception as exc:  # noqa: BLE001 - the coordinator restarting: later
-            logger.warning("ingress: no engine membership at start: %s", exc)
-            addresses = []
         if addresses:
+            try:  # seeds the adapter directory: /v1/models answers without a call
+                self._first_adapters = await self._control.list_loras()
+            except Exception as exc:  # noqa: BLE001 - the follower fetches it
+                logger.warning("ingress: no adapter list at start: %s", exc)
             await asyncio.wait({task}, timeout=START_CONNECT_S)
         return task
+
+    async def _hear_coordinator(self) -> list[str]:
+        """The engines of the coordinator's first membership answer, asked again until it
+        comes (START_HEAR_COORDINATOR_S at most; Serve does not route to a replica
+        still in its constructor): a replica that starts while the coordinator is
+        silent (stopped, restarting) would otherwise serve knowing no engine."""
+        deadline = time.monotonic() + START_HEAR_COORDINATOR_S
+        while True:
+            try:
+                return (await self._membership())[1]
+            except Exception as exc:  # noqa: BLE001 - a timeout, the actor restarting
+                if time.monotonic() >= deadline:
+                    logger.warning("ingress: no engine membership at start (%s); serving "
+                                   "without one (503s until the coordinator answers)", exc)
+                    return []
+                logger.warning("ingress: no engine membership at start yet (%s); asking "
+                               "again", exc)
+                await asyncio.sleep(1.0)
 
     async def _membership(self) -> tuple[int, list[str], dict[str, dict], bool]:
         """The coordinator's membership, asked now (bounded), and kept in self.view."""
@@ -264,7 +289,7 @@ class OpenAIIngress:
 
     async def _follow(self) -> None:
         pushed = time.monotonic()
-        fetched_adapters = False
+        fetched_adapters = self._first_adapters is not None  # heard at start
         while True:
             await asyncio.sleep(MEMBERSHIP_POLL_S)
             if not fetched_adapters and self._app is not None:
@@ -274,11 +299,19 @@ class OpenAIIngress:
                 fetched_adapters = True
             client = self._client
             self._heap_trim.poll(client.num_in_flight, client.requests_submitted)
-            if time.monotonic() - pushed >= METRICS_PUSH_S and self._app is not None:
+            if time.monotonic() - pushed >= METRICS_PUSH_S and self._app is not None and (
+                    self._push is None or self._push.done()):
                 pushed = time.monotonic()  # keep the coordinator's sum current between scrapes
-                await self._control.sum_metrics(self._app.state.metrics.snapshot())
+                self._push = asyncio.get_running_loop().create_task(self._push_metrics())
             try:
                 version, addresses, _, stopping = await self._membership()
+            except Exception as exc:  # the coordinator restarting or stopped
+                logger.warning("ingress: engine membership update failed: %s", exc)
+                # the last membership heard still names the engines: one left out as
+                # dead is tried again from it (nothing else would bring it back while
+                # the coordinator is silent)
+                version, addresses, stopping = self.view.version, self.view.addresses, False
+            try:
                 if stopping and self._app is not None and not self._app.state.stopping:
                     self._app.state.stopping = True
                     logger.info("ingress: the server is stopping: /health answers 503, "
@@ -300,8 +333,16 @@ class OpenAIIngress:
                     async with self._lock:
                         await self._switch(version, addresses)
                     logger.info("ingress: an engine left out as dead answers again")
-            except Exception as exc:  # the coordinator restarting, an engine not answering
-                logger.warning("ingress: engine membership update failed: %s", exc)
+            except Exception as exc:  # an engine not answering
+                logger.warning("ingress: engine set update failed: %s", exc)
+
+    async def _push_metrics(self) -> None:
+        """Report this replica's request metrics (the coordinator's sum stays current
+        between scrapes); the sum it answers is what a scrape serves, raised to this
+        replica's counts, when the coordinator does not answer the scrape in time."""
+        summed = await self._control.sum_metrics(self._app.state.metrics.snapshot())
+        if summed is not None:
+            self._app.state.metrics.remember_sum(summed)
 
     def _left_out(self, addresses: list[str]) -> list[str]:
         """The engines the coordinator lists and this replica's client lacks, when it is
@@ -327,9 +368,10 @@ class OpenAIIngress:
                                  response_store_ttl_s=a.response_store_ttl_s,
                                  response_store_max_bytes=a.response_store_max_bytes,
                                  replica_name=_replica_name())
-        self._control = CoordinatorControl(self.coordinator, self.view)
         self._app = build_api_app(self.get_client, options, self._control,
                                   CoordinatorResponses(self.coordinator))
+        if self._first_adapters is not None:
+            self._app.state.adapters.seed(self._first_adapters)
         return self._app
 
     async def check_health(self) -> None:

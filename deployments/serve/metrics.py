@@ -219,6 +219,12 @@ class IngressMetrics:
         """This replica's request counters and histograms, for MetricsSum."""
         return snapshot_of(self.registry)
 
+    def remember_sum(self, summed: Snapshot) -> None:
+        """A sum the coordinator answered outside a scrape (the periodic report): what the
+        next scrape serves, raised to this replica's counts, if its own ask goes
+        unanswered."""
+        self._last_sum = summed
+
     def exposition(self, summed: Snapshot | None = None) -> bytes:
         """The scrape: the request metrics summed over the ingress replicas (`summed`:
         the coordinator's answer; None when it did not answer: the last sum raised to
