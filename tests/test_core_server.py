@@ -473,3 +473,46 @@ def test_a_big_output_is_forwarded_without_starting_pyzmq_s_garbage_collector(to
         server.shutdown()
     assert big in (answer if isinstance(answer, list) else [answer])
     assert not zmq_gc.is_alive()
+
+
+def test_every_client_hears_the_counts_fall_right_after_an_abort(tokenizer):  # noqa: F811
+    """An ABORT changes the running count with no output to carry it: the clients read
+    the old count until a heartbeat, so /metrics showed a dropped storm still running a
+    second after the engines had let it go (issue 62). The engine now sends its stats to
+    every client after handling aborts."""
+    from engine.wire.mock import MockConfig, MockEngineCore
+    from tests.test_core_client import free_address
+    core = MockEngineCore(MockConfig(vocab_size=len(tokenizer), itl_s=0.01))
+    address = free_address()
+    # heartbeats far apart: only the post-abort stats can bring the new counts
+    server = EngineCoreServer(core, address, heartbeat_interval_s=30.0).start()
+
+    async def main():
+        owner = await EngineClient.connect([address], tokenizer, handshake_timeout_s=10)
+        other = await EngineClient.connect([address], tokenizer, handshake_timeout_s=10)
+        try:
+            params = SamplingParams(max_tokens=4000, ignore_eos=True)
+            streams = [owner.generate(f"r{i}", [5, 6, 7], params) for i in range(3)]
+            for s in streams:
+                await s.__anext__()
+            await owner.refresh_stats(0.0, 5.0)
+            await other.refresh_stats(0.0, 5.0)
+            before = [c.engines[0].stats.num_running_reqs for c in (owner, other)]
+            for s in streams:
+                await s.aclose()
+            for _ in range(50):
+                await asyncio.sleep(0.02)
+                after = [c.engines[0].stats.num_running_reqs for c in (owner, other)]
+                if after == [0, 0]:
+                    break
+            return before, after
+        finally:
+            await owner.shutdown()
+            await other.shutdown()
+
+    try:
+        before, after = asyncio.run(main())
+    finally:
+        server.shutdown()
+    assert before == [3, 3]
+    assert after == [0, 0]

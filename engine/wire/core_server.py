@@ -147,6 +147,10 @@ class EngineCoreServer:
         self._loop_thread: threading.Thread | None = None
         self.kv_events_interval_s = kv_events_interval_s
         self._kv_dirty = False  # the cache may have changed since the last batch was sent
+        # requests aborted since stats last went to every client: the counts changed with
+        # no output to carry them, and a client would read the old ones until a
+        # heartbeat (1 s): /metrics showed a dropped storm still running (issue 62)
+        self._stats_due = False
         self._kv_sent_at = 0.0  # time.monotonic() of the last batch
 
     # ---- life cycle ---------------------------------------------------------------------
@@ -481,6 +485,7 @@ class EngineCoreServer:
             self._owner_of[msg.request_id] = identity
         elif kind == ABORT:
             self.core.abort_requests(msg)
+            self._stats_due = True
         elif kind == UTILITY:  # a wake_up or add_lora that never returns shows on the watch
             result = self._call_utility(msg)
             self._send(identity, EngineCoreOutputs(
@@ -496,6 +501,7 @@ class EngineCoreServer:
                                "requests", self.engine_index, identity[:8].decode(errors="replace"),
                                self.client_timeout_s, len(orphans))
                 self.core.abort_requests(orphans)
+                self._stats_due = True
         elif kind == HELLO:  # answered READY on the io thread already
             self._welcome(identity)
         elif kind == _CLIENT_BACK:  # it was silent past the timeout, and spoke again
@@ -546,8 +552,9 @@ class EngineCoreServer:
 
     def _route(self, outputs: list[EngineCoreOutput], kv_events: KVEvents | None = None
                ) -> None:
-        """Send each client its requests' outputs; KV events go to every client."""
-        if not outputs and kv_events is None:
+        """Send each client its requests' outputs; KV events go to every client, and
+        the stats too after aborts."""
+        if not outputs and kv_events is None and not self._stats_due:
             return
         per_client: dict[bytes, list[EngineCoreOutput]] = defaultdict(list)
         for out in outputs:
@@ -562,7 +569,8 @@ class EngineCoreServer:
         for identity, outs in per_client.items():
             self._send(identity, EngineCoreOutputs(self.engine_index, outs, timestamp=now,
                                                    scheduler_stats=stats, kv_events=kv_events))
-        if kv_events is not None:
+        if kv_events is not None or self._stats_due:
+            self._stats_due = False
             for identity in [c for c in self._clients if c not in per_client]:
                 self._send(identity, EngineCoreOutputs(self.engine_index, timestamp=now,
                                                        scheduler_stats=stats,
