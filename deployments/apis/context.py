@@ -138,10 +138,12 @@ class ApiContext:
     """Shared by the routes of every API in one app (see the module docstring)."""
 
     def __init__(self, get_client: Callable[[], Awaitable[EngineClient]],
-                 options: IngressOptions, control: Any, store: Any) -> None:
+                 options: IngressOptions, control: Any, store: Any,
+                 current_client: Callable[[], EngineClient | None] | None = None) -> None:
         self.options = options
         self.model = options.served_model_name
         self._raw_get_client = get_client
+        self._current_client = current_client
         self.seen: dict[str, EngineClient] = {}
         # the coordinator in Serve; by default the client itself, with the same rules
         self.control = control or ClientControl(self.get_client)
@@ -152,6 +154,14 @@ class ApiContext:
 
     async def get_client(self) -> EngineClient:
         self.seen["client"] = client = await self._raw_get_client()
+        return client
+
+    def current_client(self) -> EngineClient | None:
+        """The client get_client would return at once (healthy, current), or None when
+        it would have to wait or nobody said: read without awaiting."""
+        client = self._current_client() if self._current_client is not None else None
+        if client is not None:
+            self.seen["client"] = client
         return client
 
     # ---- request bodies ---------------------------------------------------------------------

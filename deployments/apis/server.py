@@ -28,18 +28,20 @@ __all__ = ["ClientControl", "IngressOptions", "build_api_app"]
 
 
 def build_api_app(get_client: Callable[[], Awaitable[EngineClient]],
-                  options: IngressOptions, control: Any = None, store: Any = None
+                  options: IngressOptions, control: Any = None, store: Any = None,
+                  current_client: Callable[[], EngineClient | None] | None = None
                   ) -> Starlette:
     """Routes of every API (+ tokenize, health, metrics, control) over the engines.
 
     control: what answers the control endpoints (the coordinator in Serve); by default
     the ingress's own client, with the same aggregation rules. store: where stored
     Responses live (the coordinator in Serve, so every ingress replica reaches them); by
-    default one in this process.
+    default one in this process. current_client: the client get_client would return
+    without waiting, or None (read by /metrics, which must not wait behind a busy loop).
     """
     store = store or LocalResponses(options.response_store_max, options.response_store_ttl_s,
                                     options.response_store_max_bytes)
-    ctx = ApiContext(get_client, options, control, store)
+    ctx = ApiContext(get_client, options, control, store, current_client)
     app = Starlette(routes=openai_routes(ctx) + responses_routes(ctx) + anthropic_routes(ctx)
                     + service_routes(ctx))
     app.state.metrics = ctx.metrics  # the ingress reports its snapshot from here too

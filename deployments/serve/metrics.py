@@ -9,6 +9,8 @@ output, and their READY values), labelled by engine rank.
 from __future__ import annotations
 
 import itertools
+import math
+import time
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -155,6 +157,7 @@ class IngressMetrics:
             "Part of the time to first token spent in the engine (queue, prefill)",
             TTFT_BUCKETS)
         self._last_sum: Snapshot | None = None  # the coordinator's last answer
+        self._last_sum_at = -math.inf  # and when it came (time.monotonic())
         self.engine_registry = CollectorRegistry()
         self.engine_registry.register(_EngineCollector(model, get_client))
 
@@ -223,7 +226,11 @@ class IngressMetrics:
         """A sum the coordinator answered outside a scrape (the periodic report): what the
         next scrape serves, raised to this replica's counts, if its own ask goes
         unanswered."""
-        self._last_sum = summed
+        self._last_sum, self._last_sum_at = summed, time.monotonic()
+
+    def sum_age(self) -> float:
+        """Seconds since the coordinator last answered a sum (inf: never)."""
+        return time.monotonic() - self._last_sum_at
 
     def exposition(self, summed: Snapshot | None = None) -> bytes:
         """The scrape: the request metrics summed over the ingress replicas (`summed`:
@@ -231,7 +238,7 @@ class IngressMetrics:
         this replica's counts, so the scrape does not fall to this replica's alone),
         then the engines' values."""
         if summed is not None:
-            self._last_sum = summed
+            self.remember_sum(summed)
         elif self._last_sum is not None:
             summed = at_least(self._last_sum, self.snapshot())
         if summed is None:  # no sum yet (or no coordinator): this replica is all of it

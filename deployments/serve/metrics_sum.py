@@ -43,8 +43,8 @@ logger = logging.getLogger(__name__)
 Snapshot = list[list[Any]]
 SampleKey = tuple[str, tuple]
 SUMMED_TYPES = ("counter", "histogram")  # what a snapshot carries (they add up)
-# the ingress replicas report every METRICS_PUSH_S (5 s, deployments/serve/ingress.py) and
-# at each scrape: a replica silent for 12 reports is asked about (ReplicaSweep)
+# the ingress replicas report every METRICS_PUSH_S (1 s, deployments/serve/ingress.py) and
+# at each scrape: a replica silent this long is asked about (ReplicaSweep)
 SILENT_AFTER_S = 60.0
 DEAF_GAP_S = 15.0  # a gap between reports longer than this counts as this (see above)
 # a silent replica is forgotten without Serve's word after this long (Serve's controller
