@@ -8,6 +8,7 @@ seconds), beside the file itself: its weights are served as the blocks it stores
 from __future__ import annotations
 
 import hashlib
+import json
 import importlib.util
 import logging
 import os
@@ -162,7 +163,27 @@ def load_hf_config(path: Path) -> PretrainedConfig:
     return config
 
 
+# tokenizer_config.json's tokenizer_class values that name transformers' generic
+# tokenizers-backed class, which loads without AutoTokenizer
+_GENERIC_TOKENIZERS = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
+
+
 def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
+    """The checkpoint's tokenizer. When its config names the generic tokenizers-backed
+    class (the default model's does), that class is loaded directly: AutoTokenizer
+    imports torch through transformers' config machinery, 3 s of CPU and ~150 MB in
+    every ingress replica, which needs only the tokenizer (an autoscaled replica
+    started during a disconnect storm slowed its aborts, issue 62). The same class
+    either way, so the same tokens."""
+    config = path / "tokenizer_config.json"
+    if (path / "tokenizer.json").is_file() and config.is_file():
+        try:
+            named = json.loads(config.read_text()).get("tokenizer_class")
+        except (OSError, ValueError):
+            named = None
+        if named in _GENERIC_TOKENIZERS:
+            from transformers import PreTrainedTokenizerFast
+            return PreTrainedTokenizerFast.from_pretrained(str(path))
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(str(path))
 

@@ -1,0 +1,42 @@
+"""The tokenizer loads without torch when its config names transformers' generic class
+(engine/model/loader.py): every ingress replica loads one, and AutoTokenizer imported
+torch for it (3 s of CPU, ~150 MB), which slowed a replica's start during a storm."""
+import json
+import subprocess
+import sys
+
+from transformers import AutoTokenizer
+
+from engine.model.loader import load_tokenizer
+
+
+def test_the_default_model_s_tokenizer_loads_without_torch(default_model_dir):
+    code = ("import sys; from engine.model.loader import load_tokenizer; "
+            f"t = load_tokenizer(__import__('pathlib').Path({str(default_model_dir)!r})); "
+            "print(type(t).__name__, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True).stdout.split()
+    assert out == ["TokenizersBackend", "False"]
+
+
+def test_it_tokenizes_and_templates_as_autotokenizer_does(default_model_dir):
+    ours, auto = load_tokenizer(default_model_dir), AutoTokenizer.from_pretrained(
+        str(default_model_dir))
+    assert type(ours) is type(auto)
+    for text in ["Hello world", " <|im_start|>user\nx<|im_end|>", "émoji 🎉\n\n  spaces"]:
+        assert ours.encode(text) == auto.encode(text)
+        assert ours.decode(ours.encode(text)) == auto.decode(auto.encode(text))
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    assert ours.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
+        auto.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert ours.all_special_ids == auto.all_special_ids
+    assert (ours.bos_token_id, ours.eos_token_id) == (auto.bos_token_id, auto.eos_token_id)
+
+
+def test_another_named_class_still_goes_through_autotokenizer(default_model_dir, tmp_path):
+    for name in ("tokenizer.json", "chat_template.jinja", "config.json"):
+        (tmp_path / name).write_bytes((default_model_dir / name).read_bytes())
+    config = json.loads((default_model_dir / "tokenizer_config.json").read_text())
+    config["tokenizer_class"] = "GPT2Tokenizer"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    assert type(load_tokenizer(tmp_path)).__name__ == "GPT2Tokenizer"
