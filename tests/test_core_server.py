@@ -407,21 +407,31 @@ def test_the_engine_replica_fails_its_health_check_on_a_step_past_the_timeout():
     replica.server = None  # nothing for its __del__ to drain
 
 
+def _mock_server(tokenizer, heartbeat_interval_s: float):
+    """An engine-core server over the mock engine (10 ms a token): (server, address)."""
+    from engine.wire.mock import MockConfig, MockEngineCore
+    from tests.test_core_client import free_address
+    core = MockEngineCore(MockConfig(vocab_size=len(tokenizer), itl_s=0.01))
+    address = free_address()
+    return EngineCoreServer(core, address, heartbeat_interval_s=heartbeat_interval_s).start(), \
+        address
+
+
+async def _two_clients(address: str, tokenizer) -> tuple[EngineClient, EngineClient]:
+    return tuple([await EngineClient.connect([address], tokenizer, handshake_timeout_s=10)
+                  for _ in range(2)])
+
+
 def test_an_idle_client_hears_heartbeats_while_another_client_streams(tokenizer):  # noqa: F811
     """Heartbeats went out only when the engine had sent nothing to anyone for an
     interval, so while one client streamed, every other client (an ingress replica that
     had sent no request, the coordinator) heard nothing and took the engine for dead
     after heartbeat_timeout_s (seen with the ingress scaled out under 256 streams). Each
     client now gets a heartbeat once it was sent nothing for an interval."""
-    from engine.wire.mock import MockConfig, MockEngineCore
-    from tests.test_core_client import free_address
-    core = MockEngineCore(MockConfig(vocab_size=len(tokenizer), itl_s=0.01))
-    address = free_address()
-    server = EngineCoreServer(core, address, heartbeat_interval_s=0.5).start()
+    server, address = _mock_server(tokenizer, heartbeat_interval_s=0.5)
 
     async def main():
-        busy = await EngineClient.connect([address], tokenizer, handshake_timeout_s=10)
-        idle = await EngineClient.connect([address], tokenizer, handshake_timeout_s=10)
+        busy, idle = await _two_clients(address, tokenizer)
         try:
             heard, outputs = set(), 0
             params = SamplingParams(max_tokens=400, ignore_eos=True)
@@ -480,16 +490,11 @@ def test_every_client_hears_the_counts_fall_right_after_an_abort(tokenizer):  # 
     the old count until a heartbeat, so /metrics showed a dropped storm still running a
     second after the engines had let it go (issue 62). The engine now sends its stats to
     every client after handling aborts."""
-    from engine.wire.mock import MockConfig, MockEngineCore
-    from tests.test_core_client import free_address
-    core = MockEngineCore(MockConfig(vocab_size=len(tokenizer), itl_s=0.01))
-    address = free_address()
     # heartbeats far apart: only the post-abort stats can bring the new counts
-    server = EngineCoreServer(core, address, heartbeat_interval_s=30.0).start()
+    server, address = _mock_server(tokenizer, heartbeat_interval_s=30.0)
 
     async def main():
-        owner = await EngineClient.connect([address], tokenizer, handshake_timeout_s=10)
-        other = await EngineClient.connect([address], tokenizer, handshake_timeout_s=10)
+        owner, other = await _two_clients(address, tokenizer)
         try:
             params = SamplingParams(max_tokens=4000, ignore_eos=True)
             streams = [owner.generate(f"r{i}", [5, 6, 7], params) for i in range(3)]

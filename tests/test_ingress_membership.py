@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 import deployments.serve.ingress as ingress
 from tests.test_openai_app import engines, tokenizer  # noqa: F401 - fixtures
 
@@ -31,43 +33,15 @@ async def _replica(addresses: list[str]):
     return replica
 
 
+@pytest.mark.parametrize("coordinator", ["answering", "silent"])
 def test_an_engine_left_out_as_dead_is_tried_again_without_a_membership_change(
-        engines, monkeypatch):  # noqa: F811
+        engines, monkeypatch, coordinator):  # noqa: F811
     """After a blip the replica served from the other engines under the same membership
     version and, polling only for version changes, never used the blipped engine again
-    (issue 40, finding 1). Now it tries the engines it left out every ENGINE_RETRY_S."""
-    monkeypatch.setattr(ingress, "MEMBERSHIP_POLL_S", 0.05)
-    monkeypatch.setattr(ingress, "ENGINE_RETRY_S", 0.2)
-    engines.add()
-    engines.add()
-
-    async def main():
-        replica = await _replica(engines.addresses)
-        client = await replica.get_client()
-        assert [e.address for e in client.engines] == engines.addresses
-        client._mark_dead(client.engines[1], "silent for 10.0s (a blip)")
-        narrowed = await replica.get_client()  # serves from the live engine meanwhile
-        assert [e.address for e in narrowed.engines] == engines.addresses[:1]
-        for _ in range(100):
-            await asyncio.sleep(0.05)
-            if len(replica._client.engines) == 2:
-                break
-        whole = replica._client
-        found = [e.address for e in whole.engines], whole.healthy
-        replica._follower.cancel()
-        for c in {client, narrowed, whole}:
-            await c.shutdown()
-        return found
-
-    addresses, healthy = asyncio.run(main())
-    assert addresses == engines.addresses and healthy
-
-
-def test_an_engine_left_out_as_dead_comes_back_while_the_coordinator_is_silent(
-        engines, monkeypatch):  # noqa: F811
-    """The follower tried an engine left out as dead only after a membership answer: an
-    engine that went quiet just before the coordinator stopped stayed out until the
-    coordinator answered again. Now it is tried from the last membership heard."""
+    (issue 40, finding 1). Now it tries the engines it left out every ENGINE_RETRY_S.
+    It did so only after a membership answer: an engine that went quiet just before the
+    coordinator stopped stayed out until the coordinator answered again (issue 62). Now
+    it is tried from the last membership heard."""
     monkeypatch.setattr(ingress, "MEMBERSHIP_POLL_S", 0.05)
     monkeypatch.setattr(ingress, "ENGINE_RETRY_S", 0.2)
     monkeypatch.setattr(ingress, "COORDINATOR_CALL_TIMEOUT_S", 0.1)
@@ -77,12 +51,13 @@ def test_an_engine_left_out_as_dead_comes_back_while_the_coordinator_is_silent(
     async def main():
         replica = await _replica(engines.addresses)
         client = await replica.get_client()
-
-        async def silent():
-            await asyncio.Event().wait()  # a SIGSTOPped coordinator
-        replica.coordinator.membership = _Remote(silent)
+        assert [e.address for e in client.engines] == engines.addresses
+        if coordinator == "silent":
+            async def never():
+                await asyncio.Event().wait()  # a SIGSTOPped coordinator
+            replica.coordinator.membership = _Remote(never)
         client._mark_dead(client.engines[1], "silent for 10.0s (a blip)")
-        narrowed = await replica.get_client()
+        narrowed = await replica.get_client()  # serves from the live engine meanwhile
         assert [e.address for e in narrowed.engines] == engines.addresses[:1]
         for _ in range(100):
             await asyncio.sleep(0.05)

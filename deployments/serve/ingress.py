@@ -33,7 +33,7 @@ MEMBERSHIP_POLL_S = 0.5  # how fast a replica follows engines joining or leaving
 # back is what its scrapes serve (raised to its own counts) when the coordinator's answer
 # to the scrape itself would keep it waiting (deployments/apis/service_routes.py)
 METRICS_PUSH_S = 1.0
-METRICS_TIMEOUT_S = 2.0  # the periodic push waits this long for the sum
+METRICS_TIMEOUT_S = 2.0  # how long a report waits for the sum unless told
 REPORT_GIVE_UP_S = 30.0  # a report still unanswered is dropped (the next one follows)
 RETIRE_WAIT_S = 600.0
 # an engine this replica left out as dead while the coordinator still lists it (it went
@@ -358,8 +358,11 @@ class OpenAIIngress:
     async def _push_metrics(self) -> None:
         """Report this replica's request metrics (the coordinator's sum stays current
         between scrapes); the sum it answers is what a scrape serves, raised to this
-        replica's counts, when the coordinator does not answer the scrape in time."""
-        summed = await self._control.sum_metrics(self._app.state.metrics.snapshot())
+        replica's counts, when the coordinator does not answer the scrape in time.
+        Waits for the answer (at most REPORT_GIVE_UP_S): one report in flight at a time,
+        so a silent coordinator is not sent one a second."""
+        summed = await self._control.sum_metrics(self._app.state.metrics.snapshot(),
+                                                 REPORT_GIVE_UP_S)
         if summed is not None:
             self._app.state.metrics.remember_sum(summed)
 
