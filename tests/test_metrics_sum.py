@@ -265,7 +265,8 @@ def test_two_ingress_replicas_scraped_in_turn_never_go_backwards(engines):
 
 
 class SlowControl(ClientControl):
-    """A coordinator answering the sum late (a loaded replica's round trip: 0.5-0.8 s)."""
+    """A coordinator answering the sum late (a loaded replica's round trip: 0.5-0.8 s),
+    with CoordinatorControl's rule: no answer past the caller's timeout."""
 
     def __init__(self, get_client, delay_s: float, answer) -> None:
         super().__init__(get_client)
@@ -273,15 +274,22 @@ class SlowControl(ClientControl):
 
     async def sum_metrics(self, snapshot, timeout_s: float = 2.0):
         self.asked += 1
+        answer = self.answer  # as of the report
+        if self.delay_s > timeout_s:
+            await asyncio.sleep(timeout_s)
+            return None
         await asyncio.sleep(self.delay_s)
-        return self.answer
+        return answer
 
 
-def test_a_scrape_serves_a_recent_sum_without_waiting_and_keeps_a_late_answer(engines):
+def test_a_scrape_serves_a_recent_sum_without_waiting_and_keeps_a_late_answer(
+        engines, monkeypatch):
     """/metrics took 0.9-1.3 s under 256 streams, most of it waiting for the coordinator's
-    sum (issue 62). With a sum under SUM_FRESH_S old (the replica's reports bring one
-    every second) the scrape serves it at once, raised to the replica's own counts; the
-    answer that comes later is the next scrape's sum. Without a recent one it waits."""
+    sum (issue 62). A scrape waits SUM_WAIT_S at most; an answer that comes later is
+    kept, and a scrape with a sum under SUM_FRESH_S old serves it at once, raised to the
+    replica's own counts; its own report's answer is the next scrape's sum."""
+    from deployments.apis import service_routes
+    monkeypatch.setattr(service_routes, "SUM_WAIT_S", 0.3)
     engines.add(itl_s=0.001)
 
     async def main():
@@ -289,26 +297,41 @@ def test_a_scrape_serves_a_recent_sum_without_waiting_and_keeps_a_late_answer(en
 
         async def get_client():
             return client
-        control = SlowControl(get_client, 0.4, _counter(11))
+        control = SlowControl(get_client, 0.6, _counter(11))
         app = build_api_app(get_client, IngressOptions(MODEL), control)
         http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://x")
+
+        async def scrape() -> tuple[float, float]:
+            began = asyncio.get_running_loop().time()
+            values = _scrape((await http.get("/metrics")).text)
+            return (asyncio.get_running_loop().time() - began,
+                    values.get("vllm:request_success_total", 0.0))
         try:
-            began = asyncio.get_running_loop().time()
-            first = _scrape((await http.get("/metrics")).text)  # no sum yet: waits for it
-            waited = asyncio.get_running_loop().time() - began
+            first = await scrape()  # no sum yet: waits SUM_WAIT_S, serves its own
+            await asyncio.sleep(0.5)  # the answer comes meanwhile (0.6 s)
             control.answer = _counter(12)
-            began = asyncio.get_running_loop().time()
-            second = _scrape((await http.get("/metrics")).text)  # the recent one, at once
-            quick = asyncio.get_running_loop().time() - began
-            await asyncio.sleep(0.6)  # the second scrape's own answer arrives meanwhile
-            third = _scrape((await http.get("/metrics")).text)
-            return waited, first, quick, second, third, control.asked
+            second = await scrape()  # the kept answer, at once
+            await asyncio.sleep(0.8)  # the second scrape's own answer comes meanwhile
+            third = await scrape()
+            return first, second, third, control.asked
         finally:
             await http.aclose()
             await client.shutdown()
 
-    waited, first, quick, second, third, asked = asyncio.run(main())
-    assert waited >= 0.4 and first["vllm:request_success_total"] == 11
-    assert quick < 0.3 and second["vllm:request_success_total"] == 11
-    assert third["vllm:request_success_total"] == 12
+    first, second, third, asked = asyncio.run(main())
+    assert first[0] >= 0.3 and first[1] == 0
+    assert second[0] < 0.25 and second[1] == 11
+    assert third[1] == 12
     assert asked == 3  # every scrape still reports
+
+
+def test_an_answer_to_an_older_report_never_replaces_a_newer_one():
+    """Ray does not order calls: the periodic report's answer may come after a newer
+    scrape's. The replica keeps the answer to its newest report."""
+    from deployments.serve.metrics import IngressMetrics
+    metrics = IngressMetrics(MODEL, lambda: None)
+    older, _ = metrics.report()
+    newer, _ = metrics.report()
+    metrics.remember_sum(_counter(9), newer)
+    metrics.remember_sum(_counter(7), older)  # late
+    assert _scrape(metrics.exposition().decode())["vllm:request_success_total"] == 9

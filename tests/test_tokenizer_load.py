@@ -5,6 +5,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 from transformers import AutoTokenizer
 
 from engine.model.loader import load_tokenizer
@@ -33,10 +34,20 @@ def test_it_tokenizes_and_templates_as_autotokenizer_does(default_model_dir):
     assert (ours.bos_token_id, ours.eos_token_id) == (auto.bos_token_id, auto.eos_token_id)
 
 
-def test_another_named_class_still_goes_through_autotokenizer(default_model_dir, tmp_path):
-    for name in ("tokenizer.json", "chat_template.jinja", "config.json"):
+@pytest.mark.parametrize("tokenizer_class, model_type", [
+    ("GPT2Tokenizer", "llama"),  # a specific class named
+    ("TokenizersBackend", "qwen2"),  # a model type whose own class AutoTokenizer prefers
+])
+def test_elsewhere_it_loads_what_autotokenizer_loads(default_model_dir, tmp_path,
+                                                     tokenizer_class, model_type):
+    for name in ("tokenizer.json", "chat_template.jinja"):
         (tmp_path / name).write_bytes((default_model_dir / name).read_bytes())
-    config = json.loads((default_model_dir / "tokenizer_config.json").read_text())
-    config["tokenizer_class"] = "GPT2Tokenizer"
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
-    assert type(load_tokenizer(tmp_path)).__name__ == "GPT2Tokenizer"
+    for name, key, value in [("tokenizer_config.json", "tokenizer_class", tokenizer_class),
+                             ("config.json", "model_type", model_type)]:
+        data = json.loads((default_model_dir / name).read_text())
+        data[key] = value
+        (tmp_path / name).write_text(json.dumps(data))
+    auto = AutoTokenizer.from_pretrained(str(tmp_path))
+    ours = load_tokenizer(tmp_path)
+    assert type(ours) is type(auto)
+    assert ours.encode("Hello world") == auto.encode("Hello world")

@@ -65,10 +65,11 @@ class AdapterDirectory:
         before a request needs it)."""
         self._start()
 
-    def seed(self, adapters: list[LoRARequest]) -> None:
-        """The list as fetched before this directory existed (an ingress replica asks for
-        it while starting, so it never serves without one)."""
-        self._take(adapters)
+    def seed(self, adapters: list[LoRARequest], fetched_at: float) -> None:
+        """The list as fetched (at time.monotonic() `fetched_at`) before this directory
+        existed: an ingress replica asks for it while starting, so it never serves
+        without one."""
+        self._take(adapters, fetched_at)
 
     def details(self) -> dict[str, Any]:
         """For /health: how many adapters are known, and how old the list is."""
@@ -109,9 +110,10 @@ class AdapterDirectory:
             return
         self._take(adapters)
 
-    def _take(self, adapters: list[LoRARequest]) -> None:
+    def _take(self, adapters: list[LoRARequest], fetched_at: float | None = None) -> None:
         self._by_name = {a.lora_name: a for a in adapters}
-        self._fetched, self.failure = time.monotonic(), None
+        self._fetched = time.monotonic() if fetched_at is None else fetched_at
+        self.failure = None
 
     async def load(self, name: str, path: str) -> LoRARequest:
         """Load an adapter on every engine; raises ValueError if the name is taken."""

@@ -38,6 +38,7 @@ SUM_WAIT_S = 0.5  # and waits this long for the sum over the replicas (else its 
 # then it waits only SUM_FRESH_WAIT_S (an answer from memory), not a loaded round trip
 SUM_FRESH_S = 3.0
 SUM_FRESH_WAIT_S = 0.05
+SUM_ANSWER_S = 30.0  # a scrape's report keeps its answer this long at most
 SLOW_SCRAPE_S = 1.0  # a scrape slower than this is logged with where its time went
 
 
@@ -104,9 +105,10 @@ def service_routes(ctx: ApiContext) -> list[Route]:
         # this replica's counts) rather than waited for. The scrape's report still
         # reaches the sum, so another replica's scrape a second later counts it.
         began = time.monotonic()
-        summing = asyncio.ensure_future(ctx.control.sum_metrics(ctx.metrics.snapshot(),
-                                                                SUM_WAIT_S))
-        summing.add_done_callback(_keep_sum)
+        report, snapshot = ctx.metrics.report()
+        # the answer is kept however late (SUM_ANSWER_S at most): the next scrape's sum
+        summing = asyncio.ensure_future(ctx.control.sum_metrics(snapshot, SUM_ANSWER_S))
+        summing.add_done_callback(lambda t: _keep_sum(t, report))
         # the replica's current client: it may have moved to another engine set since its
         # last request (the gauges were those of the retired client, the chaos run found)
         client = ctx.current_client()
@@ -124,7 +126,8 @@ def service_routes(ctx: ApiContext) -> list[Route]:
         refreshed = time.monotonic()
         fresh = ctx.metrics.sum_age() <= SUM_FRESH_S
         await asyncio.wait({summing}, timeout=SUM_FRESH_WAIT_S if fresh else SUM_WAIT_S)
-        body = ctx.metrics.exposition(summing.result() if summing.done() else None)
+        _keep_sum(summing, report)  # (its callback may not have run yet)
+        body = ctx.metrics.exposition()
         took = time.monotonic() - began
         if took > SLOW_SCRAPE_S:
             logger.warning("metrics: a scrape took %.2f s (client %.2f s, engine stats "
@@ -132,10 +135,12 @@ def service_routes(ctx: ApiContext) -> list[Route]:
                            refreshed - connected, time.monotonic() - refreshed)
         return Response(body, media_type="text/plain; version=0.0.4")
 
-    def _keep_sum(task: asyncio.Task) -> None:
-        """An answer that came after the scrape stopped waiting is the next one's sum."""
-        if not task.cancelled() and task.exception() is None and task.result() is not None:
-            ctx.metrics.remember_sum(task.result())
+    def _keep_sum(task: asyncio.Task, report: int) -> None:
+        """The coordinator's answer, whenever it comes: this scrape's sum, or the next
+        one's when it came after the scrape stopped waiting."""
+        if task.done() and not task.cancelled() and task.exception() is None \
+                and task.result() is not None:
+            ctx.metrics.remember_sum(task.result(), report)
 
     connecting: dict[str, asyncio.Task] = {}
 

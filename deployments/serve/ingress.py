@@ -42,11 +42,13 @@ ENGINE_RETRY_S = 5.0
 ENGINE_RETRY_HANDSHAKE_S = 3.0
 # how long a replica starting beside serving engines waits to connect before it serves
 START_CONNECT_S = 30.0
-# how long a starting replica asks for the coordinator's first answer before it serves
-# without one. Without a membership and an adapter list it can only answer 503: in the
-# chaos run a replacement ingress came up while the coordinator was SIGSTOPped and
-# answered 13 of 60 probes 503 (issue 62) while the other replica served from memory
+# how long a starting replica keeps asking for the coordinator's first answer before it
+# serves without one (each ask bounded by COORDINATOR_CALL_TIMEOUT_S, then
+# START_HEAR_RETRY_S apart). Without a membership and an adapter list it can only answer
+# 503: in the chaos run a replacement ingress came up while the coordinator was
+# SIGSTOPped and answered 13 of 60 probes 503 (issue 62) while the other replica served
 START_HEAR_COORDINATOR_S = 120.0
+START_HEAR_RETRY_S = 1.0
 
 
 async def _retire(client: EngineClient) -> None:
@@ -86,6 +88,9 @@ class CoordinatorControl:
         the event loop, and /metrics waits for this (issue 62: 0.6-0.85 s of a scrape)."""
         try:
             out = await self.coordinator.report_metrics.remote(self.replica_id, snapshot)
+        except asyncio.CancelledError:  # given up (REPORT_GIVE_UP_S) or shutting down
+            self.view.failed(TimeoutError("a metrics report went unanswered"))
+            raise
         except Exception as exc:
             self.view.failed(exc)
             raise
@@ -187,7 +192,8 @@ class OpenAIIngress:
         self._lock = asyncio.Lock()
         self._app = None  # the ASGI app, once Serve built it
         self._control = CoordinatorControl(self.coordinator, self.view)
-        self._first_adapters: list | None = None  # the adapter list heard at start
+        # the adapter list heard at start, and when (time.monotonic())
+        self._first_adapters: tuple[list, float] | None = None
         self._push: asyncio.Task | None = None  # the metrics report in flight
         self._heap_trim = IdleHeapTrim()  # RSS back to what is live once a burst is over
         # loaded at once, while the engines load: it takes seconds (transformers, torch),
@@ -218,11 +224,11 @@ class OpenAIIngress:
         addresses = await self._hear_coordinator()
         task = asyncio.get_running_loop().create_task(self._reconnect())
         if addresses:
+            await asyncio.wait({task}, timeout=START_CONNECT_S)
             try:  # seeds the adapter directory: /v1/models answers without a call
-                self._first_adapters = await self._control.list_loras()
+                self._first_adapters = (await self._control.list_loras(), time.monotonic())
             except Exception as exc:  # noqa: BLE001 - the follower fetches it
                 logger.warning("ingress: no adapter list at start: %s", exc)
-            await asyncio.wait({task}, timeout=START_CONNECT_S)
         return task
 
     async def _hear_coordinator(self) -> list[str]:
@@ -241,7 +247,7 @@ class OpenAIIngress:
                     return []
                 logger.warning("ingress: no engine membership at start yet (%s); asking "
                                "again", exc)
-                await asyncio.sleep(1.0)
+                await asyncio.sleep(START_HEAR_RETRY_S)
 
     async def _membership(self) -> tuple[int, list[str], dict[str, dict], bool]:
         """The coordinator's membership, asked now (bounded), and kept in self.view."""
@@ -308,13 +314,15 @@ class OpenAIIngress:
 
     async def _follow(self) -> None:
         pushed = time.monotonic()
-        fetched_adapters = self._first_adapters is not None  # heard at start
+        fetched_adapters = False
         while True:
             await asyncio.sleep(MEMBERSHIP_POLL_S)
             if not fetched_adapters and self._app is not None:
-                # the replica's first adapter list, before a request needs it: requests
-                # naming a model answer from it if the coordinator goes silent
-                self._app.state.adapters.refresh_soon()
+                # the replica's first adapter list (unless its constructor heard one),
+                # before a request needs it: requests naming a model answer from it if
+                # the coordinator goes silent
+                if self._first_adapters is None:
+                    self._app.state.adapters.refresh_soon()
                 fetched_adapters = True
             client = self._client
             self._heap_trim.poll(client.num_in_flight, client.requests_submitted)
@@ -329,7 +337,8 @@ class OpenAIIngress:
                 # the last membership heard still names the engines: one left out as
                 # dead is tried again from it (nothing else would bring it back while
                 # the coordinator is silent)
-                version, addresses, stopping = self.view.version, self.view.addresses, False
+                version, addresses = self.view.version, self.view.addresses
+                stopping = self.view.stopping
             try:
                 if stopping and self._app is not None and not self._app.state.stopping:
                     self._app.state.stopping = True
@@ -361,10 +370,15 @@ class OpenAIIngress:
         replica's counts, when the coordinator does not answer the scrape in time.
         Waits for the answer (at most REPORT_GIVE_UP_S): one report in flight at a time,
         so a silent coordinator is not sent one a second."""
-        summed = await self._control.sum_metrics(self._app.state.metrics.snapshot(),
-                                                 REPORT_GIVE_UP_S)
+        metrics = self._app.state.metrics
+        report, snapshot = metrics.report()
+        try:
+            summed = await self._control.sum_metrics(snapshot, REPORT_GIVE_UP_S)
+        except Exception:  # noqa: BLE001 - the next report follows
+            logger.exception("ingress: the metrics report failed")
+            return
         if summed is not None:
-            self._app.state.metrics.remember_sum(summed)
+            metrics.remember_sum(summed, report)
 
     def _left_out(self, addresses: list[str]) -> list[str]:
         """The engines the coordinator lists and this replica's client lacks, when it is
@@ -394,7 +408,7 @@ class OpenAIIngress:
                                   CoordinatorResponses(self.coordinator),
                                   current_client=self._current_client)
         if self._first_adapters is not None:
-            self._app.state.adapters.seed(self._first_adapters)
+            self._app.state.adapters.seed(*self._first_adapters)
         return self._app
 
     async def check_health(self) -> None:

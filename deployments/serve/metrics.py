@@ -156,8 +156,10 @@ class IngressMetrics:
             "flotilla:time_to_first_token_engine_seconds",
             "Part of the time to first token spent in the engine (queue, prefill)",
             TTFT_BUCKETS)
-        self._last_sum: Snapshot | None = None  # the coordinator's last answer
+        self._last_sum: Snapshot | None = None  # the coordinator's newest answer
         self._last_sum_at = -math.inf  # and when it came (time.monotonic())
+        self._reports = 0  # reports numbered as sent: an older answer never replaces a newer
+        self._last_sum_report = 0
         self.engine_registry = CollectorRegistry()
         self.engine_registry.register(_EngineCollector(model, get_client))
 
@@ -222,29 +224,33 @@ class IngressMetrics:
         """This replica's request counters and histograms, for MetricsSum."""
         return snapshot_of(self.registry)
 
-    def remember_sum(self, summed: Snapshot) -> None:
-        """A sum the coordinator answered outside a scrape (the periodic report): what the
-        next scrape serves, raised to this replica's counts, if its own ask goes
-        unanswered."""
-        self._last_sum, self._last_sum_at = summed, time.monotonic()
+    def report(self) -> tuple[int, Snapshot]:
+        """This replica's snapshot for a report to the coordinator, numbered: pass the
+        number to remember_sum with the answer."""
+        self._reports += 1
+        return self._reports, self.snapshot()
+
+    def remember_sum(self, summed: Snapshot, report: int) -> None:
+        """The coordinator's answer to report number `report` (a scrape's or a periodic
+        one): what scrapes serve, raised to this replica's counts, until a newer one
+        comes. Ray does not order calls: an answer to an older report is dropped."""
+        if report > self._last_sum_report:
+            self._last_sum, self._last_sum_at = summed, time.monotonic()
+            self._last_sum_report = report
 
     def sum_age(self) -> float:
         """Seconds since the coordinator last answered a sum (inf: never)."""
         return time.monotonic() - self._last_sum_at
 
-    def exposition(self, summed: Snapshot | None = None) -> bytes:
-        """The scrape: the request metrics summed over the ingress replicas (`summed`:
-        the coordinator's answer; None when it did not answer: the last sum raised to
-        this replica's counts, so the scrape does not fall to this replica's alone),
-        then the engines' values."""
-        if summed is not None:
-            self.remember_sum(summed)
-        elif self._last_sum is not None:
-            summed = at_least(self._last_sum, self.snapshot())
-        if summed is None:  # no sum yet (or no coordinator): this replica is all of it
+    def exposition(self) -> bytes:
+        """The scrape: the request metrics summed over the ingress replicas (the
+        coordinator's newest sum raised to this replica's counts, so the scrape never
+        falls below them; this replica's alone before any sum or without a
+        coordinator), then the engines' values."""
+        if self._last_sum is None:
             requests = generate_latest(self.registry)
         else:
             registry = CollectorRegistry()
-            registry.register(SnapshotCollector(summed))
+            registry.register(SnapshotCollector(at_least(self._last_sum, self.snapshot())))
             requests = generate_latest(registry)
         return requests + generate_latest(self.engine_registry)

@@ -1,9 +1,9 @@
-"""Request metrics summed over the ingress replicas, so that no scrape goes backwards.
+"""Request metrics summed over the ingress replicas, so that scrapes do not go backwards.
 
 A Prometheus scrape of the Serve port lands on one ingress replica, and each replica
 counts only its own requests: with several replicas, successive scrapes would read
 different replicas' counters and see them fall. So every replica reports a snapshot of
-its request counters and histograms (when it is scraped, and every few seconds) to
+its request counters and histograms (when it is scraped, and every second) to
 the coordinator, which keeps the latest counts of every replica it hears from and
 answers with their sum. A replica that went away (downscaled, dead) keeps its last
 counts in the sum; a report that arrives late (Ray does not order calls) cannot lower

@@ -166,24 +166,34 @@ def load_hf_config(path: Path) -> PretrainedConfig:
 # tokenizer_config.json's tokenizer_class values that name transformers' generic
 # tokenizers-backed class, which loads without AutoTokenizer
 _GENERIC_TOKENIZERS = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
+# model types for which AutoTokenizer keeps a generic class a checkpoint names (others
+# may swap in their own class: qwen2's, Mistral's tekken backend, ...); each is checked
+# against AutoTokenizer in tests/test_tokenizer_load.py
+_GENERIC_KEPT_FOR = frozenset({"llama"})
+
+
+def _named_generic(path: Path) -> bool:
+    """Whether AutoTokenizer would load the generic class for this checkpoint: its
+    tokenizer config names it, with no custom code, for a model type that keeps it."""
+    try:
+        tokenizer_config = json.loads((path / "tokenizer_config.json").read_text())
+        model_type = json.loads((path / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError):
+        return False
+    return (tokenizer_config.get("tokenizer_class") in _GENERIC_TOKENIZERS
+            and "auto_map" not in tokenizer_config and model_type in _GENERIC_KEPT_FOR
+            and (path / "tokenizer.json").is_file())
 
 
 def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
-    """The checkpoint's tokenizer. When its config names the generic tokenizers-backed
-    class (the default model's does), that class is loaded directly: AutoTokenizer
-    imports torch through transformers' config machinery, 3 s of CPU and ~150 MB in
-    every ingress replica, which needs only the tokenizer (an autoscaled replica
-    started during a disconnect storm slowed its aborts, issue 62). The same class
-    either way, so the same tokens."""
-    config = path / "tokenizer_config.json"
-    if (path / "tokenizer.json").is_file() and config.is_file():
-        try:
-            named = json.loads(config.read_text()).get("tokenizer_class")
-        except (OSError, ValueError):
-            named = None
-        if named in _GENERIC_TOKENIZERS:
-            from transformers import PreTrainedTokenizerFast
-            return PreTrainedTokenizerFast.from_pretrained(str(path))
+    """The checkpoint's tokenizer. Where AutoTokenizer would load transformers' generic
+    tokenizers-backed class (the default model), that class is loaded directly:
+    AutoTokenizer imports torch through transformers' config machinery, 3 s of CPU and
+    ~150 MB in every ingress replica, which needs only the tokenizer (an autoscaled
+    replica started during a disconnect storm slowed its aborts, issue 62)."""
+    if _named_generic(path):
+        from transformers import PreTrainedTokenizerFast
+        return PreTrainedTokenizerFast.from_pretrained(str(path))
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(str(path))
 
