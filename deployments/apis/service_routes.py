@@ -105,10 +105,10 @@ def service_routes(ctx: ApiContext) -> list[Route]:
         # this replica's counts) rather than waited for. The scrape's report still
         # reaches the sum, so another replica's scrape a second later counts it.
         began = time.monotonic()
-        report, snapshot = ctx.metrics.report()
         # the answer is kept however late (SUM_ANSWER_S at most): the next scrape's sum
-        summing = asyncio.ensure_future(ctx.control.sum_metrics(snapshot, SUM_ANSWER_S))
-        summing.add_done_callback(lambda t: _keep_sum(t, report))
+        summing = asyncio.ensure_future(ctx.metrics.sum_over_replicas(ctx.control,
+                                                                      SUM_ANSWER_S))
+        summing.add_done_callback(lambda t: t.cancelled() or t.exception())  # seen here
         # the replica's current client: it may have moved to another engine set since its
         # last request (the gauges were those of the retired client, the chaos run found)
         client = ctx.current_client()
@@ -126,7 +126,6 @@ def service_routes(ctx: ApiContext) -> list[Route]:
         refreshed = time.monotonic()
         fresh = ctx.metrics.sum_age() <= SUM_FRESH_S
         await asyncio.wait({summing}, timeout=SUM_FRESH_WAIT_S if fresh else SUM_WAIT_S)
-        _keep_sum(summing, report)  # (its callback may not have run yet)
         body = ctx.metrics.exposition()
         took = time.monotonic() - began
         if took > SLOW_SCRAPE_S:
@@ -134,13 +133,6 @@ def service_routes(ctx: ApiContext) -> list[Route]:
                            "%.2f s, then the replicas' sum %.2f s)", took, connected - began,
                            refreshed - connected, time.monotonic() - refreshed)
         return Response(body, media_type="text/plain; version=0.0.4")
-
-    def _keep_sum(task: asyncio.Task, report: int) -> None:
-        """The coordinator's answer, whenever it comes: this scrape's sum, or the next
-        one's when it came after the scrape stopped waiting."""
-        if task.done() and not task.cancelled() and task.exception() is None \
-                and task.result() is not None:
-            ctx.metrics.remember_sum(task.result(), report)
 
     connecting: dict[str, asyncio.Task] = {}
 

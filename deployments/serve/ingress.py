@@ -370,15 +370,10 @@ class OpenAIIngress:
         replica's counts, when the coordinator does not answer the scrape in time.
         Waits for the answer (at most REPORT_GIVE_UP_S): one report in flight at a time,
         so a silent coordinator is not sent one a second."""
-        metrics = self._app.state.metrics
-        report, snapshot = metrics.report()
         try:
-            summed = await self._control.sum_metrics(snapshot, REPORT_GIVE_UP_S)
+            await self._app.state.metrics.sum_over_replicas(self._control, REPORT_GIVE_UP_S)
         except Exception:  # noqa: BLE001 - the next report follows
             logger.exception("ingress: the metrics report failed")
-            return
-        if summed is not None:
-            metrics.remember_sum(summed, report)
 
     def _left_out(self, addresses: list[str]) -> list[str]:
         """The engines the coordinator lists and this replica's client lacks, when it is

@@ -238,6 +238,14 @@ class IngressMetrics:
             self._last_sum, self._last_sum_at = summed, time.monotonic()
             self._last_sum_report = report
 
+    async def sum_over_replicas(self, control, timeout_s: float) -> None:
+        """Report this replica's counts to `control` (the coordinator in Serve) and keep
+        the sum it answers within timeout_s: what scrapes serve from then on."""
+        report, snapshot = self.report()
+        summed = await control.sum_metrics(snapshot, timeout_s)
+        if summed is not None:
+            self.remember_sum(summed, report)
+
     def sum_age(self) -> float:
         """Seconds since the coordinator last answered a sum (inf: never)."""
         return time.monotonic() - self._last_sum_at
