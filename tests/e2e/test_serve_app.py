@@ -3,6 +3,7 @@ for the module. The agent APIs (Responses, Messages, reasoning output) are check
 with the official SDKs (tests/e2e/agent_api_checks.py), on scripted mock engines."""
 import asyncio
 import tempfile
+import time
 
 import httpx
 import openai
@@ -354,22 +355,32 @@ def test_a_killed_ingress_replica_leaves_the_other_serving(base_url):
 def test_metrics_scrape_reports_to_the_coordinator_sum(base_url):
     from ray import serve
     coordinator = serve.get_deployment_handle("Coordinator", app_name="flotilla")
-    with httpx.Client(base_url=base_url, timeout=60) as http:
-        r = http.post("/v1/completions", json={"prompt": "sum", "max_tokens": 3,
-                                               "ignore_eos": True})
-        assert r.status_code == 200
-        text = http.get("/metrics").text
 
     def successes(snapshot) -> float:
         return sum(v for name, _, _, samples in snapshot if name == "vllm:request_success"
                    for _, _, v in samples)
-    # the scrape reported the ingress's counts: the coordinator's sum holds them, and
-    # another replica's report (here an empty one) is answered with that sum
-    summed = asyncio.run(_remote(coordinator.report_metrics.remote("probe-replica", [])))
+    with httpx.Client(base_url=base_url, timeout=60) as http:
+        r = http.post("/v1/completions", json={"prompt": "sum", "max_tokens": 3,
+                                               "ignore_eos": True})
+        assert r.status_code == 200
+        # the scrape reports the ingress's counts: the coordinator's sum holds them, and
+        # another replica's report (here an empty one) is answered with that sum. A
+        # scrape with a sum under SUM_FRESH_S old serves it (raised to its replica's own
+        # counts) without waiting for its report's answer, so the replica a scrape
+        # reaches may serve the request only a report later (docs/deployment.md)
+        deadline = time.monotonic() + 10
+        while True:
+            text = http.get("/metrics").text
+            summed = asyncio.run(_remote(coordinator.report_metrics.remote("probe-replica",
+                                                                           [])))
+            served = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                         if line.startswith("vllm:request_success_total{"))
+            if (successes(summed) >= 1 and served == successes(summed)) \
+                    or time.monotonic() > deadline:
+                break
+            time.sleep(0.3)
     assert successes(summed) >= 1
-    served = [line for line in text.splitlines()
-              if line.startswith("vllm:request_success_total{")]
-    assert sum(float(line.rsplit(" ", 1)[1]) for line in served) == successes(summed)
+    assert served == successes(summed)
 
 
 async def _remote(response):
