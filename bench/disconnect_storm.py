@@ -3,7 +3,9 @@ engines take to stop running them.
 
     python bench/disconnect_storm.py                        # flotilla serve, 256 and 1,024
     python bench/disconnect_storm.py --launch serve-run     # `serve run deployments.app:build_app`
+    python bench/disconnect_storm.py --launch serve-run-haproxy  # the same, HAProxy in front
     python bench/disconnect_storm.py --url http://127.0.0.1:8000 --streams 256
+    python bench/disconnect_storm.py --launch bare-serve-run  # no Flotilla: Serve's floor
 
 The server runs the mock engine (DP=2, 20 ms a token, so a 1,500-token stream would run
 30 s on its own). Each stream is a raw socket (so a thousand clients cost the benchmark
@@ -13,6 +15,11 @@ until the engines run nothing: printed are the time from the drop to 0 running
 ("cleared"), and the slowest /metrics answers while every stream ran (scraped every
 0.25 s for --hold-s seconds before the drop) and after the drop (issue 62: cleared
 within 1 s, /metrics within 1 s throughout).
+
+`serve-run-haproxy` runs `serve run` with `RAY_SERVE_ENABLE_HA_PROXY=1`, as cluster.yaml,
+the Helm chart and `flotilla serve` run Serve. `bare-serve-run` runs no Flotilla code: bench/bare_sse.py's paced app (one replica, one
+ticker waking every stream each 20 ms, its own /metrics count) behind the same `serve run`
+proxy, so the time Serve alone takes to cancel a dropped storm is measured beside ours.
 """
 from __future__ import annotations
 
@@ -29,6 +36,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 from bench.serve import FLOTILLA, REPO, Server, start_server, stop_server  # noqa: E402
+from deployments.cli import haproxy_env, stop_haproxy  # noqa: E402
 
 MODEL = "mock"
 ITL_S = 0.02
@@ -43,7 +51,9 @@ def launch_argv(kind: str, port: int) -> list[str]:
         return [FLOTILLA, "serve", "--model", MODEL, "--data-parallel-size", "2",
                 "--mock-itl-s", str(ITL_S), "--max-num-seqs", str(MAX_NUM_SEQS),
                 "--port", str(port)]
-    serve = str(Path(sys.executable).parent / "serve")
+    serve = str(Path(sys.executable).parent / "serve")  # serve-run[-haproxy]: env differs
+    if kind == "bare-serve-run":
+        return [serve, "run", "bench.bare_sse:paced_app", f"itl_s={ITL_S}"]
     return [serve, "run", "deployments.app:build_app", f"model={MODEL}",
             "data_parallel_size=2", f"mock_itl_s={ITL_S}",
             f"max_num_seqs={MAX_NUM_SEQS}", *EXTRA]  # on Serve's own port, 8000
@@ -123,7 +133,8 @@ async def storm(host: str, port: int, streams: int, hold_s: float = 0.0) -> dict
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--url", help="an already running server (the mock model, DP=2)")
-    ap.add_argument("--launch", choices=("flotilla", "serve-run"), default="flotilla")
+    ap.add_argument("--launch", default="flotilla", choices=(
+        "flotilla", "serve-run", "serve-run-haproxy", "bare-serve-run"))
     ap.add_argument("--streams", type=int, nargs="+", default=[256, 1024])
     ap.add_argument("--port", type=int, default=8321)
     ap.add_argument("--option", action="append", default=[],
@@ -131,8 +142,11 @@ def main() -> int:
     ap.add_argument("--hold-s", type=float, default=5.0,
                     help="seconds the streams run, all of them running, before the drop")
     args = ap.parse_args()
+    if args.hold_s > MAX_TOKENS * ITL_S / 3:  # the streams would end on their own meanwhile
+        ap.error(f"--hold-s must stay under {MAX_TOKENS * ITL_S / 3:g} s: streams that near "
+                 "their natural end clear without any abort")
     EXTRA.extend(args.option)
-    proc = None
+    proc = haproxy_dir = None
     if args.url:
         host, _, port = args.url.removeprefix("http://").rstrip("/").partition(":")
         port = int(port or 80)
@@ -140,6 +154,9 @@ def main() -> int:
         host, port = "127.0.0.1", args.port if args.launch == "flotilla" else 8000
         log = Path(tempfile.mkdtemp(prefix="storm-")) / "server.log"
         env = {"RAY_TMPDIR": tempfile.mkdtemp(prefix="ray-", dir="/tmp")}
+        if args.launch == "serve-run-haproxy":  # as cluster.yaml's `ray start` lines run Serve
+            haproxy_dir = tempfile.mkdtemp(prefix="sh-", dir="/tmp")  # short: haproxy_env
+            env.update(haproxy_env(haproxy_dir))
         proc = start_server(Server(args.launch, launch_argv(args.launch, port), MODEL,
                                    env=env, cwd=REPO), port, log)
         print(f"server: {args.launch} (log {log})", flush=True)
@@ -151,6 +168,8 @@ def main() -> int:
     finally:
         if proc is not None:
             stop_server(proc)
+        if haproxy_dir is not None:
+            stop_haproxy(haproxy_dir)
     return 0
 
 
