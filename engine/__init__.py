@@ -3,7 +3,7 @@
 Never imports ray: it runs in a plain process, in any actor, or behind the
 engine-core server.
 """
-__version__ = "0.1.0"
+from engine.version import __version__  # set before the modules below load
 
 from engine.config import EngineConfig
 from engine.errors import (

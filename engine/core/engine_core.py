@@ -531,7 +531,7 @@ class EngineCore(EngineLoRA):
         return ["generate", "embed"]
 
     def ready_response(self, engine_index: int) -> EngineCoreReadyResponse:
-        from engine import __version__
+        from engine.version import __version__
         return EngineCoreReadyResponse(
             engine_index=engine_index, max_model_len=self.max_model_len,
             num_gpu_blocks=self.num_blocks, block_size=self.block_size,

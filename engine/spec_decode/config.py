@@ -9,6 +9,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from engine.errors import InvalidRequestError
+from engine.spec_decode.registry import PROPOSERS
 
 # vLLM's method names that name a model-based proposer; not served by this engine yet
 _NOT_SERVED = ("eagle", "medusa", "mlp_speculator", "mtp", "deepseek_mtp")
@@ -74,13 +75,11 @@ class SpeculativeConfig:
 
     @staticmethod
     def _refuse_unserved(method: str) -> None:
-        from engine.spec_decode.proposers import PROPOSERS
         raise InvalidRequestError(
             f"speculative_config method {method!r} is not served by this engine; served: "
             f"{sorted(PROPOSERS)}")
 
     def __post_init__(self) -> None:
-        from engine.spec_decode.proposers import PROPOSERS
         if self.method in _NOT_SERVED:
             self._refuse_unserved(self.method)
         checks = [

@@ -31,10 +31,13 @@ from __future__ import annotations
 import inspect
 import logging
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+from engine.model.layers.attention_metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -186,11 +189,10 @@ _NO_Q_BLOCKS = ({"compute_q_blocks": False}
                 else {})
 
 
-def graph_metadata(flex: "FlexPagedAttention", slot_pos: torch.Tensor, block_size: int):
+def graph_metadata(flex: "FlexPagedAttention", slot_pos: torch.Tensor,
+                   block_size: int) -> Callable[..., AttentionMetadata]:
     """The metadata of a captured decode batch (engine.executor.cuda_graphs) for the
     compiled FlexPagedAttention: graphs exist on CUDA only, so no page map."""
-    from engine.model.layers.attention import AttentionMetadata
-
     def metadata(size: int, positions: torch.Tensor, slots: torch.Tensor,
                  lengths: torch.Tensor, tables: torch.Tensor) -> AttentionMetadata:
         write_positions(slot_pos, slots, positions, block_size)

@@ -1,9 +1,10 @@
 """The proposer family: each guesses a request's next tokens without the model's help
 (ngram, suffix) or with a small network of its own (draft_model, eagle3).
 
-PROPOSERS maps speculative_config's method to its class, named as "module:Class" so that
-the processes that only check a config (the CLI, the ingress) never import torch;
-make_proposer imports the configured one.
+PROPOSERS (engine.spec_decode.registry, re-exported here) maps speculative_config's
+method to its class, named as "module:Class" so that the processes that only check a
+config (the CLI, the ingress) never import torch; make_proposer imports the configured
+one.
 """
 from __future__ import annotations
 
@@ -11,21 +12,15 @@ import importlib
 from typing import TYPE_CHECKING
 
 from engine.spec_decode.proposers.base import ModelProposer, Proposer, ProposerContext
+from engine.spec_decode.registry import PROPOSERS
 
 if TYPE_CHECKING:
     from engine.spec_decode.config import SpeculativeConfig
 
-_HERE = "engine.spec_decode.proposers"
-PROPOSERS: dict[str, str | type[Proposer]] = {
-    "ngram": f"{_HERE}.ngram:NgramProposer",
-    "suffix": f"{_HERE}.suffix:SuffixProposer",
-    "draft_model": f"{_HERE}.draft_model:DraftModelProposer",
-    "eagle3": f"{_HERE}.eagle3:Eagle3Proposer",
-}
-
 
 def make_proposer(config: "SpeculativeConfig", context: ProposerContext | None = None
                   ) -> Proposer:
+    """The configured method's proposer (its module imported here, on first use)."""
     cls = PROPOSERS[config.method]
     if isinstance(cls, str):
         module, name = cls.split(":")
