@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from deployments.apis.common.chat_prep import ChatInput
+from deployments.apis.common.sampling import build_sampling_params
 from deployments.apis.errors import ParamError
 from engine.sampling_params import SamplingParams
 
@@ -310,11 +311,7 @@ class MessagesRequest(CountTokensRequest):
                         defaults: dict[str, int | float] | None) -> SamplingParams:
         """defaults: the model's sampling defaults, for the fields the request leaves
         unset (as on the OpenAI endpoints)."""
-        base: dict[str, Any] = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
-                                "repetition_penalty": 1.0, **(defaults or {})}
-        for name in ("temperature", "top_p", "top_k"):
-            if getattr(self, name) is not None:
-                base[name] = getattr(self, name)
-        return SamplingParams(**base, max_tokens=self.max_tokens,
-                              stop=list(self.stop_sequences or ()),
-                              structured_outputs=structured)
+        given = {name: getattr(self, name) for name in ("temperature", "top_p", "top_k")}
+        return build_sampling_params(defaults, given, max_tokens=self.max_tokens,
+                                     stop=list(self.stop_sequences or ()),
+                                     structured_outputs=structured)

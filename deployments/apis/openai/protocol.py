@@ -16,8 +16,10 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from deployments.apis.common.sampling import build_sampling_params
 from deployments.apis.errors import ParamError, first_unsupported
 from engine.errors import InvalidRequestError
+from engine.generation_defaults import SAMPLING_KEYS
 from engine.sampling_params import SamplingParams
 from engine.structured.params import StructuredOutputsParams
 
@@ -197,11 +199,8 @@ class _SamplingFields(_SchedulingFields):
         fields this request leaves unset; prompt_logprobs: what the engine computes
         (echo with logprobs needs them even when the request does not ask)."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        base = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
-                "repetition_penalty": 1.0, **(defaults or {})}
-        given = {k: getattr(self, k) for k in base if getattr(self, k) is not None}
-        return SamplingParams(
-            n=self.n, **{**base, **given},
+        return build_sampling_params(
+            defaults, {name: getattr(self, name) for name in SAMPLING_KEYS}, n=self.n,
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0, seed=self.seed,
             max_tokens=max_tokens, min_tokens=self.min_tokens, stop=stop,

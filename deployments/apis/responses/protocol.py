@@ -18,6 +18,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from deployments.apis.common.sampling import build_sampling_params
 from deployments.apis.errors import ParamError, first_unsupported
 from deployments.apis.openai.protocol import Int64, check_template_kwargs
 from engine.errors import InvalidRequestError
@@ -200,11 +201,10 @@ class ResponsesRequest(_Strict):
 
     def sampling_params(self, defaults: dict[str, int | float] | None,
                         structured: StructuredOutputsParams | None) -> SamplingParams:
-        base = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, **(defaults or {})}
-        given = {k: getattr(self, k) for k in ("temperature", "top_p", "top_k")
-                 if getattr(self, k) is not None}
-        return SamplingParams(**{**base, **given}, seed=self.seed,
-                              max_tokens=self.max_output_tokens, structured_outputs=structured)
+        given = {name: getattr(self, name) for name in ("temperature", "top_p", "top_k")}
+        return build_sampling_params(defaults, given, seed=self.seed,
+                                     max_tokens=self.max_output_tokens,
+                                     structured_outputs=structured)
 
 
 def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
