@@ -1,11 +1,12 @@
 """Which model family serves which Hugging Face architecture.
 
 A checkpoint's config.json names its architecture (`architectures`, else `model_type`);
-the registry maps that name to the family module that implements it. The map is plain
-strings so the processes that only read configs (the CLI's checks, the deployment
-builder) resolve a model without importing torch; the family module is imported when a
-model is built. Every family module declares the same names in its own ARCHITECTURES
-(a test holds the two in agreement).
+the registry maps that name to the family that implements it. Each family declares its
+architectures in its declaration module (engine/model/families/<name>_arch.py, no
+torch), which the registry lists once below, so the processes that only read configs
+(the CLI's checks, the deployment builder) resolve a model without importing torch;
+the family's network module is imported when a model is built, and declares the same
+names in its own ARCHITECTURES (a test holds the two in agreement).
 """
 from __future__ import annotations
 
@@ -13,36 +14,23 @@ import importlib
 from typing import Any
 
 from engine.errors import UnsupportedModelError
+from engine.model.families import (gemma3_arch, gpt_oss_arch, granite_hybrid_arch,
+                                   llama_arch, moe_arch, phi3_arch)
+from engine.model.families.arch import Family
+
+# every family served, in the order the refusals list their architectures
+FAMILIES: tuple[Family, ...] = (llama_arch.FAMILY, moe_arch.FAMILY, phi3_arch.FAMILY,
+                                gemma3_arch.FAMILY, gpt_oss_arch.FAMILY,
+                                granite_hybrid_arch.FAMILY)
+
+_FAMILY_OF: dict[str, Family] = {name: f for f in FAMILIES for name in f.names}
 
 # architecture -> family module under engine.model.families
-ARCHITECTURES: dict[str, str] = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "llama",
-    "Qwen2ForCausalLM": "llama",
-    "Qwen3ForCausalLM": "llama",
-    "MixtralForCausalLM": "moe",
-    "Qwen2MoeForCausalLM": "moe",
-    "Qwen3MoeForCausalLM": "moe",
-    "Phi3ForCausalLM": "phi3",
-    "Gemma3ForCausalLM": "gemma3",
-    "GptOssForCausalLM": "gpt_oss",
-    "GraniteMoeHybridForCausalLM": "granite_hybrid",
-}
+ARCHITECTURES: dict[str, str] = {name: f.module for name, f in _FAMILY_OF.items()}
 
 # a config's model_type -> its architecture, for configs that name no architectures
-MODEL_TYPES: dict[str, str] = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "mixtral": "MixtralForCausalLM",
-    "qwen2_moe": "Qwen2MoeForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM",
-    "phi3": "Phi3ForCausalLM",
-    "gemma3_text": "Gemma3ForCausalLM",
-    "gpt_oss": "GptOssForCausalLM",
-    "granitemoehybrid": "GraniteMoeHybridForCausalLM",
-}
+MODEL_TYPES: dict[str, str] = {a.model_type: a.name
+                               for f in FAMILIES for a in f.architectures}
 
 
 def supported_architectures() -> tuple[str, ...]:
@@ -63,15 +51,19 @@ def resolve_architecture(cfg: Any) -> str:
     return arch
 
 
-def family_module(architecture: str) -> Any:
-    """The imported family module that serves an architecture."""
+def family(architecture: str) -> Family:
+    """The declaration of the family that serves an architecture."""
     try:
-        family = ARCHITECTURES[architecture]
+        return _FAMILY_OF[architecture]
     except KeyError:
         raise UnsupportedModelError(
             f"architecture {architecture!r} is not supported; "
             f"supported: {', '.join(supported_architectures())}") from None
-    return importlib.import_module(f"engine.model.families.{family}")
+
+
+def family_module(architecture: str) -> Any:
+    """The imported family module that serves an architecture."""
+    return importlib.import_module(f"engine.model.families.{family(architecture).module}")
 
 
 def model_class(architecture: str) -> type:
@@ -79,5 +71,5 @@ def model_class(architecture: str) -> type:
     return family_module(architecture).ARCHITECTURES[architecture]
 
 
-__all__ = ["ARCHITECTURES", "MODEL_TYPES", "family_module", "model_class",
-           "resolve_architecture", "supported_architectures"]
+__all__ = ["ARCHITECTURES", "FAMILIES", "MODEL_TYPES", "family", "family_module",
+           "model_class", "resolve_architecture", "supported_architectures"]

@@ -47,7 +47,7 @@ def _linear_spec(layer: Linear) -> tuple | None:
 
 
 def build_stack(model: nn.Module, kernels) -> object | None:
-    """A DecoderStack of the model's layers (a LlamaForCausalLM), or None where it does
+    """A DecoderStack of the model's layers (a DecoderForCausalLM), or None where it does
     not hold them."""
     if kernels is None or not stack_enabled() or model.tp is not None:
         return None

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 from engine.errors import UnsupportedQuantizationError
+from engine.model.registry import family
 from engine.quant.gguf_blocks import BLOCK_FORMATS, FLOAT_TYPES
 
 
@@ -151,18 +152,17 @@ def check_quantized_family(fmt: str | None, shape: Any, model: str) -> None:
     """Refuse a quantized checkpoint of a family whose loader reads floats only, before
     its weights are read: a mixture of experts (the experts' products take floats,
     engine.model.layers.moe; a silent dequantize of every expert would hide the format's
-    memory from its user), Phi-3 (its fused qkv / gate_up tensors are split at load,
-    which the quantized formats' per-tensor pieces are not) and Gemma 3 (converters
-    store its norms differently; none is read here yet)."""
+    memory from its user), and each family whose declaration says so
+    (Family.quantized_refusal: Phi-3's fused qkv / gate_up tensors are split at load,
+    which the quantized formats' per-tensor pieces are not; Gemma 3's norms are stored
+    differently by converters, and none is read here yet)."""
     if fmt is None:
         return
     if getattr(shape, "moe", None) is not None:
         what = f"a mixture-of-experts model ({shape.architecture})"
-    elif shape.architecture == "Phi3ForCausalLM":
-        what = "a Phi-3 model (fused qkv_proj / gate_up_proj)"
-    elif shape.architecture == "Gemma3ForCausalLM":
-        what = "a Gemma 3 model (its norms' weights are offsets from 1)"
     else:
+        what = family(shape.architecture).quantized_refusal
+    if what is None:
         return
     raise UnsupportedQuantizationError(
         f"model {model!r} is {what} quantized as {fmt!r}; quantized checkpoints of it are "

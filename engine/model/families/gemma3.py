@@ -1,4 +1,4 @@
-"""Gemma 3, text (`Gemma3ForCausalLM`): the Llama network with Gemma's changes.
+"""Gemma 3, text (`Gemma3ForCausalLM`): the shared decoder with Gemma's changes.
 
 - Interleaved local and global attention: the config's layer_types give each layer a
   sliding window (local) or none (global), and each kind its own RoPE (local: a 10k
@@ -25,7 +25,8 @@ from transformers import PretrainedConfig
 
 from engine.errors import UnsupportedModelError
 from engine.executor.parallel import ShardPlan, TPGroup
-from engine.model.families.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+from engine.model.families.base import DecoderForCausalLM, DecoderLayer, GatedMLP
+from engine.model.families.gemma3_arch import FAMILY
 from engine.model.layers.attention import AttentionMetadata
 from engine.model.layers.norm import RMSNorm
 from engine.model.layers.rotary import Rope, RotaryEmbedding
@@ -34,7 +35,7 @@ from engine.model.shape import ModelShape
 _LOCAL, _GLOBAL = "sliding_attention", "full_attention"
 
 
-class GemmaMLP(LlamaMLP):
+class GemmaMLP(GatedMLP):
     def _activation(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if self.lora is not None:
@@ -43,7 +44,7 @@ class GemmaMLP(LlamaMLP):
         return F.gelu(gate, approximate="tanh") * up
 
 
-class Gemma3DecoderLayer(LlamaDecoderLayer):
+class Gemma3DecoderLayer(DecoderLayer):
     def __init__(self, shape: ModelShape, plan: ShardPlan, tp: TPGroup | None,
                  kernels=None, mlp: nn.Module | None = None, layer: int = 0) -> None:
         super().__init__(shape, plan, tp, kernels, mlp, layer)
@@ -54,8 +55,8 @@ class Gemma3DecoderLayer(LlamaDecoderLayer):
     def forward(self, rope: Rope, x: torch.Tensor, residual: torch.Tensor | None,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """As Llama's: x is the previous layer's (post-normed) output, added into the
-        residual by this layer's input norm; returns the post-normed MLP output."""
+        """As the shared layer's: x is the previous layer's (post-normed) output, added
+        into the residual by this layer's input norm; returns the post-normed MLP output."""
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
@@ -65,7 +66,7 @@ class Gemma3DecoderLayer(LlamaDecoderLayer):
         return self.post_feedforward_layernorm(self.mlp(x)), residual
 
 
-class Gemma3ForCausalLM(LlamaForCausalLM):
+class Gemma3ForCausalLM(DecoderForCausalLM):
     layer_class = Gemma3DecoderLayer
     stack_layout = False  # four norms a layer: the modules run it
 
@@ -113,4 +114,4 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         return True
 
 
-ARCHITECTURES = {"Gemma3ForCausalLM": Gemma3ForCausalLM}
+ARCHITECTURES = FAMILY.classes(Gemma3ForCausalLM)

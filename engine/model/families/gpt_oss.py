@@ -23,6 +23,7 @@ import torch
 from engine.errors import UnsupportedQuantizationError
 from engine.model.families.moe import (MoEForCausalLM, _describe, _is_float, copy_stacked,
                                        stacked_expected_loads)
+from engine.model.families.gpt_oss_arch import FAMILY
 
 _ROUTER = re.compile(r"(layers\.\d+\.mlp)\.router\.(weight|bias)")
 _EXPERTS = re.compile(r"layers\.(\d+)\.mlp\.experts\."
@@ -81,4 +82,4 @@ def _whole(tensor: Any) -> torch.Tensor:
     return tensor if isinstance(tensor, torch.Tensor) else tensor[:]
 
 
-ARCHITECTURES = {"GptOssForCausalLM": GptOssForCausalLM}
+ARCHITECTURES = FAMILY.classes(GptOssForCausalLM)

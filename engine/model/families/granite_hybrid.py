@@ -1,7 +1,7 @@
 """Granite 4.0-H (`GraniteMoeHybridForCausalLM`): Mamba-2 layers and attention layers.
 
 Each layer mixes with either a Mamba-2 mixer (engine.model.layers.mamba; its state
-lives in the request's state block of the paged cache) or Llama attention (without
+lives in the request's state block of the paged cache) or the shared attention (without
 positions unless position_embedding_type is "rope": Granite 4.0-H uses none, served
 here as an identity rotation), then runs a dense SwiGLU MLP (the checkpoint's
 shared_mlp) plus, in the MoE variants, routed experts. Granite's scalings: embeddings
@@ -23,7 +23,9 @@ from transformers import PretrainedConfig
 
 from engine.errors import UnsupportedModelError
 from engine.executor.parallel import ShardPlan, TPGroup
-from engine.model.families.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, _read_slice
+from engine.model.families.base import Attention, DecoderForCausalLM, GatedMLP
+from engine.model.families.granite_hybrid_arch import FAMILY
+from engine.model.families.loading import read_slice
 from engine.model.families.moe import _is_float, copy_stacked, stacked_expected_loads
 from engine.model.layers.attention import AttentionMetadata
 from engine.model.layers.mamba import MambaMixer, state_views
@@ -51,7 +53,7 @@ class GraniteMLP(nn.Module):
 
     def __init__(self, shape: ModelShape, plan: ShardPlan, tp: TPGroup | None, kernels) -> None:
         super().__init__()
-        self.shared = LlamaMLP(shape, plan, tp, kernels)
+        self.shared = GatedMLP(shape, plan, tp, kernels)
         moe = shape.moe
         self.moe = SparseMoeBlock(shape.hidden_size, moe.num_experts, moe.top_k,
                                   plan.expert_intermediate_size, moe.renormalize, tp,
@@ -75,7 +77,7 @@ class GraniteHybridLayer(nn.Module):
         if shape.is_mamba(layer):
             self.mamba = MambaMixer(shape.hidden_size, shape.mamba, eps)
         else:
-            self.self_attn = LlamaAttention(shape, plan, tp, kernels, shape.window(layer))
+            self.self_attn = Attention(shape, plan, tp, kernels, shape.window(layer))
         self.mlp = mlp
 
     def forward(self, rope: Rope, x: torch.Tensor, residual: torch.Tensor | None,
@@ -93,7 +95,7 @@ class GraniteHybridLayer(nn.Module):
         return self.mlp(x) * self.residual_multiplier, residual
 
 
-class GraniteHybridForCausalLM(LlamaForCausalLM):
+class GraniteHybridForCausalLM(DecoderForCausalLM):
     layer_class = GraniteHybridLayer
     stack_layout = False
 
@@ -167,7 +169,7 @@ class GraniteHybridForCausalLM(LlamaForCausalLM):
         width = experts.intermediate
         start = self.plan.rank * width
         whole = self.shape.moe.intermediate_size
-        t = _read_slice(tensor, None)
+        t = read_slice(tensor, None)
         if part == "gate_up_proj":  # [E, 2I, H]: gate rows, then up rows
             value = torch.cat([t[:, start:start + width], t[:, whole + start:whole + start + width]],
                               dim=1)
@@ -183,4 +185,4 @@ class GraniteHybridForCausalLM(LlamaForCausalLM):
         return stacked_expected_loads(params, rules, layers, ("gate_up_proj", "down_proj"))
 
 
-ARCHITECTURES = {"GraniteMoeHybridForCausalLM": GraniteHybridForCausalLM}
+ARCHITECTURES = FAMILY.classes(GraniteHybridForCausalLM)

@@ -1,6 +1,6 @@
 """Mixture-of-experts decoders: Mixtral, Qwen2-MoE and Qwen3-MoE.
 
-Their attention is the Llama family's (Qwen2-MoE with q/k/v biases, as Qwen2; Qwen3-MoE
+Their attention is the shared decoder's (Qwen2-MoE with q/k/v biases, as Qwen2; Qwen3-MoE
 with q/k norm, as Qwen3); the MLP of each sparse layer is a router plus experts
 (engine.model.layers.moe), Qwen2-MoE's with a gated shared expert beside them; the
 Qwen MoEs' mlp_only_layers keep a dense MLP. The checkpoints store each expert as separate
@@ -18,7 +18,9 @@ import torch
 from torch import nn
 
 from engine.errors import UnsupportedModelError, UnsupportedQuantizationError
-from engine.model.families.llama import LlamaForCausalLM, _offsets, _read_slice
+from engine.model.families.base import DecoderForCausalLM
+from engine.model.families.loading import offsets, read_slice
+from engine.model.families.moe_arch import FAMILY
 from engine.model.layers.moe import SparseMoeBlock
 
 _MIXTRAL_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
@@ -29,8 +31,8 @@ _SHARED = re.compile(r"layers\.(\d+)\.mlp\.shared_expert\."
                      r"(?P<proj>gate_proj|up_proj|down_proj)\.(?P<kind>\w+)")
 
 
-class MoEForCausalLM(LlamaForCausalLM):
-    """A Llama-family decoder whose sparse layers' MLPs are SparseMoeBlocks."""
+class MoEForCausalLM(DecoderForCausalLM):
+    """The shared decoder whose sparse layers' MLPs are SparseMoeBlocks."""
 
     def make_mlp(self, layer: int, kernels) -> nn.Module | None:
         shape, moe = self.shape, self.shape.moe
@@ -77,9 +79,9 @@ class MoEForCausalLM(LlamaForCausalLM):
             gate_up, down = block.experts.w13[expert], block.experts.w2[expert]
         start = self.plan.rank * width
         if proj == "down_proj":
-            piece, dst = _read_slice(tensor, (1, start, width)), down
+            piece, dst = read_slice(tensor, (1, start, width)), down
         else:
-            piece = _read_slice(tensor, (0, start, width))
+            piece = read_slice(tensor, (0, start, width))
             dst = gate_up.narrow(0, 0 if proj == "gate_proj" else width, width)
         if tuple(piece.shape) != tuple(dst.shape):
             raise UnsupportedModelError(
@@ -93,7 +95,7 @@ class MoEForCausalLM(LlamaForCausalLM):
     def expected_loads(self, params: dict, rules: dict) -> set[str]:
         keys = {f"{n}:{o}" for n in params
                 if ".experts." not in n and ".shared_expert." not in n
-                for o in _offsets(n, rules)}
+                for o in offsets(n, rules)}
         moe, projs = self.shape.moe, ("gate_proj", "up_proj", "down_proj")
         for layer in range(self.shape.num_layers):
             if self.shape.is_sparse(layer):
@@ -118,7 +120,7 @@ def stacked_expected_loads(params: dict, rules: dict, layers: Iterable[int],
                            parts: tuple[str, ...]) -> set[str]:
     """What a model whose experts come stacked must have loaded: every parameter outside
     the experts, and each layer's stacked tensors (noted as layers.<i>.experts.<part>)."""
-    keys = {f"{n}:{o}" for n in params if ".experts." not in n for o in _offsets(n, rules)}
+    keys = {f"{n}:{o}" for n in params if ".experts." not in n for o in offsets(n, rules)}
     keys.update(f"layers.{i}.experts.{part}" for i in layers for part in parts)
     return keys
 
@@ -146,5 +148,4 @@ def _expert_key(layer: int, expert: int | None, proj: str) -> str:
     return f"layers.{layer}.mlp.experts.{expert}.{proj}"
 
 
-ARCHITECTURES = {"MixtralForCausalLM": MoEForCausalLM, "Qwen2MoeForCausalLM": MoEForCausalLM,
-                 "Qwen3MoeForCausalLM": MoEForCausalLM}
+ARCHITECTURES = FAMILY.classes(MoEForCausalLM)

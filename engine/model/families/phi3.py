@@ -1,4 +1,4 @@
-"""Phi-3 and Phi-4 (`Phi3ForCausalLM`): the Llama family's network, checkpoint fused.
+"""Phi-3 and Phi-4 (`Phi3ForCausalLM`): the shared decoder, checkpoint fused.
 
 Phi-3's checkpoints store q/k/v as one `qkv_proj` and gate/up as one `gate_up_proj`,
 the layout the engine's own fused layers use; the loader splits them back into the
@@ -12,11 +12,12 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 from engine.errors import UnsupportedModelError
-from engine.model.families.llama import LlamaForCausalLM
+from engine.model.families.base import DecoderForCausalLM
+from engine.model.families.phi3_arch import FAMILY
 from engine.model.shape import FUSED_PROJECTIONS, fused_pieces
 
 
-class Phi3ForCausalLM(LlamaForCausalLM):
+class Phi3ForCausalLM(DecoderForCausalLM):
     def load_weights(self, weights: Iterable[tuple[str, Any]], quant_kernels=None,
                      fp8_block: tuple[int, int] | None = None) -> int:
         return super().load_weights(self._split_fused(weights), quant_kernels, fp8_block)
@@ -48,4 +49,4 @@ def _rows(tensor: Any) -> int:
     return int(shape[0])
 
 
-ARCHITECTURES = {"Phi3ForCausalLM": Phi3ForCausalLM}
+ARCHITECTURES = FAMILY.classes(Phi3ForCausalLM)

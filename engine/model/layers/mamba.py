@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.model.layers.linear import Linear
-from engine.model.shape import MambaShape
+from engine.model.shape_parts import MambaShape
 
 _SCAN_BLOCK = 128  # tokens of a prefill chunk scanned as one matrix product
 
