@@ -1,6 +1,6 @@
 """Frontend benchmark: the async EngineClient against mock engines in other processes.
 
-Starts `python -m engine.wire.mock --engines E` (zero latency model by default, so the
+Starts `python -m engine.mock --engines E` (zero latency model by default, so the
 engines answer as fast as they can), opens N concurrent streams of T tokens each,
 and prints streamed tokens/s and requests/s, plus the client's own cost per token
 (CPU time of this process / tokens received), which is what the ingress pays.
@@ -90,7 +90,7 @@ def main() -> None:
     keys_file = tempfile.NamedTemporaryFile("w", suffix=".json", delete=False)
     with keys_file:
         json.dump(dataclasses.asdict(keys) if keys else {}, keys_file)
-    proc = subprocess.Popen([sys.executable, "-m", "engine.wire.mock", "--address", base,
+    proc = subprocess.Popen([sys.executable, "-m", "engine.mock", "--address", base,
                              "--engines", str(args.engines), "--vocab-size", str(len(tokenizer)),
                              "--output-chunk-size", str(args.chunk_size), "--itl-s", str(args.itl),
                              *(["--curve-keys", keys_file.name] if keys else [])],

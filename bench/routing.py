@@ -1,6 +1,6 @@
 """Routing benchmark: prefix-cache-aware routing vs least-loaded vs round robin.
 
-Starts DP=4 mock engine-core servers (`python -m engine.wire.mock`, one process each)
+Starts DP=4 mock engine-core servers (`python -m engine.mock`, one process each)
 whose latency model charges prefill per uncached prompt token (one prefill at a time
 per engine: --serial-prefill, a compute-bound engine) and decode per token, with the
 mock's prefix cache (an LRU of --num-blocks blocks per engine). The same load goes
@@ -374,7 +374,7 @@ def main() -> None:
     base = f"tcp://127.0.0.1:{free_port_block(args.engines)}"
     addresses = engine_addresses(base, args.engines)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "engine.wire.mock", "--address", base,
+        [sys.executable, "-m", "engine.mock", "--address", base,
          "--engines", str(args.engines), "--vocab-size", str(len(tokenizer)),
          "--prefill-s-per-token", str(args.prefill_us_per_token * 1e-6), "--serial-prefill",
          "--itl-s", str(args.itl_ms * 1e-3), "--num-blocks", str(args.num_blocks),

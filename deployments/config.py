@@ -16,8 +16,8 @@ from deployments.serve.autoscaling import EngineAutoscaling
 from deployments.apis.common.reasoning import REASONING_PARSERS
 from deployments.apis.common.tool_calls import TOOL_PARSERS
 from engine.config import EngineConfig
+from engine.mock.config import MockConfig, MockTiming
 from engine.options import Option, dataclass_options, option_kind
-from engine.wire.mock import MockConfig, MockTiming
 from engine.wire.routing import ROUTING_POLICIES
 
 MOCK_MODEL = "mock"

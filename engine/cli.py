@@ -85,7 +85,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
     _engine_args(serve_engine)
     serve_engine.add_argument("--address", required=True, help="tcp://host:port or ipc://path")
     serve_engine.add_argument("--engine-index", type=int, default=0)
-    from engine.wire.mock import add_curve_argument, add_mock_arguments
+    from engine.mock.serve import add_curve_argument, add_mock_arguments
     add_curve_argument(serve_engine)
     mock = sub.add_parser("mock-engine", help="model-free engine-core server(s) for benchmarks")
     add_mock_arguments(mock)
@@ -93,7 +93,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
 
 
 def run_command(args: argparse.Namespace) -> int:
-    from engine.wire.mock import run_mock_engines
+    from engine.mock.serve import run_mock_engines
     if args.command == "generate":
         return _generate(args)
     if args.command == "serve-engine":

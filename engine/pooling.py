@@ -18,7 +18,7 @@ import msgspec
 
 from engine.errors import InvalidRequestError
 
-if TYPE_CHECKING:  # the wire protocol imports PoolingParams; only the Pooler runs torch
+if TYPE_CHECKING:  # the core messages import PoolingParams; only the Pooler runs torch
     import torch
 
 POOLING_METHODS = ("last", "mean", "cls")

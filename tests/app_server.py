@@ -47,7 +47,7 @@ def _mock_process(address: str, vocab_size: int, itl_s: float,
                   ttft_s: float | None = None, scripted: bool = False) -> subprocess.Popen:
     extra = ([] if ttft_s is None else ["--ttft-s", str(ttft_s)]) + (
         ["--scripted"] if scripted else [])
-    return subprocess.Popen([sys.executable, "-m", "engine.wire.mock", "--address", address,
+    return subprocess.Popen([sys.executable, "-m", "engine.mock", "--address", address,
                              "--vocab-size", str(vocab_size), "--itl-s", str(itl_s), *extra],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
@@ -61,13 +61,14 @@ def serve_app_over_mocks(tokenizer, engines: int = 2, *, processes: bool = False
     watch_processes: the client also polls the engine processes (a local deployment);
     without it, as in Serve, only dropped connections and heartbeats reveal a death.
     scripted: the engines emit a prompt's last [[emit]]text[[/emit]] directive, then
-    EOS (engine/wire/mock_script.py; in processes, the default model's tokenizer)."""
+    EOS (engine/mock/script.py; in processes, the default model's tokenizer)."""
     import uvicorn
 
     from deployments.apis.server import IngressOptions, build_api_app
     from engine.wire.core_client import EngineClient
     from engine.wire.core_server import EngineCoreServer
-    from engine.wire.mock import MockConfig, MockEngineCore
+    from engine.mock.config import MockConfig
+    from engine.mock.core import MockEngineCore
 
     addresses = [f"tcp://127.0.0.1:{free_tcp_port()}" for _ in range(engines)]
     servers, procs = [], []

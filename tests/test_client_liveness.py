@@ -12,9 +12,10 @@ import subprocess
 import sys
 import time
 
+from engine.mock.config import MockConfig
+from engine.mock.core import MockEngineCore
 from engine.sampling_params import SamplingParams
 from engine.wire.core_server import EngineCoreServer
-from engine.wire.mock import MockConfig, MockEngineCore
 from tests.test_core_client import free_address
 from tests.test_openai_app import tokenizer  # noqa: F401 - fixture
 
@@ -144,7 +145,8 @@ def test_peers_of_another_protocol_version_are_refused(tokenizer):  # noqa: F811
     import msgspec
     import zmq
 
-    from engine.wire.protocol import HELLO, PROTOCOL_VERSION, EngineCoreReadyResponse, Hello
+    from engine.core_messages import EngineCoreReadyResponse
+    from engine.wire.protocol import HELLO, PROTOCOL_VERSION, Hello
     assert msgspec.msgpack.decode(msgspec.msgpack.encode({"client_id": "old"}),
                                   type=Hello).protocol_version == 1
     old_ready = msgspec.msgpack.encode({"engine_index": 0, "max_model_len": 8,

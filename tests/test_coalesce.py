@@ -1,13 +1,13 @@
 """The encoder's merging of queued step outputs per client (engine/wire/coalesce.py)."""
-from engine.wire.coalesce import coalesce
-from engine.wire.protocol import (
-    OUTPUTS,
+from engine.core_messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
     KVEvents,
     SchedulerStats,
     UtilityOutput,
 )
+from engine.wire.coalesce import coalesce
+from engine.wire.protocol import OUTPUTS
 
 A, B = b"client-a", b"client-b"
 

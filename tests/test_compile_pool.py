@@ -71,7 +71,7 @@ def test_the_engine_serves_constrained_requests_past_two_stuck_compiles(tiny_lla
     from engine.config import EngineConfig
     from engine.core.engine_core import EngineCore
     from engine.structured.grammar import GrammarCompiler
-    from engine.wire.protocol import EngineCoreRequest
+    from engine.core_messages import EngineCoreRequest
     release = threading.Event()
     real_compile = GrammarCompiler.compile
 

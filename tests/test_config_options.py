@@ -12,7 +12,7 @@ from deployments.cli import add_serve_parser
 from deployments.config import AppArgs, flat_options, parse_app_args
 from engine.cli import build_parser
 from engine.config import EngineConfig
-from engine.wire.mock import MockConfig
+from engine.mock.config import MockConfig
 
 # A value for each option that differs from its default and passes its checks, as
 # `serve run` would pass it (text). Options of a plain kind get one by kind below.
@@ -133,7 +133,7 @@ def test_mock_engine_subcommand_carries_every_mock_option():
             assert "--" + f.name.replace("_", "-") in text, f.name
     args = parser.parse_args(["mock-engine", "--address", "tcp://127.0.0.1:1", "--itl-s",
                               "0.5", "--vocab-size", "100"])
-    from engine.wire.mock import config_from_args
+    from engine.mock.serve import config_from_args
     config = config_from_args(args, 3)
     assert (config.itl_s, config.vocab_size, config.engine_index) == (0.5, 100, 3)
 

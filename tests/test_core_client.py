@@ -15,10 +15,11 @@ from engine.errors import (
     InconsistentUtilityResults,
     NoEnginesError,
 )
+from engine.mock.config import MockConfig
+from engine.mock.core import MockEngineCore
 from engine.model.loader import load_tokenizer
 from engine.wire.core_client import EngineClient, HandshakeError
 from engine.wire.core_server import EngineCoreServer
-from engine.wire.mock import MockConfig, MockEngineCore
 from engine.wire.utility_results import all_true, consensus
 
 
@@ -93,7 +94,7 @@ def test_two_engines_share_load_and_explicit_rank_wins(engines):
     assert all(len(t) == 8 for t, _ in spread)
     # mock tokens depend on the engine index: the pinned request ran on rank 1
     solo = MockEngineCore(MockConfig(engine_index=1, vocab_size=len(engines.tokenizer)))
-    from engine.wire.protocol import EngineCoreRequest
+    from engine.core_messages import EngineCoreRequest
     solo.add_request(EngineCoreRequest("pinned", [10, 11, 12], params))
     expected = []
     while solo.has_unfinished_requests():
@@ -296,7 +297,7 @@ def test_handshake_times_out_on_a_silent_address(tokenizer):
 
 def _mock_engine_process(address: str, tokenizer) -> subprocess.Popen:
     """A mock engine-core server in its own process (so that it can be SIGKILLed)."""
-    return subprocess.Popen([sys.executable, "-m", "engine.wire.mock", "--address", address,
+    return subprocess.Popen([sys.executable, "-m", "engine.mock", "--address", address,
                              "--vocab-size", str(len(tokenizer)), "--itl-s", "0.05"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 

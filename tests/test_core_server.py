@@ -144,14 +144,8 @@ def test_bad_input_gets_error_output_and_engine_keeps_serving(served):
     import msgspec
 
     from engine.errors import PromptTooLongError
-    from engine.wire.protocol import (
-        HELLO,
-        PROTOCOL_VERSION,
-        READY,
-        EngineCoreOutputs,
-        EngineCoreRequest,
-        Hello,
-    )
+    from engine.core_messages import EngineCoreOutputs, EngineCoreRequest
+    from engine.wire.protocol import HELLO, PROTOCOL_VERSION, READY, Hello
 
     async def main():
         client = await _connect(core, address)
@@ -273,7 +267,8 @@ def test_requests_queued_behind_a_long_step_are_bounded(tokenizer):  # noqa: F81
     import threading
 
     from engine.errors import EngineOverloadedError
-    from engine.wire.mock import MockConfig, MockEngineCore
+    from engine.mock.config import MockConfig
+    from engine.mock.core import MockEngineCore
     from tests.test_core_client import free_address
     core = MockEngineCore(MockConfig(vocab_size=len(tokenizer), itl_s=0.001,
                                      max_num_seqs=2, max_waiting_requests=4))
@@ -331,7 +326,8 @@ def test_a_handshake_is_answered_during_a_long_step_and_the_step_is_timed(tokeni
     engine_step_timeout_s."""
     import threading
 
-    from engine.wire.mock import MockConfig, MockEngineCore
+    from engine.mock.config import MockConfig
+    from engine.mock.core import MockEngineCore
     from tests.test_core_client import free_address
     core = MockEngineCore(MockConfig(vocab_size=len(tokenizer), itl_s=0.001))
     inside, release = threading.Event(), threading.Event()
@@ -409,7 +405,8 @@ def test_the_engine_replica_fails_its_health_check_on_a_step_past_the_timeout():
 
 def _mock_server(tokenizer, heartbeat_interval_s: float):
     """An engine-core server over the mock engine (10 ms a token): (server, address)."""
-    from engine.wire.mock import MockConfig, MockEngineCore
+    from engine.mock.config import MockConfig
+    from engine.mock.core import MockEngineCore
     from tests.test_core_client import free_address
     core = MockEngineCore(MockConfig(vocab_size=len(tokenizer), itl_s=0.01))
     address = free_address()
@@ -460,7 +457,8 @@ def test_a_big_output_is_forwarded_without_starting_pyzmq_s_garbage_collector(to
     leak check reported. Frames are now forwarded as the zmq messages they came in."""
     from zmq.utils.garbage import gc as zmq_gc
 
-    from engine.wire.mock import MockConfig, MockEngineCore
+    from engine.mock.config import MockConfig
+    from engine.mock.core import MockEngineCore
     from tests.test_core_client import free_address
     core = MockEngineCore(MockConfig(vocab_size=len(tokenizer), itl_s=0.001))
     big = "x" * 300_000

@@ -9,11 +9,12 @@ import threading
 import pytest
 import zmq
 
+from engine.mock.config import MockConfig
+from engine.mock.core import MockEngineCore
 from engine.sampling_params import SamplingParams
 from engine.wire.core_client import EngineClient, HandshakeError
 from engine.wire.core_server import EngineCoreServer
 from engine.wire.curve_auth import ClientKeys, EngineKeys
-from engine.wire.mock import MockConfig, MockEngineCore
 from tests.test_core_client import free_address, tokenizer  # noqa: F401 - fixture
 
 

@@ -73,7 +73,7 @@ def test_hybrid_with_n2_and_preemption_matches_hf(tiny_hybrids):
 
 
 def test_a_state_block_is_held_while_running_and_freed_on_abort(tiny_hybrids):
-    from engine.wire.protocol import EngineCoreRequest
+    from engine.core_messages import EngineCoreRequest
     llm = LLM(str(tiny_hybrids["dense"]), dtype="float32")
     core = llm.llm_engine.engine_core
     try:

@@ -51,7 +51,7 @@ def test_duplicate_request_id_is_rejected_and_engine_keeps_running(llm):
 
 
 def test_engine_core_rejects_duplicate_ids(llm):
-    from engine.wire.protocol import EngineCoreRequest
+    from engine.core_messages import EngineCoreRequest
     core = llm.llm_engine.engine_core
     req = EngineCoreRequest("x", [1, 2, 3], SamplingParams(max_tokens=2))
     core.add_request(req)

@@ -23,11 +23,12 @@ from types import SimpleNamespace
 import msgspec
 import pytest
 
+from engine.core_messages import EngineCoreOutputs
+from engine.mock.config import MockConfig
+from engine.mock.core import MockEngineCore
 from engine.sampling_params import SamplingParams
 from engine.wire.core_client import EngineClient
 from engine.wire.core_server import EngineCoreServer
-from engine.wire.mock import MockConfig, MockEngineCore
-from engine.wire.protocol import EngineCoreOutputs
 from tests.test_core_client import free_address
 from tests.test_openai_app import tokenizer  # noqa: F401 - fixture
 

@@ -8,20 +8,17 @@ from collections import defaultdict
 import msgspec
 import pytest
 
+from engine.core_messages import EngineCoreOutput, EngineCoreReadyResponse, EngineCoreRequest
 from engine.errors import (
     DuplicateRequestError,
     EngineSleepingError,
     InvalidRequestError,
     PromptTooLongError,
 )
+from engine.mock.config import FIRST_TOKEN_ID, MockConfig
+from engine.mock.core import MockEngineCore
 from engine.sampling_params import SamplingParams
-from engine.wire.mock import FIRST_TOKEN_ID, MockConfig, MockEngineCore
-from engine.wire.protocol import (
-    PROTOCOL_VERSION,
-    EngineCoreOutput,
-    EngineCoreReadyResponse,
-    EngineCoreRequest,
-)
+from engine.wire.protocol import PROTOCOL_VERSION
 
 
 class FakeClock:
@@ -278,14 +275,8 @@ def _read_slowly(max_tokens: int) -> tuple[list[int], int, str]:
     import zmq
 
     from engine.wire.core_server import EngineCoreServer
-    from engine.wire.protocol import (
-        ADD,
-        HELLO,
-        OUTPUTS,
-        READY,
-        EngineCoreOutputs,
-        Hello,
-    )
+    from engine.core_messages import EngineCoreOutputs
+    from engine.wire.protocol import ADD, HELLO, OUTPUTS, READY, Hello
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -6,12 +6,13 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from engine.core_messages import FINISH_LENGTH, FINISH_STOP, EngineCoreRequest
 from engine.errors import InvalidRequestError
+from engine.mock.config import FIRST_TOKEN_ID, MockConfig
+from engine.mock.core import MockEngineCore
+from engine.mock.script import EMIT_CLOSE, EMIT_OPEN, find_script
 from engine.sampling_params import SamplingParams
 from engine.structured.params import StructuredOutputsParams
-from engine.wire.mock import FIRST_TOKEN_ID, MockConfig, MockEngineCore
-from engine.wire.mock_script import EMIT_CLOSE, EMIT_OPEN, find_script
-from engine.wire.protocol import FINISH_LENGTH, FINISH_STOP, EngineCoreRequest
 from tests.test_mock_engine import FakeClock, finish, run, tokens
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],

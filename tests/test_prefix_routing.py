@@ -11,11 +11,12 @@ import pytest
 
 from engine import SamplingParams
 from engine.core.block_hash import BASE_ROOT_SEED, prefix_block_hashes, root_seed
+from engine.core_messages import EngineCoreRequest, KVEvents
 from engine.lora.request import LoRARequest
+from engine.mock.config import MockConfig
+from engine.mock.core import MockEngineCore
 from engine.wire.core_server import EngineCoreServer
-from engine.wire.mock import MockConfig, MockEngineCore
 from engine.wire.prefix_index import RECENT_S, PrefixIndex
-from engine.wire.protocol import EngineCoreRequest, KVEvents
 from engine.wire.routing import MISS_WEIGHT, RUNNING_COST_BLOCKS, Router, check_routing
 
 PARAMS = SamplingParams(max_tokens=2, ignore_eos=True)

@@ -13,10 +13,10 @@ from transformers import LlamaConfig
 from engine.config import EngineConfig
 from engine.cpu_features import cpu_has_native_bf16
 from engine.core.engine_core import EngineCore
+from engine.core_messages import EngineCoreRequest
 from engine.errors import UnsupportedQuantizationError
 from engine.quant.dummy import dummy_weights, quantization_config
 from engine.sampling_params import SamplingParams
-from engine.wire.protocol import EngineCoreRequest
 
 
 # bf16 where the CPU runs it (the engine refuses bf16 elsewhere); float32 holds twice

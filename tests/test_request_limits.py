@@ -13,13 +13,14 @@ import msgspec
 import pytest
 
 from engine.config import LIMIT_OPTIONS, EngineConfig
+from engine.core_messages import EngineCoreRequest
 from engine.errors import EngineOverloadedError, InvalidRequestError
+from engine.mock.config import MockConfig
+from engine.mock.core import MockEngineCore
 from engine.request_limits import RequestLimits, check_fanout, check_limits
 from engine.sampling_params import SamplingParams
 from engine.structured.params import StructuredOutputsParams
 from engine.wire.core_server import EngineCoreServer
-from engine.wire.mock import MockConfig, MockEngineCore
-from engine.wire.protocol import EngineCoreRequest
 from tests.test_core_client import free_address
 from tests.test_openai_app import MODEL, engines, serve, tokenizer  # noqa: F401 - fixtures
 
@@ -150,7 +151,7 @@ def test_chat_n_is_held_to_the_engines_limit(engines):  # noqa: F811
 
 
 def test_limits_travel_in_the_ready_response():
-    from engine.wire.protocol import EngineCoreReadyResponse
+    from engine.core_messages import EngineCoreReadyResponse
     ready = EngineCoreReadyResponse(0, 64, 10, 16, "float32", "0", limits=TIGHT)
     back = msgspec.msgpack.decode(msgspec.msgpack.encode(ready), type=EngineCoreReadyResponse)
     assert back.limits == TIGHT

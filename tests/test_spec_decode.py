@@ -541,7 +541,7 @@ def test_a_request_whose_proposals_keep_missing_rests(oracle):
 
 def test_the_status_line_reports_the_acceptance_rate():
     from engine.core.stats_logger import StatsLogger
-    from engine.wire.protocol import SchedulerStats
+    from engine.core_messages import SchedulerStats
     now = [0.0]
     log = StatsLogger(10.0, clock=lambda: now[0])
     now[0] = 11.0

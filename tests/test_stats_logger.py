@@ -4,7 +4,7 @@ import logging
 
 from engine import LLM, SamplingParams
 from engine.core.stats_logger import StatsLogger
-from engine.wire.protocol import SchedulerStats
+from engine.core_messages import SchedulerStats
 
 
 class Clock:

@@ -160,7 +160,7 @@ def test_engine_fails_one_request_whose_grammar_does_not_compile(tiny_llama):
     fails that request with an error output; the others finish."""
     from engine.config import EngineConfig
     from engine.core.engine_core import EngineCore
-    from engine.wire.protocol import EngineCoreRequest
+    from engine.core_messages import EngineCoreRequest
     core = EngineCore(EngineConfig(model=str(tiny_llama), dtype="float32"))
     try:
         core.add_request(EngineCoreRequest("bad", [1, 2, 3], SamplingParams(
@@ -216,7 +216,7 @@ def test_restrictions_that_leave_no_token_fail_that_request(tiny_llama):
     constraint is refused up front."""
     from engine.config import EngineConfig
     from engine.core.engine_core import EngineCore
-    from engine.wire.protocol import EngineCoreRequest
+    from engine.core_messages import EngineCoreRequest
     core = EngineCore(EngineConfig(model=str(tiny_llama), dtype="float32"))
     try:
         core.add_request(EngineCoreRequest("none-left", [1, 2, 3], SamplingParams(

@@ -4,12 +4,12 @@ import random
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.core_messages import EngineCoreOutput, EngineCoreRequest
 from engine.frontend.detokenizer import IncrementalDetokenizer
 from engine.frontend.output_processor import OutputProcessor
 from engine.frontend.stop_strings import find_stop_string
 from engine.model.loader import load_tokenizer
 from engine.outputs import OutputKind
-from engine.wire.protocol import EngineCoreOutput, EngineCoreRequest
 
 TEXTS = ["naïve café — 東京 🚀 emoji, ℝ² and ΔΩ", "  leading spaces\tand\nnewlines ",
          "Hello world! Привет, мир. こんにちは"]

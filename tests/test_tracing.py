@@ -8,8 +8,8 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from engine import tracing
+from engine.core_messages import EngineCoreRequest
 from engine.model.loader import load_tokenizer
-from engine.wire.protocol import EngineCoreRequest
 from tests.test_openai_app import MODEL, _Real, serve, tiny_server  # noqa: F401
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"

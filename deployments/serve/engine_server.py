@@ -115,7 +115,7 @@ class EngineServer:
     async def _build_core(self):
         """The engine core for self.rank: the mock, or the real one (on its own thread)."""
         if self.args.is_mock:
-            from engine.wire.mock import MockEngineCore
+            from engine.mock.core import MockEngineCore
             tokenizer = tokenizer_for(self.args)  # the ingress decodes with it too
             return MockEngineCore(self.args.mock_config(self.rank, len(tokenizer)),
                                   tokenizer=tokenizer if self.args.mock.scripted else None)

@@ -21,9 +21,9 @@ from prometheus_client.core import (
 )
 
 from deployments.serve.metrics_sum import Snapshot, SnapshotCollector, at_least, snapshot_of
+from engine.core_messages import ITERATION_TOKENS_BUCKETS
 from engine.outputs import RequestMetrics
 from engine.wire.core_client import EngineClient
-from engine.wire.protocol import ITERATION_TOKENS_BUCKETS
 
 # vLLM's bucket boundaries, so that its dashboards and alerts read the same quantiles
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,

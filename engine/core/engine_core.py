@@ -21,6 +21,19 @@ from engine.core.kv_groups import KVGroups
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
 from engine.core.stats_logger import StatsLogger
+from engine.core.stop_rule import StopRule, check_stop
+from engine.core_messages import (
+    FINISH_ABORT,
+    FINISH_ERROR,
+    ITERATION_TOKENS_BUCKETS,
+    EngineCoreOutput,
+    EngineCoreReadyResponse,
+    EngineCoreRequest,
+    KVEvents,
+    RequestTimings,
+    SchedulerStats,
+    count_iteration,
+)
 from engine.errors import (
     DuplicateRequestError,
     EngineOverloadedError,
@@ -47,19 +60,6 @@ from engine.spec_decode.decoder import SpecDecoder
 from engine.spec_decode.proposers import ProposerContext
 from engine.spec_decode.verify import GeneratorRewind, sampling_rows
 from engine.structured.manager import StructuredOutputManager
-from engine.wire.protocol import (
-    FINISH_ABORT,
-    FINISH_ERROR,
-    ITERATION_TOKENS_BUCKETS,
-    PROTOCOL_VERSION,
-    EngineCoreOutput,
-    EngineCoreReadyResponse,
-    EngineCoreRequest,
-    KVEvents,
-    RequestTimings,
-    SchedulerStats,
-    count_iteration,
-)
 
 logger = logging.getLogger(__name__)
 
@@ -280,6 +280,11 @@ class EngineCore(EngineLoRA):
         """True while a step has something to do or to report (aborts included)."""
         return self.scheduler.has_unfinished() or bool(self._aborted)
 
+    def next_step_delay(self) -> float | None:
+        """0.0 while a step has something to do (a real step computes at once: it waits
+        for no clock, unlike the mock's), None when idle."""
+        return 0.0 if self.has_unfinished_requests() else None
+
     def step(self) -> list[EngineCoreOutput]:
         """Run one scheduling step; return the outputs it produced (possibly none)."""
         outputs = self._step()
@@ -426,20 +431,18 @@ class EngineCore(EngineLoRA):
                                 error=why)
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
-        p = request.params
-        past_min = request.num_output_tokens >= p.min_tokens
-        if past_min and not p.ignore_eos and token in request.eos_token_ids:
-            return RequestStatus.FINISHED_STOPPED
-        if request.grammar is not None and self.structured.terminated(request):
+        """The shared stop rule (engine/core/stop_rule.py), with a structured-outputs
+        request's complete grammar ending it too: after EOS, before every other rule."""
+        rule = check_stop(token, request.num_output_tokens, request.num_tokens,
+                          request.params, request.eos_token_ids, self.max_model_len)
+        if (rule is not StopRule.EOS and request.grammar is not None
+                and self.structured.terminated(request)):
             return RequestStatus.FINISHED_STOPPED  # the constraint is complete
-        if past_min and token in p.stop_token_ids:
+        if rule is None:
+            return None
+        if rule is StopRule.STOP_TOKEN:
             request.stop_reason = token
-            return RequestStatus.FINISHED_STOPPED
-        if p.max_tokens is not None and request.num_output_tokens >= p.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        if request.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
+        return RequestStatus(rule.finish_reason)  # FINISHED_STOPPED or FINISHED_LENGTH
 
     # ---- utilities --------------------------------------------------------------------
     def reset_prefix_cache(self, reset_running_requests: bool = False,
@@ -538,8 +541,7 @@ class EngineCore(EngineLoRA):
             dtype=self.dtype_name, version=__version__,
             supported_tasks=self.get_supported_tasks(), max_num_seqs=self.config.max_num_seqs,
             model=self.config.model, max_logprobs=self.config.max_logprobs,
-            sampling_defaults=self.sampling_defaults, limits=self.limits,
-            protocol_version=PROTOCOL_VERSION)
+            sampling_defaults=self.sampling_defaults, limits=self.limits)
 
     def get_stats(self) -> SchedulerStats:
         return SchedulerStats(

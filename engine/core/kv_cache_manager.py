@@ -30,7 +30,7 @@ from collections import OrderedDict
 from engine.core.block_hash import block_hash, root_seed
 from engine.core.kv_events import KVEventLog
 from engine.core.request import Request
-from engine.wire.protocol import KVEvents
+from engine.core_messages import KVEvents
 
 
 class Block:

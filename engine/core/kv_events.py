@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from engine.wire.protocol import KVEvents
+from engine.core_messages import KVEvents
 
 
 class KVEventLog:

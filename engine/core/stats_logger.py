@@ -12,7 +12,7 @@ import logging
 import time
 from typing import Callable
 
-from engine.wire.protocol import SchedulerStats
+from engine.core_messages import SchedulerStats
 
 logger = logging.getLogger("engine.stats")
 

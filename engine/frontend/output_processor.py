@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from engine.core_messages import FINISH_STOP, EngineCoreOutput, EngineCoreRequest
 from engine.frontend.detokenizer import IncrementalDetokenizer
 from engine.frontend.stop_strings import find_stop_string, held_back_chars
 from engine.outputs import (
@@ -20,7 +21,6 @@ from engine.outputs import (
     RequestOutput,
 )
 from engine.sampling_params import SamplingParams
-from engine.wire.protocol import FINISH_STOP, EngineCoreOutput, EngineCoreRequest
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
+from engine.core_messages import EngineCoreRequest
 from engine.errors import InvalidRequestError
 from engine.frontend.output_processor import child_request_id
 from engine.lora.request import LoRARequest
@@ -17,7 +18,6 @@ from engine.request_checks import check_params, check_prompt
 from engine.request_limits import RequestLimits, check_limits
 from engine.sampling_params import SamplingParams
 from engine.structured.grammar import check_structured_outputs, preload_xgrammar
-from engine.wire.protocol import EngineCoreRequest
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import msgspec
 
+from engine.core_messages import EngineCoreOutput
 from engine.errors import InvalidRequestError
 from engine.lora.request import LoRARequest
 from engine.lora.roots import path_within
-from engine.wire.protocol import EngineCoreOutput
 
 
 class EngineLoRA:

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.wire.protocol import OUTPUTS, EngineCoreOutputs
+from engine.core_messages import EngineCoreOutputs
+from engine.wire.protocol import OUTPUTS
 
 Item = tuple[bytes, bytes, Any]  # (client identity, message kind, message)
 

@@ -31,6 +31,14 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from engine.core_messages import (
+    FINISH_ABORT,
+    FINISH_ERROR,
+    EngineCoreOutputs,
+    EngineCoreReadyResponse,
+    SchedulerStats,
+    UtilityRequest,
+)
 from engine.errors import (
     DuplicateRequestError,
     EngineDeadError,
@@ -59,19 +67,13 @@ from engine.wire.curve_auth import ClientKeys
 from engine.wire.protocol import (
     ABORT,
     ADD,
-    FINISH_ABORT,
-    FINISH_ERROR,
     HELLO,
     OUTPUTS,
     PING,
     PROTOCOL_VERSION,
     READY,
     UTILITY,
-    EngineCoreOutputs,
-    EngineCoreReadyResponse,
     Hello,
-    SchedulerStats,
-    UtilityRequest,
 )
 from engine.wire.routing import Router
 from engine.wire.utility_results import all_true, consensus

@@ -16,8 +16,10 @@ Threads, so that socket work never runs on the model thread:
 KV events (the core's prefix-cache changes, engine/core/kv_events.py) go to every
 connected client at most every kv_events_interval_s, riding on that step's outputs
 (or alone); a client that says HELLO first gets a snapshot (cleared + every cached
-hash), so a router that connects late starts with the engine's whole cache. A core
-without take_kv_events (duck-typed) publishes nothing.
+hash), so a router that connects late starts with the engine's whole cache.
+
+The core is anything that implements EngineCoreLike (engine/core/interface.py):
+EngineCore, or the model-free MockEngineCore (engine/mock/core.py).
 
 A bad frame, an unknown type or a refused request is logged and, where a request
 id is known, answered with an error output; the server keeps serving.
@@ -34,13 +36,24 @@ from typing import Any
 import msgspec
 import zmq
 
+from engine.core.interface import EngineCoreLike
+from engine.core_messages import (
+    FINISH_ERROR,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreReadyResponse,
+    EngineCoreRequest,
+    KVEvents,
+    StartDPWave,
+    UtilityOutput,
+    UtilityRequest,
+)
 from engine.errors import EngineDeadError, EngineDrainingError, FlotillaError
 from engine.wire.coalesce import coalesce
 from engine.wire.curve_auth import CurveServer, EngineKeys
 from engine.wire.protocol import (
     ABORT,
     ADD,
-    FINISH_ERROR,
     HELLO,
     OUTPUTS,
     PING,
@@ -48,14 +61,7 @@ from engine.wire.protocol import (
     READY,
     START_DP_WAVE,
     UTILITY,
-    EngineCoreOutput,
-    EngineCoreOutputs,
-    EngineCoreRequest,
     Hello,
-    KVEvents,
-    StartDPWave,
-    UtilityOutput,
-    UtilityRequest,
 )
 from engine.wire.loop_watch import LoopWatch
 
@@ -109,7 +115,7 @@ def engine_addresses(address: str, count: int) -> list[str]:
 class EngineCoreServer:
     """Serves `core` (an EngineCore or a MockEngineCore) at `address`."""
 
-    def __init__(self, core: Any, address: str, engine_index: int = 0,
+    def __init__(self, core: EngineCoreLike, address: str, engine_index: int = 0,
                  heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S,
                  kv_events_interval_s: float = KV_EVENTS_INTERVAL_S,
                  client_timeout_s: float = CLIENT_TIMEOUT_S,
@@ -208,9 +214,7 @@ class EngineCoreServer:
         if self._curve is not None:
             self._curve.stop()
         self._ctx.term()
-        stop_core = getattr(self.core, "shutdown", None)  # tensor-parallel workers
-        if stop_core is not None:
-            stop_core()
+        self.core.shutdown()  # tensor-parallel workers, the grammar compile thread
 
     def _start_io(self) -> None:
         outbox = self._ctx.socket(zmq.PULL)
@@ -377,7 +381,8 @@ class EngineCoreServer:
                          "not answered", self.engine_index, hello.client_id,
                          hello.protocol_version, PROTOCOL_VERSION)
             return False
-        self._to_encode.put((identity, READY, self.core.ready_response(self.engine_index)))
+        ready = _stamped(self.core.ready_response(self.engine_index))
+        self._to_encode.put((identity, READY, ready))
         return True
 
     # ---- encoder thread -----------------------------------------------------------------
@@ -512,10 +517,8 @@ class EngineCoreServer:
         snapshot of the prefix cache (the others first get what came before it)."""
         self._route([], self._due_kv_events(force=True))
         self._clients.add(identity)
-        snapshot = getattr(self.core, "kv_cache_snapshot", None)
-        if snapshot is not None:
-            self._send(identity, EngineCoreOutputs(self.engine_index, timestamp=time.time(),
-                                                   kv_events=snapshot()))
+        self._send(identity, EngineCoreOutputs(self.engine_index, timestamp=time.time(),
+                                               kv_events=self.core.kv_cache_snapshot()))
 
     def _call_utility(self, req: UtilityRequest) -> UtilityOutput:
         if req.method not in UTILITY_METHODS:
@@ -527,6 +530,8 @@ class EngineCoreServer:
                 f"{req.method!r}"))
         try:
             result = method(*req.args, **req.kwargs)
+            if req.method == "ready_response":
+                result = _stamped(result)
             return UtilityOutput(req.call_id, result=result)
         except Exception as exc:
             logger.warning("engine %d: utility %s failed: %s", self.engine_index, req.method, exc)
@@ -540,12 +545,9 @@ class EngineCoreServer:
         if not force and now - self._kv_sent_at < self.kv_events_interval_s:
             return None
         self._kv_dirty = False
-        take = getattr(self.core, "take_kv_events", None)
-        if take is None:
-            return None
         self._kv_sent_at = now
         try:
-            return take()
+            return self.core.take_kv_events()
         except Exception:  # events are an optimisation: never fail serving for them
             logger.exception("engine %d: could not take KV events", self.engine_index)
             return None
@@ -593,12 +595,15 @@ class EngineCoreServer:
             return None
 
 
-def _next_delay(core: Any) -> float:
+def _stamped(ready: EngineCoreReadyResponse) -> EngineCoreReadyResponse:
+    """A core's ready response as this server sends it: with the wire's PROTOCOL_VERSION,
+    which the core (below the wire) does not know."""
+    return msgspec.structs.replace(ready, protocol_version=PROTOCOL_VERSION)
+
+
+def _next_delay(core: EngineCoreLike) -> float:
     """How long the loop may wait for input before the next step is due."""
-    delay = getattr(core, "next_step_delay", None)
-    if delay is None:
-        return 0
-    value = delay()
+    value = core.next_step_delay()
     return 0 if value is None else max(0.0, value)
 
 

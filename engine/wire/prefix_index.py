@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 
-from engine.wire.protocol import KVEvents
+from engine.core_messages import KVEvents
 
 RECENT_S = 1.0  # how long a routed prompt's blocks count as held without an event
 

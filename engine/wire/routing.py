@@ -24,10 +24,10 @@ from collections.abc import Sequence
 from typing import Any, Callable
 
 from engine.core.block_hash import cacheable_blocks, prefix_block_hashes
+from engine.core_messages import KVEvents
 from engine.errors import InvalidRequestError
 from engine.lora.request import LoRARequest
 from engine.wire.prefix_index import PrefixIndex
-from engine.wire.protocol import KVEvents
 
 ROUTING_POLICIES = ("prefix", "least_loaded", "round_robin")
 MAX_SESSIONS = 65536  # sessions remembered per client (least recently used go first)

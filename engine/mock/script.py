@@ -5,7 +5,7 @@ into reasoning, tool calls and stream events through parsers, and a test of that
 needs the model to say something precise. A real model cannot be told to; the mock
 (MockConfig.scripted) can: when the prompt holds an emit directive, the request's
 output is the directive's text, tokenized by the tokenizer the frontend decodes with,
-then EOS. This module holds that logic, so engine/wire/mock.py stays about scheduling
+then EOS. This module holds that logic, so engine/mock/core.py stays about scheduling
 and timing.
 
 A directive is EMIT_OPEN + text + EMIT_CLOSE anywhere in the prompt's decoded text (a

@@ -1,33 +1,34 @@
 """MockEngineCore: a model-free engine core with deterministic tokens and a latency model.
 
 Why: the frontend (ingress, core client, output processor, coordinator) has to be
-benchmarked and tested without the cost and the noise of a model. The mock has
-EngineCore's interface, so the engine-core server hosts it unchanged, and its
+benchmarked and tested without the cost and the noise of a model. The mock
+implements the engine-core interface as EngineCore does (EngineCoreLike,
+engine/core/interface.py), so the engine-core server hosts it unchanged, and its
 tokens are a pure function of (seed, engine index, request id, output position):
 a test can predict what a client must receive, whatever else runs in the batch.
 
 Time is simulated on an absolute schedule, never slept: a request's first token
 is due at admission + ttft_s + prefill_s_per_token * its uncached prompt tokens,
 then one token every itl_s (with serial_prefill, prefills run one after another, as
-on a compute-bound engine, so a queue of prompts delays the next one). step() returns what is due now (at most one output per request,
-as a real step); next_step_delay() says when the next output will be, so the
-server can block on its socket in between.
+on a compute-bound engine, so a queue of prompts delays the next one). step() returns
+what is due now (at most one output per request, as a real step); next_step_delay()
+says when the next output will be, so the server can block on its socket in between.
 
 Scripted (MockConfig.scripted, with the frontends' tokenizer): a prompt's last
 `[[emit]]text[[/emit]]` directive is its output (then EOS), its structured outputs
-checked against it (engine/wire/mock_script.py); stop rules apply as to drawn tokens.
+checked against it (engine/mock/script.py); stop rules apply as to drawn tokens.
 
-Kept from a real engine: request validation and its typed errors, the stop rules
-(EOS, stop_token_ids, min_tokens masking both, max_tokens, max_model_len), at
-most max_num_seqs running requests (the rest wait, first come first served), KV
-block accounting for stats, sleep mode, the prefix cache: full prompt blocks are
-named by the engine's own hash chain (engine/core/block_hash.py) and kept in an LRU
-index of num_blocks blocks; a request's longest cached prefix (one token is always
-computed) is its num_cached_tokens, skips prefill time, counts in the prefix-cache
-stats, and the index publishes KV events as EngineCore does, so prefix-aware routing
-is testable without a model. Left out: preemption, blocks held by running requests
-(the index only holds finished prompts' blocks, by LRU), real logprobs (fake ones of
-the right shape).
+Kept from a real engine: request validation and its typed errors, EngineCore's own
+stop rule (engine/core/stop_rule.py: EOS, stop_token_ids, min_tokens masking both,
+max_tokens, max_model_len), at most max_num_seqs running requests (the rest wait, first
+come first served), KV block accounting for stats, sleep mode, the prefix cache: full
+prompt blocks are named by the engine's own hash chain (engine/core/block_hash.py) and
+kept in an LRU index of num_blocks blocks; a request's longest cached prefix (one token
+is always computed) is its num_cached_tokens, skips prefill time, counts in the
+prefix-cache stats, and the index publishes KV events as EngineCore does, so
+prefix-aware routing is testable without a model. Left out: preemption, blocks held by
+running requests (the index only holds finished prompts' blocks, by LRU), real logprobs
+(fake ones of the right shape).
 """
 from __future__ import annotations
 
@@ -41,23 +42,10 @@ from dataclasses import dataclass, field
 
 from engine.core.block_hash import cacheable_blocks, prefix_block_hashes
 from engine.core.kv_events import KVEventLog
-from engine.errors import (
-    DuplicateRequestError,
-    EngineOverloadedError,
-    EngineSleepingError,
-    InvalidRequestError,
-)
-from engine.options import add_flags, dataclass_options, given, option
-from engine.request_checks import check_prompt
-from engine.request_limits import RequestLimits, check_limits
-from engine.sampling_params import SamplingParams
-from engine.wire.mock_script import MockScript, default_tokenizer
-from engine.wire.protocol import (
+from engine.core.stop_rule import StopRule, check_stop
+from engine.core_messages import (
     FINISH_ABORT,
-    FINISH_LENGTH,
-    FINISH_STOP,
     ITERATION_TOKENS_BUCKETS,
-    PROTOCOL_VERSION,
     EngineCoreOutput,
     EngineCoreReadyResponse,
     EngineCoreRequest,
@@ -67,75 +55,20 @@ from engine.wire.protocol import (
     TokenLogprobs,
     count_iteration,
 )
+from engine.errors import (
+    DuplicateRequestError,
+    EngineOverloadedError,
+    EngineSleepingError,
+    InvalidRequestError,
+)
+from engine.mock.config import FIRST_TOKEN_ID, MockConfig
+from engine.mock.script import MockScript
+from engine.request_checks import check_prompt
+from engine.request_limits import RequestLimits, check_limits
+from engine.sampling_params import SamplingParams
 
-# Drawn token ids lie in [FIRST_TOKEN_ID, vocab_size): ids below are specials (pad, bos, eos).
-FIRST_TOKEN_ID = 3
 SLEEP_TAGS = ("weights", "kv_cache")  # what sleep() puts to sleep; wake_up(tags) wakes some
 _MAX_REDRAWS = 64  # redraws of a stop token masked by min_tokens (then it is kept)
-
-
-@dataclass(frozen=True)
-class MockTiming:
-    """The mock's latency model and output shape: what a benchmark or a test chooses.
-    The served app exposes these as mock_<name> (deployments.config.AppArgs)."""
-
-    ttft_s: float = option(0.0, "seconds from admission to the first token, besides the "
-                                "prefill time")
-    prefill_s_per_token: float = option(0.0, "extra seconds per prompt token before the "
-                                             "first token")
-    itl_s: float = option(0.0, "seconds between two tokens of one request")
-    output_chunk_size: int = option(1, "tokens per engine output message (the last one may "
-                                       "hold fewer)")
-    emit_eos_after: int | None = option(None, "output index where EOS is drawn (not before "
-                                              "min_tokens); none: only stop rules end a request")
-    num_blocks: int = option(1024, "KV blocks the mock accounts for (stats and autoscaling)")
-    scripted: bool = option(False, "a prompt's last [[emit]]text[[/emit]] directive is its "
-                                   "output, then EOS (in the default model's tokens)")
-
-    def __post_init__(self) -> None:
-        _check([
-            (self.num_blocks >= 1, "num_blocks must be >= 1"),
-            (self.output_chunk_size >= 1, "output_chunk_size must be >= 1"),
-            (min(self.ttft_s, self.prefill_s_per_token, self.itl_s) >= 0.0,
-             "latencies must be >= 0"),
-            (self.emit_eos_after is None or self.emit_eos_after >= 0,
-             "emit_eos_after must be >= 0"),
-        ])
-
-
-@dataclass(frozen=True)
-class MockConfig(MockTiming):
-    """Mock engine options: its timing plus the shape a real engine would report (names
-    as in EngineConfig where they mean the same)."""
-
-    seed: int = option(0, "seed of the token hash")
-    engine_index: int = 0  # part of the token hash: DP ranks answer differently
-    vocab_size: int = option(32000, "ids the mock draws tokens from")
-    eos_token_id: int = option(2, "the id it draws as EOS")
-    max_model_len: int = option(4096, "context length it enforces (prompt + output)")
-    block_size: int = option(16, "tokens per KV block it accounts")
-    max_num_seqs: int = option(256, "the most running requests (the rest wait)")
-    max_waiting_requests: int = option(4096, "the most waiting requests (more: refused, "
-                                             "EngineOverloadedError)")
-    enable_prefix_caching: bool = option(True, "keep an LRU index of prompt blocks: cached "
-                                               "prefixes skip prefill time, KV events")
-    serial_prefill: bool = option(False, "prefills run one after another (a compute-bound "
-                                         "engine): queued prompts delay the next")
-    force_is_sleeping: bool | None = None  # test knob: is_sleeping() answers this
-    force_reset_prefix_cache: bool | None = None  # test knob: reset_prefix_cache() answers this
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        _check([
-            (0 <= self.eos_token_id < self.vocab_size, "eos_token_id must be in [0, vocab_size)"),
-            (self.vocab_size > FIRST_TOKEN_ID + (self.eos_token_id >= FIRST_TOKEN_ID),
-             f"vocab_size must leave ids to draw from beyond the specials [0, {FIRST_TOKEN_ID})"),
-            (self.max_model_len >= 2, "max_model_len must be >= 2"),
-            (self.block_size >= 1, "block_size must be >= 1"),
-            (self.max_num_seqs >= 1, "max_num_seqs must be >= 1"),
-        ])
-
-
 _NO_LORA = "the mock engine serves no LoRA adapters (it has no model); use a real model"
 
 
@@ -154,18 +87,11 @@ def _refuse_model_controls(params: SamplingParams, scripted: bool) -> None:
                                   "(it has no model); use a real model")
 
 
-def _check(checks: list[tuple[bool, str]]) -> None:
-    for ok, message in checks:
-        if not ok:
-            raise InvalidRequestError(f"mock engine: {message}")
-
-
 @dataclass(slots=True, eq=False)
 class _Request:
     request_id: str
     prompt_len: int
     params: SamplingParams
-    limit: int  # most output tokens: max_tokens, and what max_model_len leaves
     arrival: float
     block_hashes: list[int] = field(default_factory=list)  # of its prompt's full blocks
     num_cached: int = 0  # prompt tokens found in the prefix cache at admission
@@ -180,7 +106,8 @@ class _Request:
 
 
 class MockEngineCore:
-    """EngineCore's interface over deterministic tokens; see the module docstring."""
+    """The engine-core interface (EngineCoreLike) over deterministic tokens; see the
+    module docstring."""
 
     dtype_name = "mock"
     model_name = "mock"
@@ -203,6 +130,7 @@ class MockEngineCore:
         self.max_model_len = min(c.max_model_len, c.num_blocks * c.block_size)
         self._clock = clock
         self._num_drawable = c.vocab_size - FIRST_TOKEN_ID - (c.eos_token_id >= FIRST_TOKEN_ID)
+        self._eos_token_ids = (c.eos_token_id,)  # the stop rule's EOS ids: the one it draws
         self._running: dict[str, _Request] = {}
         self._waiting: dict[str, _Request] = {}  # over max_num_seqs, in arrival order
         self._aborted: list[EngineCoreOutput] = []
@@ -235,13 +163,10 @@ class MockEngineCore:
         if req.priority != 0:
             raise InvalidRequestError(f"priority {req.priority} needs scheduling_policy "
                                       "'priority'; the mock engine schedules fcfs")
-        room = self.max_model_len - len(ids)
-        max_tokens = req.sampling_params.max_tokens
-        limit = room if max_tokens is None else min(max_tokens, room)
         script = None if text is None else self._script.tokens(
             text, req.sampling_params.structured_outputs)
         now = self._clock()
-        self._waiting[rid] = _Request(rid, len(ids), req.sampling_params, limit, now,
+        self._waiting[rid] = _Request(rid, len(ids), req.sampling_params, now,
                                       self._block_hashes(ids), script=script)
         self._admit(now)
 
@@ -389,16 +314,13 @@ class MockEngineCore:
 
     def _check_stop(self, r: _Request, token: int,
                     num_output: int) -> tuple[str | None, int | None]:
-        """(finish_reason, stop_reason) after the num_output-th token; EngineCore's rules."""
-        p = r.params
-        past_min = num_output >= p.min_tokens
-        if past_min and not p.ignore_eos and token == self.config.eos_token_id:
-            return FINISH_STOP, None
-        if past_min and token in p.stop_token_ids:
-            return FINISH_STOP, token
-        if num_output >= r.limit:
-            return FINISH_LENGTH, None
-        return None, None
+        """(finish_reason, stop_reason) after the num_output-th token: EngineCore's stop
+        rule (engine/core/stop_rule.py), a stop token its own stop_reason."""
+        rule = check_stop(token, num_output, r.prompt_len + num_output, r.params,
+                          self._eos_token_ids, self.max_model_len)
+        if rule is None:
+            return None, None
+        return rule.finish_reason, token if rule is StopRule.STOP_TOKEN else None
 
     def _logprobs(self, tokens: list[int], k: int | None) -> list[TokenLogprobs] | None:
         """Fake but well-formed logprobs: the sampled token first (rank 1), then the top k
@@ -476,6 +398,10 @@ class MockEngineCore:
     def list_loras(self) -> list:
         return []
 
+    def shutdown(self) -> None:
+        """As EngineCore's: the server calls it when it stops; the mock holds no thread."""
+        return None
+
     def get_stats(self) -> SchedulerStats:
         """Load snapshot; a running request holds ceil((prompt + output) / block_size) blocks."""
         used = sum(math.ceil((r.prompt_len + r.num_output) / self.block_size)
@@ -495,92 +421,5 @@ class MockEngineCore:
             engine_index=engine_index, max_model_len=self.max_model_len,
             num_gpu_blocks=self.num_blocks, block_size=self.block_size, dtype=self.dtype_name,
             version=__version__, supported_tasks=self.get_supported_tasks(),
-            max_num_seqs=self.max_num_seqs, model=self.model_name,
-            limits=self.limits, protocol_version=PROTOCOL_VERSION)
+            max_num_seqs=self.max_num_seqs, model=self.model_name, limits=self.limits)
 
-
-# ---- `python -m engine.wire.mock` / `flotilla mock-engine` ------------------------------------
-MOCK_OPTIONS = dataclass_options(MockConfig)  # every documented field: timing and shape
-
-
-def add_curve_argument(parser) -> None:
-    parser.add_argument("--curve-keys", metavar="JSON_FILE",
-                        help="serve over ZMQ CURVE with these keys (a JSON object of "
-                             "EngineKeys' four fields, engine/wire/curve_auth.py); only "
-                             "clients holding its client pair are admitted")
-
-
-def add_mock_arguments(parser) -> None:
-    """The mock engine's command-line options (shared by both entry points)."""
-    parser.add_argument("--address", required=True,
-                        help="tcp://host:port or ipc://path; engine i gets port+i / path-i")
-    parser.add_argument("--engines", type=int, default=1, help="engines to start (processes)")
-    add_curve_argument(parser)
-    add_flags(parser, MOCK_OPTIONS)
-
-
-def config_from_args(args, engine_index: int) -> MockConfig:
-    return MockConfig(engine_index=engine_index, **given(args, MOCK_OPTIONS))
-
-
-def serve_one(config: MockConfig, address: str, keys_file: str | None = None) -> None:
-    """Run one mock engine-core server until SIGTERM / SIGINT."""
-    import signal
-
-    from engine.wire.core_server import EngineCoreServer
-    from engine.wire.curve_auth import EngineKeys
-    keys = EngineKeys.load(keys_file) if keys_file else None
-    core = MockEngineCore(config, tokenizer=default_tokenizer() if config.scripted else None)
-    server = EngineCoreServer(core, address, config.engine_index, keys=keys)
-    signal.signal(signal.SIGTERM, lambda *_: server.shutdown())
-    try:
-        server.run()
-    except KeyboardInterrupt:
-        pass
-
-
-def run_mock_engines(args) -> int:
-    """Start args.engines mock servers, one process each; wait for them."""
-    import multiprocessing
-
-    from engine.wire.core_server import engine_addresses
-    addresses = engine_addresses(args.address, args.engines)
-    if args.engines == 1:
-        serve_one(config_from_args(args, 0), addresses[0], args.curve_keys)
-        return 0
-    import signal
-
-    ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=serve_one, args=(config_from_args(args, i), a, args.curve_keys),
-                         daemon=True)
-             for i, a in enumerate(addresses)]
-    for p in procs:
-        p.start()
-
-    def _stop(*_):  # SIGTERM to the parent takes the engines down with it
-        raise KeyboardInterrupt
-    signal.signal(signal.SIGTERM, _stop)
-    try:
-        for p in procs:
-            p.join()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        for p in procs:
-            p.terminate()
-            p.join(5)
-    return 0
-
-
-def main(argv=None) -> int:
-    import argparse
-    import logging
-    parser = argparse.ArgumentParser(prog="python -m engine.wire.mock",
-                                     description="model-free engine-core server(s)")
-    add_mock_arguments(parser)
-    logging.basicConfig(level=logging.INFO)
-    return run_mock_engines(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
