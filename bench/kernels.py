@@ -92,7 +92,7 @@ def cases(dtype: torch.dtype) -> dict[str, tuple[Callable, Callable, Callable]]:
     def decode_torch(_):
         return sdpa_decode(k_cache, v_cache)
 
-    from engine.model.layers.attention import cache_views
+    from engine.model.attention.block_major import cache_views
     pool = torch.randn(STREAM_LAYERS, blocks, 2, KV_HEADS, BS, HEAD_DIM, generator=g).to(dtype)
     layer_caches = [cache_views(layer) for layer in pool]
     turns = itertools.cycle(layer_caches)

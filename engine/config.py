@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from engine.cpu_features import cpu_has_native_bf16, missing_bf16_message
 from engine.errors import InvalidRequestError
 from engine.lora.modules_flag import parse_lora_modules
+from engine.model.attention.names import BACKEND_NAMES
 from engine.options import option
 
 if TYPE_CHECKING:
@@ -116,7 +117,7 @@ class EngineConfig:
         "FlexAttention where triton does not import), native (CPU only), flex (FlexAttention; eager, unfused on CPU), triton "
         "(Triton paged attention and fused layer kernels; on CPU only under "
         "TRITON_INTERPRET=1, for tests) or torch (the gather path)",
-        choices=("auto", "native", "flex", "triton", "torch"))
+        choices=("auto", *BACKEND_NAMES))
     kv_cache_dtype: str = option(
         "auto", "the KV cache's element type: auto (the activation dtype) or fp8 (alias "
         "fp8_e4m3: e4m3 bytes with a scale per layer for keys and for values, the "
@@ -171,9 +172,9 @@ class EngineConfig:
             (self.max_waiting_requests >= 1, "max_waiting_requests must be >= 1"),
             (self.structured_outputs_compile_timeout_s > 0,
              "structured_outputs_compile_timeout_s must be > 0"),
-            (self.attention_backend in ("auto", "native", "flex", "triton", "torch"),
-             f"attention_backend must be auto, native, flex, triton or torch, got "
-             f"{self.attention_backend!r}"),
+            (self.attention_backend in ("auto", *BACKEND_NAMES),
+             f"attention_backend must be auto, {', '.join(BACKEND_NAMES[:-1])} or "
+             f"{BACKEND_NAMES[-1]}, got {self.attention_backend!r}"),
             (self.kv_cache_dtype in KV_CACHE_DTYPES,
              f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got "
              f"{self.kv_cache_dtype!r} (e5m2 caches are not served)"),

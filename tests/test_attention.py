@@ -2,11 +2,8 @@
 import pytest
 import torch
 
-from engine.model.layers.attention import (
-    AttentionMetadata,
-    _decode_attention,
-    cache_views,
-)
+from engine.model.attention.block_major import cache_views
+from engine.model.attention.torch_sdpa import TorchMetadata, _decode_attention
 from tests.conftest import amx_granted_here
 
 
@@ -111,7 +108,7 @@ def test_decode_paths_match_dense_attention(kernels, dtype, tol, heads, kv_heads
 
     span = torch.arange(width * bs)
     bias = torch.zeros(seqs, width * bs).masked_fill_(span[None] >= lens[:, None], float("-inf"))
-    torch_path = AttentionMetadata(None, seqs, tables, lens, decode_bias=bias)
+    torch_path = TorchMetadata(None, seqs, tables, lens, decode_bias=bias)
     got = _decode_attention(q, kc_t, vc, torch_path, 0.125).float()
     assert torch.allclose(got, expected, atol=tol, rtol=tol)
 
@@ -245,7 +242,7 @@ def test_native_kernel_writes_the_cache_like_the_torch_path(kernels, dtype):
     """The kernel stores the step's keys and values itself (prefill chunks first, decodes
     inside their own work item); the cache must end up as torch's write_kv leaves it,
     and the output must match attention over that cache."""
-    from engine.model.layers.attention import write_kv
+    from engine.model.attention.torch_sdpa import write_kv
     torch.manual_seed(0)
     heads, kv_heads, d, bs, blocks = 9, 3, 64, 16, 12
     query_lens, lens = [1, 1, 20, 15], [9, 17, 20, 40]  # decodes, fresh prompt, later chunk
@@ -261,8 +258,8 @@ def test_native_kernel_writes_the_cache_like_the_torch_path(kernels, dtype):
     start = torch.randn(blocks, 2, kv_heads, bs, d).to(dtype)  # earlier context
     torch_cache, native_cache = start.clone(), start.clone()
     kc, vc = cache_views(torch_cache)
-    meta = AttentionMetadata(slots, 0, None, None, slot_blocks=slots // bs,
-                             slot_offsets=slots % bs)
+    meta = TorchMetadata(slots, 0, None, None, slot_blocks=slots // bs,
+                         slot_offsets=slots % bs)
     write_kv(k, v, kc, vc, meta)
     nk, nv = cache_views(native_cache)
     got = kernels.paged_attention(q, k, v, nk, nv, slots, tables, torch.tensor(lens), starts,

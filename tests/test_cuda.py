@@ -47,7 +47,7 @@ def test_cuda_greedy_matches_hf(tiny_models, arch, backend):
     prompts = _prompts([3, 17, 40, 64, 9])
     llm = _llm(tiny_models[arch], attention_backend=backend)
     core = _core(llm)
-    assert core.device.type == "cuda" and core.runner.backend == backend
+    assert core.device.type == "cuda" and core.runner.attention.name == backend
     assert core.runner.graphs is not None  # decodes replay captured graphs
     assert _greedy(llm, prompts) == hf_greedy(tiny_models[arch], prompts, N)
 

@@ -65,7 +65,7 @@ def test_gpt_oss_on_the_triton_kernels_matches_hf(tiny_gpt_oss):
     llm = LLM(str(tiny_gpt_oss), dtype="float32", attention_backend="triton", device="cpu",
               max_num_batched_tokens=16, block_size=8)
     try:
-        assert llm.llm_engine.engine_core.runner.triton is not None
+        assert llm.llm_engine.engine_core.runner.attention.name == "triton"
         assert greedy(llm, prompts, 8) == hf_greedy(tiny_gpt_oss, prompts, 8)
     finally:
         llm.shutdown()

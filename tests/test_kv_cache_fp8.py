@@ -103,7 +103,7 @@ def _rounding_reference(path, monkeypatch, k_scales=None, v_scales=None):
     llm = LLM(str(path), dtype="float32", block_size=16)
     monkeypatch.delenv("FLOTILLA_DECODER_STACK")
     runner = llm.llm_engine.engine_core.runner
-    kernel = runner.native_attention
+    kernel = runner.attention.kernel
     for i, layer in enumerate(runner.model.layers):  # the kernel gets them from the layer
         layer.self_attn.k_scale = (k_scales or {}).get(i, 1.0)
         layer.self_attn.v_scale = (v_scales or {}).get(i, 1.0)
@@ -113,7 +113,7 @@ def _rounding_reference(path, monkeypatch, k_scales=None, v_scales=None):
         return kernel(q, _e4m3(k, k_scale).to(k.dtype), _e4m3(v, v_scale).to(v.dtype), k_cache,
                       v_cache, slots, tables, lens, starts, scale, 1.0, 1.0, window, sinks)
 
-    runner.native_attention = rounded
+    runner.attention.kernel = rounded
     return llm
 
 
@@ -221,7 +221,7 @@ def test_the_torch_and_triton_paths_read_the_fp8_cache_as_the_native_kernel(scal
     llm = LLM(str(scaled), dtype="float32", block_size=16, kv_cache_dtype="fp8",
               attention_backend=backend, max_num_batched_tokens=24, device="cpu")
     runner = llm.llm_engine.engine_core.runner
-    assert runner.backend == backend and runner.kv_caches.dtype == torch.float8_e4m3fn
+    assert runner.attention.name == backend and runner.kv_caches.dtype == torch.float8_e4m3fn
     assert runner.model.layers[1].self_attn.k_scale == 0.5
     outs = _run(llm, PROMPTS)
     _agree(outs, native, PROMPTS)

@@ -90,7 +90,7 @@ def test_torch_attention_path_matches_hf(tiny_llama, monkeypatch):
     monkeypatch.setattr(engine.executor.model_runner, "native_enabled", lambda: False)
     prompts = _prompts([17, 17, 17, 70, 5])
     llm = LLM(str(tiny_llama), dtype="float32", max_num_batched_tokens=48, block_size=8)
-    assert llm.llm_engine.engine_core.runner.native_attention is None
+    assert llm.llm_engine.engine_core.runner.attention.name != "native"
     assert _greedy(llm, prompts) == hf_greedy(tiny_llama, prompts, NEW_TOKENS)
     shared = [prompts[3][:40] + p for p in _prompts([6, 11], seed=1)]
     out = llm.generate(shared, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS,

@@ -323,7 +323,7 @@ def test_triton_engine_matches_hf_with_chunks_prefix_hits_and_preemption(tiny_ll
     llm = LLM(str(tiny_llama), dtype="float32", max_num_batched_tokens=48, block_size=8,
               attention_backend="triton", num_gpu_blocks_override=24, device="cpu")
     runner = llm.llm_engine.engine_core.runner
-    assert runner.triton is not None and runner.native_attention is None
+    assert runner.attention.name == "triton"
     assert _greedy(llm, prompts) == hf_greedy(tiny_llama, prompts, NEW_TOKENS)
     assert llm.llm_engine.engine_core.scheduler.num_preemptions > 0
     check_prefix_hits_and_n(llm, tiny_llama, prompts[2][:40])

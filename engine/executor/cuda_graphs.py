@@ -16,16 +16,11 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
-from engine.model.layers.attention import AttentionMetadata
-
-# (batch size, positions, slots, context lengths, block tables [size, width]) -> the
-# attention metadata of a captured decode batch, built from the graph's static buffers
-StepMetadata = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
-                        AttentionMetadata]
+from engine.model.attention.base import GraphMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -41,20 +36,19 @@ def capture_sizes(max_batch: int) -> list[int]:
     return sorted(set(chosen))
 
 
-def padded_size(sizes: list[int], batch: int) -> int:
+def padded_size(sizes: Sequence[int], batch: int) -> int:
     """The smallest of sizes (ascending) that holds batch rows."""
     return next(s for s in sizes if s >= batch)
 
 
 class DecodeGraphs:
-    def __init__(self, model: Callable, layer_caches: list, step_metadata: StepMetadata,
+    def __init__(self, model: Callable, layer_caches: list, step_metadata: GraphMetadata,
                  num_blocks: int, block_size: int, sizes: list[int], width: int,
                  device: torch.device) -> None:
         """model(ids, positions, layer_caches, meta) -> hidden states; step_metadata: the
-        attention backend's metadata for a captured batch (flex_paged.graph_metadata,
-        triton_graph_metadata); num_blocks: the cache's blocks (the scratch block is
-        next); sizes: the batch sizes to capture (capture_sizes); width: the longest
-        block table."""
+        attention backend's metadata for a captured batch (its graph_metadata());
+        num_blocks: the cache's blocks (the scratch block is next); sizes: the batch
+        sizes to capture (capture_sizes); width: the longest block table."""
         self.model = model
         self.layer_caches = layer_caches
         self.step_metadata = step_metadata
@@ -126,16 +120,3 @@ class DecodeGraphs:
         graph, out = self.graphs[size]
         graph.replay()
         return out[:batch]
-
-
-def triton_graph_metadata(triton) -> StepMetadata:
-    """A captured batch's metadata for the Triton backend (a TritonPagedAttention): its
-    launches read the static buffers; the split count is fixed per batch size."""
-
-    def metadata(size: int, positions: torch.Tensor, slots: torch.Tensor,
-                 lengths: torch.Tensor, tables: torch.Tensor) -> AttentionMetadata:
-        step = triton.graph_step(size, lengths, tables.contiguous())
-        return AttentionMetadata(slot_mapping=slots, num_decodes=size, block_tables=None,
-                                 seq_lens=None, triton=triton, triton_step=step)
-
-    return metadata

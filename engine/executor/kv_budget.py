@@ -1,6 +1,7 @@
 """How many KV blocks a runner's budget holds (a mixin of ModelRunner): bytes on CPU,
 on GPU what the largest step's profiled peak leaves of gpu_memory_utilization. It reads
-the runner's config, shape, plan, device and KV dtype, and runs its forward pass."""
+the runner's config, shape, device and KV dtype, asks its attention backend a block's
+bytes and the most blocks its kernels address, and runs its forward pass."""
 from __future__ import annotations
 
 import logging
@@ -20,10 +21,7 @@ _GPU_GRAPH_RESERVE_BYTES = 512 << 20
 
 class KVBudget:
     def bytes_per_block(self) -> int:
-        s = self.shape
-        elem = torch.empty((), dtype=self.kv_dtype).element_size()
-        return (2 * self.kv_groups.slots * self.block_size * self.plan.num_kv_heads
-                * s.head_dim * elem)
+        return self.attention.block_bytes(self.kv_groups.slots, self.kv_dtype)
 
     def max_kv_blocks(self) -> int:
         """KV blocks that fit this rank's budget: bytes on CPU (kv_cache_memory_bytes,
@@ -38,14 +36,10 @@ class KVBudget:
         else:
             budget = self.config.kv_cache_memory_bytes or CPU_DEFAULT_KV_CACHE_BYTES
         blocks = int(budget // per_block)
-        if self.flex is not None and self.device.type == "cuda":
-            # torch 2.11's FlexAttention kernels index one layer's keys with 32-bit offsets
-            # (a larger cache failed to compile on the H200)
-            limit = (2 ** 31 - 1) // (self.plan.num_kv_heads * self.shape.head_dim
-                                      * self.block_size) - 1
-            if blocks > limit:
-                logger.info("KV cache: %d blocks fit, %d used (32-bit offsets)", blocks, limit)
-                blocks = limit
+        limit = self.attention.max_blocks()  # (FlexAttention's 32-bit offsets on CUDA)
+        if limit is not None and blocks > limit:
+            logger.info("KV cache: %d blocks fit, %d used (32-bit offsets)", blocks, limit)
+            blocks = limit
         if blocks < 1:
             raise InvalidRequestError(
                 f"KV cache budget of {int(budget)} bytes holds no block of {per_block} bytes")

@@ -16,13 +16,9 @@ from torch import nn
 
 from engine.config import EngineConfig
 from engine.core.scheduler import SchedulerOutput
-from engine.errors import InvalidRequestError, UnsupportedQuantizationError
+from engine.errors import UnsupportedQuantizationError
 from engine.executor.allocator import keep_freed_memory
-from engine.executor.cuda_graphs import (
-    DecodeGraphs,
-    capture_sizes,
-    triton_graph_metadata,
-)
+from engine.executor.cuda_graphs import DecodeGraphs, capture_sizes
 from engine.executor.parallel import ShardPlan, TPGroup
 from engine.executor.sampler import prompt_token_logprobs
 from engine.executor.kv_budget import KVBudget
@@ -37,6 +33,8 @@ from engine.lora.adapter import load_adapter
 from engine.lora.manager import AdapterCache
 from engine.lora.request import LoRARequest
 from engine.lora.slots import LoRASlots
+from engine.model.attention.base import AttentionSpec
+from engine.model.attention.registry import make_backend
 from engine.model.hugepages import (
     BackgroundPopulate,
     anonymous_regions,
@@ -45,9 +43,6 @@ from engine.model.hugepages import (
     populate_now,
 )
 from engine.model.kernels import cpu_kernels, native_enabled
-from engine.model.layers import flex_paged
-from engine.model.layers.attention import cache_views
-from engine.model.layers.flex_paged import FlexPagedAttention
 from engine.model.layers.linear import can_pack, pack_linears
 from engine.model.registry import model_class
 from engine.model.shape import ModelShape
@@ -62,7 +57,6 @@ logger = logging.getLogger(__name__)
 
 # Prompt-logprob rows computed at once: 256 x a 128k vocabulary is 128 MiB of logits.
 _PROMPT_LOGIT_ROWS = 256
-
 
 
 class ModelRunner(StepMetadataBuilder, KVBudget):
@@ -87,17 +81,12 @@ class ModelRunner(StepMetadataBuilder, KVBudget):
         if device.type == "cpu":
             self.kernels = cpu_kernels()
             keep_freed_memory()  # steps reuse their freed activations: no page faults
-        self.backend = self._attention_backend()
-        self.kv_dtype = self._kv_cache_dtype()
-        self.native_attention = (self.kernels.paged_attention if self.backend == "native"
-                                 else None)
-        self.flex = (FlexPagedAttention(device.type == "cuda", config.block_size)
-                     if self.backend == "flex" else None)
-        self.triton = self._triton_backend() if self.backend == "triton" else None
-        if self.flex is not None and device.type == "cuda" and config.block_size < 16:
-            raise InvalidRequestError(
-                f"block_size {config.block_size} is too small for FlexAttention on CUDA "
-                "(one page per KV tile; its kernels' tiles hold 16 keys at least)")
+        # engine.model.attention's backend: what every attention-dependent choice asks
+        self.attention = make_backend(config.attention_backend, AttentionSpec(
+            shape, device, self.kernels, config.kv_cache_dtype, self.block_size,
+            self.plan.num_heads, self.plan.num_kv_heads, tuple(self.decode_sizes),
+            self.max_pages))
+        self.kv_dtype = self.attention.cache_dtype(dtype)
         self.graphs: DecodeGraphs | None = None
         self.model = self._load_model()
         self.lora_slots: LoRASlots | None = None
@@ -109,7 +98,6 @@ class ModelRunner(StepMetadataBuilder, KVBudget):
         # joining a server already serving; hugepages.BackgroundPopulate says why)
         self.kv_pages_before_ready = True
         self._populating: BackgroundPopulate | None = None
-        self.slot_pos: torch.Tensor | None = None  # flex: each slot's position (flex_paged)
         self.layer_caches: list[tuple[torch.Tensor, torch.Tensor]] = []  # views, per layer
         self.num_blocks = 0
         # an EAGLE-3 head's input (model.aux_layers): the last step's kept streams and
@@ -117,71 +105,11 @@ class ModelRunner(StepMetadataBuilder, KVBudget):
         self.last_aux: tuple[torch.Tensor, list] | None = None
         self._aux_spans: list | None = None
 
-    def _attention_backend(self) -> str:
-        """native (the CPU kernels), triton (CUDA's default where triton imports: on an
-        H200 its kernels beat FlexAttention's at every shape timed), flex or torch."""
-        choice = self.config.attention_backend
-        if choice == "auto":
-            if self.kernels is not None:
-                return "native"
-            if self.device.type != "cuda":
-                return "torch"
-            from engine.model.triton_kernels import availability
-            if availability(self.device) is None:
-                return "triton"
-            # FlexAttention has no sliding windows or sinks here
-            windows_or_sinks = any(self.shape.layer_windows) or self.shape.attention_sinks
-            return "torch" if windows_or_sinks else "flex"
-        if choice == "flex" and self.shape.attention_sinks:
-            raise InvalidRequestError(
-                f"attention_backend {choice!r} does not serve attention sinks "
-                f"({self.shape.architecture}); use triton, native (CPU) or torch")
-        if choice == "flex" and any(self.shape.layer_windows):
-            raise InvalidRequestError(
-                f"attention_backend 'flex' does not serve sliding-window layers "
-                f"({self.shape.architecture}); use triton, native or torch")
-        if choice == "native" and self.kernels is None:
-            raise InvalidRequestError("attention_backend 'native' needs the CPU kernels "
-                                      f"(device {self.device}, kernels unavailable or off)")
-        if choice == "triton":
-            from engine.model.triton_kernels import availability
-            reason = availability(self.device)
-            if reason is not None:
-                raise InvalidRequestError(f"attention_backend 'triton': {reason}")
-        return choice
-
-    def _kv_cache_dtype(self) -> torch.dtype:
-        """The cache's element type: the activation dtype, or e4m3 for kv_cache_dtype fp8,
-        which the native CPU kernel, the Triton kernels and the torch path read
-        (FlexAttention's score and value products would need the whole cache widened)."""
-        if self.config.kv_cache_dtype == "auto":
-            return self.dtype
-        if self.backend == "flex":
-            raise InvalidRequestError(
-                f"kv_cache_dtype {self.config.kv_cache_dtype!r} is not read by attention "
-                "backend 'flex'; the native (CPU), triton and torch backends read it (use "
-                "attention_backend triton, or kv_cache_dtype auto)")
-        if self.backend == "triton":
-            from engine.model.triton_kernels import fp8_cache_refusal
-            reason = fp8_cache_refusal(self.device)
-            if reason is not None:
-                raise InvalidRequestError(f"kv_cache_dtype {self.config.kv_cache_dtype!r}: "
-                                          f"{reason}")
-        return torch.float8_e4m3fn
-
-    def _triton_backend(self):
-        """The Triton kernels' attention (imported only when chosen: triton is optional
-        on CPU)."""
-        from engine.model.layers.triton_paged import TritonPagedAttention
-        return TritonPagedAttention(self.block_size, self.plan.num_heads,
-                                    self.plan.num_kv_heads, self.shape.head_dim,
-                                    self.decode_sizes[-1], self.device)
-
     def _use_graphs(self) -> bool:
         """Decode steps replay CUDA graphs unless enforce_eager, LoRA (its per-step adapter
         runs are host data) or tensor parallelism (every rank would have to replay
         together) rules them out."""
-        return (self.device.type == "cuda" and self.backend in ("flex", "triton")
+        return (self.device.type == "cuda" and self.attention.graphs
                 and not self.config.enforce_eager and self.lora_slots is None
                 and self.tp is None and self._experts_capturable()
                 and self.shape.mamba is None  # its states are gathered by host-side slots
@@ -199,11 +127,8 @@ class ModelRunner(StepMetadataBuilder, KVBudget):
 
     def _capture_graphs(self) -> None:
         if self._use_graphs() and self.model is not None and self.kv_caches is not None:
-            if self.triton is not None:
-                step_meta = triton_graph_metadata(self.triton)
-            else:
-                step_meta = flex_paged.graph_metadata(self.flex, self.slot_pos, self.block_size)
-            self.graphs = DecodeGraphs(self.model, self.layer_caches, step_meta,
+            self.graphs = DecodeGraphs(self.model, self.layer_caches,
+                                       self.attention.graph_metadata(),
                                        self.num_blocks, self.block_size, self.decode_sizes,
                                        self.max_pages, self.device)
             self.graphs.capture()
@@ -217,10 +142,7 @@ class ModelRunner(StepMetadataBuilder, KVBudget):
     def _load_model(self) -> nn.Module:
         start = time.perf_counter()
         regions = anonymous_regions() if self.device.type == "cpu" else set()
-        layer_ops = self.kernels  # the layers' fused element-wise ops
-        if self.triton is not None:
-            from engine.model.triton_kernels.fused_ops import TritonLayerOps
-            layer_ops = TritonLayerOps()
+        layer_ops = self.attention.layer_ops(self.kernels)  # the layers' element-wise ops
         with torch.device("meta"):
             model = model_class(self.shape.architecture)(
                 self.shape, self.hf_config, self.max_model_len, layer_ops, self.plan, self.tp)
@@ -257,10 +179,10 @@ class ModelRunner(StepMetadataBuilder, KVBudget):
                         "them")
         model = model.to(self.dtype).eval()
         model.requires_grad_(False)
-        if (native_enabled() and self.triton is None
+        if (native_enabled() and not self.attention.own_layer_kernels
                 and can_pack(self.device, self.dtype, self.kernels)):
             pack_linears(model, keep_dense={id(model.embed_tokens.weight)}, kernels=self.kernels)
-        if self.device.type == "cpu" and self.backend == "native":
+        if self.device.type == "cpu" and self.attention.runs_stack:
             model.stack = build_stack(model, self.kernels)
         if self.kv_groups.count > 1:
             model.layer_groups = [self.kv_groups.layer_group(i)
@@ -294,18 +216,14 @@ class ModelRunner(StepMetadataBuilder, KVBudget):
         if fmt is None:
             return None
         if (self.device.type == "cpu" and self.kernels is not None and native_enabled()
-                and self.triton is None):
+                and not self.attention.own_layer_kernels):
             return self.kernels
-        if self.triton is not None and fmt in ("gguf", "awq", "gptq", "fp8",
-                                               "compressed-tensors"):
-            from engine.model.triton_kernels.int4_linear import TritonInt4
-            logger.info("%s weights on the Triton backend: Q4_1 blocks (AWQ and GPTQ are read "
-                        "as such) are multiplied by the int4 kernel, fp8 weights by "
-                        "torch._scaled_mm, other formats decoded to %s at load", fmt, self.dtype)
-            return TritonInt4(self.device)
+        held = self.attention.quant_kernels(fmt, self.dtype)
+        if held is not None:
+            return held
         logger.warning("no kernel here reads %s weights (device %s, attention backend %s, "
                        "native kernels %s): the weights are decoded to %s at load", fmt,
-                       self.device, self.backend, "on" if self.kernels is not None else "off",
+                       self.device, self.attention.name, "on" if self.kernels is not None else "off",
                        self.dtype)
         return None
 
@@ -334,37 +252,20 @@ class ModelRunner(StepMetadataBuilder, KVBudget):
     # ---- KV cache ---------------------------------------------------------------------
     def allocate_kv_cache(self, num_blocks: int, capture: bool = True) -> None:
         """The cache, in the attention backend's layout; then (CUDA) the decode graphs."""
-        s = self.shape
         self.num_blocks = num_blocks
-        if self.flex is not None or self.triton is not None:  # head-major, scratch block
-            shape = flex_paged.cache_shape(self.kv_groups.slots, num_blocks,
-                                           self.plan.num_kv_heads, self.block_size, s.head_dim)
-            self.kv_caches = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
-            if self.triton is not None:
-                self.layer_caches = [(self._layer_cache(i)[0], self._layer_cache(i)[1])
-                                     for i in range(s.num_layers)]
-            else:
-                self.layer_caches = [flex_paged.cache_views(self._layer_cache(i))
-                                     for i in range(s.num_layers)]
-                self.slot_pos = torch.full((shape[3],), torch.iinfo(torch.int32).max,
-                                           dtype=torch.int32, device=self.device)
-            self._state_views()
-            if capture:
-                self._capture_graphs()
-            return
-        # block-major (engine.model.layers.attention): a block's keys and values, all kv heads,
-        # are one contiguous span
-        shape = (self.kv_groups.slots, num_blocks, 2, self.plan.num_kv_heads, self.block_size,
-                 s.head_dim)
+        shape = self.attention.cache_shape(self.kv_groups.slots, num_blocks)
         # zeros, not garbage: masked-out slots still enter the matmuls, and 0 * NaN = NaN
-        if self.device.type == "cpu":
+        if self.device.type == "cpu" and self.attention.lazy_cpu_pool:
             self.kv_caches = lazily_zeroed(shape, self.kv_dtype)
             self._prefault_kv(num_blocks)
         else:
             self.kv_caches = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
-        # made once, not per step
-        self.layer_caches = [cache_views(self._layer_cache(i)) for i in range(s.num_layers)]
+        self.layer_caches = [self.attention.cache_views(self._layer_cache(i))  # once
+                             for i in range(self.shape.num_layers)]
+        self.attention.cache_allocated(num_blocks)
         self._state_views()
+        if capture:
+            self._capture_graphs()
 
     def _layer_cache(self, layer: int) -> torch.Tensor:
         """The cache tensor a layer's blocks are in: its slot's (each block of the pool
@@ -400,7 +301,8 @@ class ModelRunner(StepMetadataBuilder, KVBudget):
             self._populating.stop()
             self._populating = None
         self._drop_graphs()
-        self.kv_caches = self.slot_pos = None
+        self.kv_caches = None
+        self.attention.cache_freed()
         self.layer_caches = []
 
     # ---- sleep mode -------------------------------------------------------------------
@@ -539,9 +441,7 @@ class ModelRunner(StepMetadataBuilder, KVBudget):
                     for tables, slots in zip(step.group_tables, step.group_slots)]
             input_ids = torch.tensor(step.ids, dtype=torch.long, device=dev)
             pos = torch.tensor(step.positions, dtype=torch.long, device=dev)
-            if self.flex is not None:
-                flex_paged.write_positions(self.slot_pos, meta.slot_mapping, pos,
-                                           self.block_size)
+            self.attention.prepare_step(meta, pos)
             hidden = self.model(input_ids, pos, self.layer_caches, meta)
             if self._aux_spans is not None:
                 self.last_aux, self._aux_spans = (self.model.aux_hidden, self._aux_spans), None

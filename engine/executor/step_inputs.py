@@ -1,7 +1,8 @@
 """What a step hands the forward pass: its batch (StepInput, the same on every TP rank),
-whose outputs are whose (StepRows, StepResult), and the attention metadata each
-backend reads, built from the batch by the runner (StepMetadataBuilder): per KV group
-(engine/core/kv_groups.py) where a model has several, with a hybrid's Mamba states.
+whose outputs are whose (StepRows, StepResult), and the attention metadata, which the
+runner's attention backend builds from the batch (StepMetadataBuilder asks it): per KV
+group (engine/core/kv_groups.py) where a model has several, with a hybrid's Mamba
+states.
 """
 from __future__ import annotations
 
@@ -10,9 +11,7 @@ from dataclasses import dataclass, field
 import msgspec
 import torch
 
-from engine.executor.cuda_graphs import padded_size
-from engine.model.layers.attention import AttentionMetadata, PrefillGroup
-from engine.model.layers.flex_paged import build_group
+from engine.model.attention.base import AttentionMetadata
 from engine.model.layers.mamba import StateMetadata
 
 
@@ -84,49 +83,18 @@ class StepResult:
 
 
 class StepMetadataBuilder:
-    """The runner's metadata builders (a mixin: they read its backend, device, block
-    size and pool)."""
+    """The runner's metadata builders (a mixin: they read its attention backend and
+    device)."""
 
     def _attention_metadata(self, step: StepInput, tables: list[list[int]] | None = None,
                             slots: list[int] | None = None) -> AttentionMetadata:
         """The step's attention metadata over one KV group's block tables and token slots
         (default: group 0's, step.block_tables and step.slots)."""
-        dev = self.device
         tables = step.block_tables if tables is None else tables
         slot_mapping = torch.tensor(step.slots if slots is None else slots, dtype=torch.long,
-                                    device=dev)
-        num_decodes = step.num_decodes()
-        if self.flex is not None:
-            return self._flex_metadata(step, slot_mapping, num_decodes, tables)
-        if self.triton is not None:
-            launches = self.triton.step(step.query_lens, step.seq_lens, tables, num_decodes)
-            return AttentionMetadata(slot_mapping=slot_mapping, num_decodes=num_decodes,
-                                     block_tables=None, seq_lens=None, triton=self.triton,
-                                     triton_step=launches)
-        if self.native_attention is not None:  # one kernel call for every row
-            starts = [0]
-            for n in step.query_lens:
-                starts.append(starts[-1] + n)
-            return AttentionMetadata(
-                slot_mapping=slot_mapping, num_decodes=num_decodes,
-                block_tables=self._table_tensor(tables),
-                seq_lens=torch.tensor(step.seq_lens, dtype=torch.long, device=dev),
-                query_start=torch.tensor(starts, dtype=torch.long, device=dev),
-                native_attention=self.native_attention)
-        lens = bias = None
-        if num_decodes:
-            decode_tables = self._table_tensor(tables[:num_decodes])
-            lens = torch.tensor(step.seq_lens[:num_decodes], dtype=torch.long, device=dev)
-            span = torch.arange(decode_tables.shape[1] * self.block_size, device=dev)
-            bias = torch.zeros(num_decodes, decode_tables.shape[1] * self.block_size, device=dev)
-            bias.masked_fill_(span.unsqueeze(0) >= lens.unsqueeze(1), float("-inf"))
-        else:
-            decode_tables = None
-        return AttentionMetadata(
-            slot_mapping=slot_mapping, slot_blocks=slot_mapping // self.block_size,
-            slot_offsets=slot_mapping % self.block_size,
-            num_decodes=num_decodes, block_tables=decode_tables, seq_lens=lens,
-            decode_bias=bias, prefills=self._prefill_groups(step, num_decodes, tables))
+                                    device=self.device)
+        return self.attention.build_metadata(step.query_lens, step.seq_lens, tables,
+                                             slot_mapping, step.num_decodes())
 
     def _state_metadata(self, step: StepInput, num_decodes: int) -> StateMetadata:
         """Where each sequence's Mamba states are, and which start from zeros."""
@@ -135,60 +103,6 @@ class StepMetadataBuilder:
             query_lens=step.query_lens,
             fresh=[n == c for n, c in zip(step.query_lens, step.seq_lens)],
             num_decodes=num_decodes)
-
-    def _flex_metadata(self, step: StepInput, slot_mapping: torch.Tensor,
-                       num_decodes: int, tables: list[list[int]]) -> AttentionMetadata:
-        """The decodes in one FlexAttention call, then each prefill chunk in its own on
-        CUDA (FlexPagedAttention), all chunks in one on the eager reference."""
-        groups = []
-        count = len(step.query_lens)
-        decode_rows = decode_width = 0
-        if self.flex.pad_decodes and num_decodes:  # a few static shapes (FlexPagedAttention)
-            decode_rows = padded_size(self.decode_sizes, num_decodes)
-            decode_width = self.max_pages
-        spans = [(0, num_decodes)]
-        if self.device.type == "cuda":
-            spans += [(i, i + 1) for i in range(num_decodes, count)]
-        else:
-            spans.append((num_decodes, count))
-        first = 0
-        for lo, hi in spans:
-            if hi > lo:
-                decodes = lo == 0 and num_decodes > 0
-                groups.append(build_group(first, step.query_lens[lo:hi], step.seq_lens[lo:hi],
-                                          tables[lo:hi], self.num_blocks,
-                                          self.block_size, self.device,
-                                          decode_width if decodes else None,
-                                          page_map=not self.flex.compiled,
-                                          pad_rows=decode_rows if decodes else 0))
-                first += groups[-1].num_tokens
-        return AttentionMetadata(slot_mapping=slot_mapping, num_decodes=num_decodes,
-                                 block_tables=None, seq_lens=None, flex=self.flex,
-                                 flex_groups=groups, slot_pos=self.slot_pos)
-
-    def _table_tensor(self, tables: list[list[int]]) -> torch.Tensor:
-        """Block tables padded with block 0 to the longest (the kernels stop at seq_lens)."""
-        width = max(len(t) for t in tables)
-        padded = [t + [0] * (width - len(t)) for t in tables]
-        return torch.tensor(padded, dtype=torch.long, device=self.device)
-
-    def _prefill_groups(self, step: StepInput, num_decodes: int,
-                        tables: list[list[int]]) -> list[PrefillGroup]:
-        """Prefill chunks for the torch path: consecutive fresh chunks (no cached context)
-        of equal length share one group; a chunk with context carries its block table."""
-        groups: list[PrefillGroup] = []
-        first = num_decodes
-        for i in range(num_decodes, len(step.query_lens)):
-            n, ctx = step.query_lens[i], step.seq_lens[i]
-            if ctx > n:
-                table = torch.tensor(tables[i], dtype=torch.long, device=self.device)
-                groups.append(PrefillGroup(first, n, 1, ctx, table))
-            elif groups and groups[-1].block_table is None and groups[-1].query_len == n:
-                groups[-1].count += 1
-            else:
-                groups.append(PrefillGroup(first, n, 1, n, None))
-            first += n
-        return groups
 
 
 __all__ = ["StepInput", "StepMetadataBuilder", "StepResult", "StepRows", "token_slots"]

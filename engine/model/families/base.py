@@ -25,8 +25,8 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from engine.executor.parallel import ShardPlan, TPGroup
+from engine.model.attention.base import AttentionMetadata
 from engine.model.families.loading import expected_keys, load_checkpoint
-from engine.model.layers.attention import AttentionMetadata, paged_attention
 from engine.model.layers.linear import Linear
 from engine.model.layers.norm import RMSNorm
 from engine.model.layers.rotary import Rope, RotaryEmbedding, apply_rotary
@@ -67,22 +67,23 @@ class Attention(nn.Module):
 
     def forward(self, rope: Rope, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
-        t = x.shape[0]
+        """The step's attention backend (the one that built meta, engine.model.attention)
+        takes the fused qkv rows: it has them rotated here (rotated) or rotates them in
+        its own kernels (normed_qkv first)."""
         qkv = self.qkv_proj(x)
         if self.lora is not None:
             self.lora.add(self.layer_index, "qkv_proj", x, qkv)
-        if meta.triton is not None:  # rotary, cache write and attention in Triton
-            if self.q_norm is not None:
-                qkv = self._norm_qk(qkv)
-            o = meta.triton.forward(qkv, rope, kv_cache, meta.slot_mapping, meta.triton_step,
-                                    self.num_heads, self.num_kv_heads, self.head_dim,
-                                    self.scale, self.k_scale, self.v_scale, self.window,
-                                    None if self.sinks is None else self.sinks.float())
-            return self._project(o)
+        return self._project(meta.backend.forward(self, qkv, rope, kv_cache, meta))
+
+    def rotated(self, qkv: torch.Tensor,
+                rope: Rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, H, D], k and v [T, KVH, D] of the fused qkv rows, q/k-normed and rotated:
+        by the native rotary in place inside the rows where the layer has the CPU
+        kernels, else by torch ops."""
+        t = qkv.shape[0]
         native_rope = self.kernels is not None
         if native_rope:  # rotate q and k heads in place inside the fused qkv rows
-            if self.q_norm is not None:
-                qkv = self._norm_qk(qkv)
+            qkv = self.normed_qkv(qkv)
             self.kernels.rotary_inplace(qkv, rope.positions, rope.cos_table, rope.sin_table,
                                         self.num_heads + self.num_kv_heads, self.head_dim)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -93,14 +94,14 @@ class Attention(nn.Module):
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rotary(q, k, rope.cos, rope.sin)
-        return self._project(paged_attention(q, k, v, kv_cache, meta, self.scale, self.k_scale,
-                                             self.v_scale, self.window, self.sinks
-                                             ).reshape(t, self.q_size))
+        return q, k, v
 
-    def _norm_qk(self, qkv: torch.Tensor) -> torch.Tensor:
+    def normed_qkv(self, qkv: torch.Tensor) -> torch.Tensor:
         """q/k norm (Qwen3's, Gemma 3's): q and k heads normalised before the rotary, as a
         new fused qkv (which the Triton kernels and the native rotary then take as any
-        model's)."""
+        model's); qkv itself where the layer has no q/k norm."""
+        if self.q_norm is None:
+            return qkv
         t = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim)).reshape(t, -1)
@@ -258,10 +259,11 @@ class DecoderForCausalLM(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata
                 ) -> torch.Tensor:
         """kv_caches: each layer's (keys, values) views of the paged cache
-        (engine.model.layers.attention.cache_views), this rank's kv heads."""
+        (the attention backend's cache_views), this rank's kv heads."""
         x = self.embed(input_ids)
         self._prompt_step = meta.num_decodes != x.shape[0] and not meta.generated_only
-        if self.stack is not None and meta.native_attention is not None and not self.aux_layers:
+        # the stack reads the native backend's metadata (AttentionBackend.runs_stack)
+        if self.stack is not None and meta.backend.runs_stack and not self.aux_layers:
             keys, values = self._cache_lists(kv_caches)
             dense_rows = DENSE_ROWS if self._prompt_step else DECODE_DENSE_ROWS
             return self.stack.forward(x, positions, self.rotary.cos, self.rotary.sin, keys,

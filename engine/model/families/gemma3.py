@@ -25,9 +25,9 @@ from transformers import PretrainedConfig
 
 from engine.errors import UnsupportedModelError
 from engine.executor.parallel import ShardPlan, TPGroup
+from engine.model.attention.base import AttentionMetadata
 from engine.model.families.base import DecoderForCausalLM, DecoderLayer, GatedMLP
 from engine.model.families.gemma3_arch import FAMILY
-from engine.model.layers.attention import AttentionMetadata
 from engine.model.layers.norm import RMSNorm
 from engine.model.layers.rotary import Rope, RotaryEmbedding
 from engine.model.shape import ModelShape

@@ -2,7 +2,7 @@
 
 A mixture of experts (engine.model.families.moe) with:
 - attention sinks: a learned logit per query head that joins every softmax's
-  denominator (engine.model.layers.attention);
+  denominator (each backend of engine.model.attention);
 - local and global layers in turn (layer_types), the local ones with a 128-token window;
 - biases on q/k/v/o, on the router and on every expert's products, and the clamped
   SwiGLU (engine.model.layers.moe);

@@ -23,11 +23,11 @@ from transformers import PretrainedConfig
 
 from engine.errors import UnsupportedModelError
 from engine.executor.parallel import ShardPlan, TPGroup
+from engine.model.attention.base import AttentionMetadata
 from engine.model.families.base import Attention, DecoderForCausalLM, GatedMLP
 from engine.model.families.granite_hybrid_arch import FAMILY
 from engine.model.families.loading import read_slice
 from engine.model.families.moe import _is_float, copy_stacked, stacked_expected_loads
-from engine.model.layers.attention import AttentionMetadata
 from engine.model.layers.mamba import MambaMixer, state_views
 from engine.model.layers.moe import SparseMoeBlock
 from engine.model.layers.norm import RMSNorm

@@ -141,7 +141,7 @@ class DecoderStack {
   int64_t num_layers() const { return int64_t(layers_.size()); }
 
   // The final norm's output for embedded tokens x [T, hidden]; keys / values: each
-  // layer's cache views (engine.model.layers.attention.cache_views).
+  // layer's cache views (engine.model.attention.block_major.cache_views).
   torch::Tensor forward(torch::Tensor x, torch::Tensor positions, torch::Tensor cos_table,
                         torch::Tensor sin_table, const std::vector<torch::Tensor>& keys,
                         const std::vector<torch::Tensor>& values, torch::Tensor slots,

@@ -3,7 +3,7 @@
 // cache, causally (row i of a chunk sees the context up to its own position). No gather
 // copy, no padding, no mask tensor.
 //
-// Cache views (see engine/model/layers/attention.py): keys [KVH, num_blocks, D, bs] (each
+// Cache views (see engine/model/attention/block_major.py): keys [KVH, num_blocks, D, bs] (each
 // block stored transposed, so the scores of a block's bs tokens are bs-wide vector
 // operations with no horizontal sums), values [KVH, num_blocks, bs, D]; heads and blocks
 // may be strided (the engine stores a block's heads, keys and values together), each

@@ -1,5 +1,6 @@
-"""Paged attention through the Triton kernels (engine.model.triton_kernels):
-attention_backend triton.
+"""Paged attention through the Triton kernels (engine.model.triton_kernels): the launches
+of attention_backend triton (engine/model/attention/triton.py, the backend the engine
+asks, calls these).
 
 Per layer and step: one launch rotates q and k and writes k and v into the cache
 (rope_write_kv), one attends the decodes (all of them, GQA-packed, split-KV with a
