@@ -5,6 +5,14 @@ runner computes it, the sampler picks tokens, and finished requests release
 their KV blocks. One step returns one EngineCoreOutput per request that made
 progress. This object is driven in-process by LLMEngine, or by the engine-core
 server loop.
+
+This module holds the set-up (model, KV pool, structured outputs, spec decode), the
+request checks and the step. Split out by job, as mixins of EngineCore:
+- engine/core/step_outputs.py: what a step's results mean for each request (tokens
+  through the grammar and the stop rule, timings, trace spans, pooled vectors);
+- engine/core/core_utilities.py: the utilities called between steps (sleep mode,
+  cache resets, memory usage, KV events, ready response, stats);
+- engine/lora/engine_side.py: the LoRA side.
 """
 from __future__ import annotations
 
@@ -13,25 +21,20 @@ import time
 
 import torch
 
-from engine import tracing
 from engine.config import EngineConfig
+from engine.core.core_utilities import CoreUtilities
 from engine.core.hybrid_config import hybrid_config
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.kv_groups import KVGroups
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
 from engine.core.stats_logger import StatsLogger
-from engine.core.stop_rule import StopRule, check_stop
+from engine.core.step_outputs import StepOutputs
 from engine.core_messages import (
     FINISH_ABORT,
-    FINISH_ERROR,
     ITERATION_TOKENS_BUCKETS,
     EngineCoreOutput,
-    EngineCoreReadyResponse,
     EngineCoreRequest,
-    KVEvents,
-    RequestTimings,
-    SchedulerStats,
     count_iteration,
 )
 from engine.errors import (
@@ -64,7 +67,9 @@ from engine.structured.manager import StructuredOutputManager
 logger = logging.getLogger(__name__)
 
 
-class EngineCore(EngineLoRA):
+class EngineCore(StepOutputs, CoreUtilities, EngineLoRA):
+    """The engine core: what EngineCoreLike (engine/core/interface.py) lists."""
+
     def __init__(self, config: EngineConfig, worker_launcher=None,
                  kv_pages_before_ready: bool = True) -> None:
         """worker_launcher starts the tensor-parallel workers (ranks 1..N-1) when
@@ -345,216 +350,12 @@ class EngineCore(EngineLoRA):
         self.stats_logger.count(prompt_tokens, emitted)
         return outputs
 
-    def _emit(self, request: Request, result, rows: range, now: float) -> EngineCoreOutput:
-        """Append the request's sampled tokens of `rows` (one, or an accepted proposal and
-        the token after it) through the grammar and stop checks, which may end it early;
-        its output for this step."""
-        tokens: list[int] = []
-        logprobs: list = []
-        status = None
-        for row in rows:
-            token, lp = result.token_ids[row], result.logprobs[row]
-            if row in result.blocked:
-                return self._fail(request, "InvalidRequestError: no token satisfies "
-                                  "this request's restrictions (allowed_token_ids, "
-                                  "bad_words, logit_bias, structured outputs)", tokens)
-            request.append_token(token)
-            if request.first_token_at is None:
-                request.first_token_at = now
-            if request.grammar is not None and not self.structured.accept(request, token):
-                return self._fail(request, f"token {token} broke the request's "
-                                  "structured-outputs grammar", tokens)
-            tokens.append(token)
-            if lp is not None:
-                logprobs.append(lp)
-            status = self._check_stop(request, token)
-            if status is not None:
-                break
-        out = EngineCoreOutput(request.request_id, tokens, new_logprobs=logprobs or None,
-                               num_cached_tokens=max(0, request.num_cached_tokens))
-        if request.prompt_logprobs is not None:  # gathered in full by now: sent once
-            out.prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, None
-        if status is not None:
-            out.finish_reason = status.value
-            out.stop_reason = request.stop_reason
-            out.timings = _timings(request, now)
-            if request.trace_headers and tracing.enabled():
-                self._trace(request, out.timings, now)
-            self.scheduler.finish(request, status)
-            del self.requests[request.request_id]
-        return out
-
-    def _trace(self, request: Request, t: RequestTimings, now: float) -> None:
-        """Record a traced request's span (vLLM's llm_request and gen_ai attributes)."""
-        p = request.params
-        attributes = {
-            "gen_ai.request.id": request.request_id,
-            "gen_ai.response.model": self.config.model,
-            "gen_ai.usage.prompt_tokens": request.num_prompt_tokens,
-            "gen_ai.usage.completion_tokens": request.num_output_tokens,
-            "gen_ai.request.temperature": p.temperature,
-            "gen_ai.request.top_p": p.top_p,
-            "gen_ai.latency.time_in_queue": t.queue_s,
-            "gen_ai.latency.time_to_first_token": t.queue_s + t.prefill_s,
-            "gen_ai.latency.time_in_model_prefill": t.prefill_s,
-            "gen_ai.latency.time_in_model_decode": t.decode_s,
-            "gen_ai.latency.time_in_model_inference": t.prefill_s + t.decode_s,
-            "gen_ai.latency.e2e": now - request.queued_at,
-        }
-        if p.max_tokens is not None:
-            attributes["gen_ai.request.max_tokens"] = p.max_tokens
-        scheduled = request.queued_at + t.queue_s
-        try:
-            tracing.record_request(request.trace_headers, attributes, request.queued_at, scheduled,
-                           scheduled + t.prefill_s, now)
-        except Exception:  # tracing must never fail a request
-            logger.exception("could not record the trace of %s", request.request_id)
-
-    def _pool(self, request: Request, hidden: torch.Tensor) -> list[EngineCoreOutput]:
-        """Fold an embedding request's hidden states in; its output once all are in."""
-        self.pooler.add(request, hidden, request.num_computed_tokens == hidden.shape[0])
-        if request.num_computed_tokens < request.num_tokens:
-            return []
-        vector = self.pooler.finish(request)
-        self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
-        del self.requests[request.request_id]
-        return [EngineCoreOutput(request.request_id, [], RequestStatus.FINISHED_STOPPED.value,
-                                 pooled=vector)]
-
-    def _fail(self, request: Request, why: str,
-              tokens: list[int] | None = None) -> EngineCoreOutput:
-        """End one request with an error output (after `tokens`, those of this step that
-        came before the failing one); the engine goes on with the others."""
-        self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
-        self.requests.pop(request.request_id, None)
-        return EngineCoreOutput(request.request_id, list(tokens or []), FINISH_ERROR,
-                                error=why)
-
-    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
-        """The shared stop rule (engine/core/stop_rule.py), with a structured-outputs
-        request's complete grammar ending it too: after EOS, before every other rule."""
-        rule = check_stop(token, request.num_output_tokens, request.num_tokens,
-                          request.params, request.eos_token_ids, self.max_model_len)
-        if (rule is not StopRule.EOS and request.grammar is not None
-                and self.structured.terminated(request)):
-            return RequestStatus.FINISHED_STOPPED  # the constraint is complete
-        if rule is None:
-            return None
-        if rule is StopRule.STOP_TOKEN:
-            request.stop_reason = token
-        return RequestStatus(rule.finish_reason)  # FINISHED_STOPPED or FINISHED_LENGTH
-
-    # ---- utilities --------------------------------------------------------------------
-    def reset_prefix_cache(self, reset_running_requests: bool = False,
-                           reset_connector: bool = False) -> bool:
-        """Drop the prefix cache. With running requests it refuses (False) unless told
-        to preempt them first; they then recompute from scratch. There is no KV
-        connector, so reset_connector has nothing to reset."""
-        if reset_running_requests:
-            self.scheduler.preempt_all()
-        return self.kv.reset_prefix_cache()
-
-    def take_kv_events(self) -> KVEvents | None:
-        """Prefix-cache changes since the last call, for the server to publish to the
-        routers (the first call, and the first after sleep, answer a full snapshot)."""
-        return self.kv.take_events()
-
-    def kv_cache_snapshot(self) -> KVEvents:
-        """Every cached block hash, for a router that just connected."""
-        return self.kv.snapshot_events()
-
-    # ---- sleep mode -------------------------------------------------------------------
-    def is_sleeping(self) -> bool:
-        return self._sleep_level > 0
-
-    def sleep(self, level: int = 1) -> None:
-        """Free memory while idle. In-flight requests are aborted.
-
-        Level 1 discards the KV cache and moves the weights off the accelerator (on
-        CPU they stay); level 2 also discards the weights, reloaded by wake_up.
-        """
-        if level not in (1, 2):
-            raise InvalidRequestError(f"sleep level must be 1 or 2, got {level}")
-        self.abort_requests(list(self.requests))
-        self.runner.free_kv_cache()
-        if self.spec is not None:
-            self.spec.proposer.sleep(level)
-        self.kv = self._kv_manager()
-        self.scheduler.kv = self.kv
-        if level == 2:
-            self.runner.free_weights()
-        elif self.device.type != "cpu":
-            self.runner.offload_weights()
-        self._sleep_level = max(self._sleep_level, level)
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-
-    def wake_up(self, tags: list[str] | None = None) -> None:
-        """Restore what sleep() freed (tags: "weights", "kv_cache"; default both)."""
-        if not self._sleep_level:
-            return
-        tags = ["weights", "kv_cache"] if tags is None else list(tags)
-        unknown = set(tags) - {"weights", "kv_cache"}
-        if unknown:
-            raise InvalidRequestError(f"unknown wake_up tags {sorted(unknown)}")
-        if "weights" in tags:
-            self.runner.restore_weights()
-        if "kv_cache" in tags and self.runner.kv_caches is None:
-            self.runner.allocate_kv_cache(self.num_blocks)
-        if self.runner.has_weights() and self.runner.kv_caches is not None:
-            self._sleep_level = 0
-            if self.spec is not None:  # a draft model's weights and cache come back too
-                self.spec.proposer.wake()
-
-    def get_memory_usage(self) -> dict[str, int]:
-        """Bytes held on the engine's device by the weights and the KV cache."""
-        return self.runner.memory_usage()
-
-    def reset_mm_cache(self) -> bool:
-        """vLLM's frontends send this; text-only models keep no multimodal cache."""
-        return True
-
-    def reset_encoder_cache(self) -> None:
-        """As reset_mm_cache: there is no encoder cache to drop."""
-        return None
-
     def shutdown(self) -> None:
         """Stop the grammar compile thread and the tensor-parallel workers, if any."""
         self.structured.shutdown()
         stop = getattr(self.runner, "shutdown", None)
         if stop is not None:
             stop()
-
-    # ---- description ------------------------------------------------------------------
-    @property
-    def dtype_name(self) -> str:
-        return str(self.dtype).removeprefix("torch.")
-
-    def get_supported_tasks(self) -> list[str]:
-        return ["generate", "embed"]
-
-    def ready_response(self, engine_index: int) -> EngineCoreReadyResponse:
-        from engine.version import __version__
-        return EngineCoreReadyResponse(
-            engine_index=engine_index, max_model_len=self.max_model_len,
-            num_gpu_blocks=self.num_blocks, block_size=self.block_size,
-            dtype=self.dtype_name, version=__version__,
-            supported_tasks=self.get_supported_tasks(), max_num_seqs=self.config.max_num_seqs,
-            model=self.config.model, max_logprobs=self.config.max_logprobs,
-            sampling_defaults=self.sampling_defaults, limits=self.limits)
-
-    def get_stats(self) -> SchedulerStats:
-        return SchedulerStats(
-            num_running_reqs=len(self.scheduler.running),
-            num_waiting_reqs=len(self.scheduler.waiting),
-            kv_cache_usage=self.kv.usage,
-            prefix_cache_queries=self.kv.prefix_queries,
-            prefix_cache_hits=self.kv.prefix_hits,
-            num_preemptions=self.scheduler.num_preemptions,
-            num_free_blocks=self.kv.num_free_blocks,
-            iteration_tokens_counts=list(self._iteration_counts),
-            iteration_tokens_sum=self._iteration_sum,
-            **(self.spec.stats.as_fields() if self.spec is not None else {}))
 
 
 def _eos_ids(checkpoint, hf_config) -> tuple[int, ...]:
@@ -567,11 +368,3 @@ def _eos_ids(checkpoint, hf_config) -> tuple[int, ...]:
     if ids is None:
         return ()
     return tuple(ids) if isinstance(ids, (list, tuple)) else (int(ids),)
-
-
-def _timings(request: Request, now: float) -> RequestTimings:
-    """A finished request's phases on the engine clock (EngineCoreOutput.timings)."""
-    scheduled = request.scheduled_at if request.scheduled_at is not None else now
-    first = request.first_token_at if request.first_token_at is not None else now
-    return RequestTimings(queue_s=scheduled - request.queued_at, prefill_s=first - scheduled,
-                          decode_s=now - first)

@@ -1,9 +1,11 @@
 """EngineCoreServer: one engine core behind a ZMQ ROUTER socket (tcp:// or ipc://).
 
 Threads, so that socket work never runs on the model thread:
-- io thread: owns the ROUTER socket; receives and decodes client frames onto the
-  input queue; forwards encoded outputs from the outbox to their client; sends a
-  heartbeat (stats only) to every client when the engine has been quiet for a while.
+- io thread (engine/wire/server_io.py): owns the ROUTER socket; receives and decodes
+  client frames onto the input queue; forwards encoded outputs from the outbox to their
+  client; sends a heartbeat (stats only) to every client when the engine has been quiet
+  for a while, and hands the core loop each client silent past client_timeout_s
+  (engine/wire/server_clients.py).
 - encoder thread: encodes (client, EngineCoreOutputs) pairs and hands the bytes to
   the io thread through an inproc socket; step outputs already queued for a client
   when it gets to them go out as one message (engine/wire/coalesce.py).
@@ -19,10 +21,13 @@ connected client at most every kv_events_interval_s, riding on that step's outpu
 hash), so a router that connects late starts with the engine's whole cache.
 
 The core is anything that implements EngineCoreLike (engine/core/interface.py):
-EngineCore, or the model-free MockEngineCore (engine/mock/core.py).
+EngineCore, or the model-free MockEngineCore (engine/mock/core.py). Utilities a client
+calls by name are engine/wire/utility_calls.py's.
 
-A bad frame, an unknown type or a refused request is logged and, where a request
-id is known, answered with an error output; the server keeps serving.
+This module keeps the server's life cycle, the encoder thread and the core loop; every
+call it makes on its core is one EngineCoreLike lists (tests/test_core_interface.py reads
+them off this file). A refused request is logged and answered with an error output; the
+server keeps serving.
 """
 from __future__ import annotations
 
@@ -37,33 +42,20 @@ import msgspec
 import zmq
 
 from engine.core.interface import EngineCoreLike
-from engine.core_messages import (
-    FINISH_ERROR,
-    EngineCoreOutput,
-    EngineCoreOutputs,
-    EngineCoreReadyResponse,
-    EngineCoreRequest,
-    KVEvents,
-    StartDPWave,
-    UtilityOutput,
-    UtilityRequest,
-)
+from engine.core_messages import FINISH_ERROR, EngineCoreOutput, EngineCoreOutputs, KVEvents
 from engine.errors import EngineDeadError, EngineDrainingError, FlotillaError
 from engine.wire.coalesce import coalesce
 from engine.wire.curve_auth import CurveServer, EngineKeys
-from engine.wire.protocol import (
-    ABORT,
-    ADD,
-    HELLO,
-    OUTPUTS,
-    PING,
-    PROTOCOL_VERSION,
-    READY,
-    START_DP_WAVE,
-    UTILITY,
-    Hello,
-)
 from engine.wire.loop_watch import LoopWatch
+from engine.wire.protocol import ABORT, ADD, HELLO, OUTPUTS, START_DP_WAVE, UTILITY
+from engine.wire.server_clients import (
+    CLIENT_BACK,
+    CLIENT_GONE,
+    CLIENT_TIMEOUT_S,
+    HEARTBEAT_INTERVAL_S,
+)
+from engine.wire.server_io import ServerIO
+from engine.wire.utility_calls import UTILITY_METHODS, call_utility  # noqa: F401 (re-exported)
 
 logger = logging.getLogger(__name__)
 MAX_QUEUED_ADDS = 4096  # for a core without config.max_waiting_requests
@@ -79,21 +71,7 @@ def queued_adds_bound(config: Any) -> int:
         return MAX_QUEUED_ADDS
     return waiting + getattr(config, "max_num_seqs", 0)
 
-# The utilities a client may call by name. The last four are the ones vLLM's frontends
-# also send (profiling, multimodal / encoder cache resets, a data-parallel dummy step);
-# a core that lacks one answers with a clear failure rather than "unknown method".
-UTILITY_METHODS = frozenset({
-    "get_supported_tasks", "is_sleeping", "sleep", "wake_up", "reset_prefix_cache",
-    "get_stats", "ready_response", "has_unfinished_requests", "get_memory_usage",
-    "add_lora", "remove_lora", "list_loras",
-    "profile", "reset_mm_cache", "reset_encoder_cache", "execute_dummy_batch"})
-HEARTBEAT_INTERVAL_S = 1.0
-# a client not heard from (requests, PINGs every CLIENT_PING_S) for this long is gone: an
-# OOM-killed or downscaled ingress replica; its requests are aborted, so they hold no KV
-# blocks and no slots, and it gets no more heartbeats or KV events
-CLIENT_TIMEOUT_S = 30.0
-_CLIENT_GONE = b"gone"  # input-queue markers, never on the wire
-_CLIENT_BACK = b"back"
+
 KV_EVENTS_INTERVAL_S = 0.1  # the most often KV events are sent (batched in between)
 ENCODE_BATCH = 256  # the most queued messages the encoder takes (and merges) at once
 _STOP = object()
@@ -112,8 +90,9 @@ def engine_addresses(address: str, count: int) -> list[str]:
     return [address if i == 0 else f"{address}-{i}" for i in range(count)]
 
 
-class EngineCoreServer:
-    """Serves `core` (an EngineCore or a MockEngineCore) at `address`."""
+class EngineCoreServer(ServerIO):
+    """Serves `core` (an EngineCore or a MockEngineCore) at `address`. The io thread's
+    methods are ServerIO's, client liveness and heartbeats ClientTracking's (its base)."""
 
     def __init__(self, core: EngineCoreLike, address: str, engine_index: int = 0,
                  heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S,
@@ -232,159 +211,6 @@ class EngineCoreServer:
             raise self._bind_error
         enc.start()
 
-    # ---- io thread ----------------------------------------------------------------------
-    def _io_loop(self, outbox: zmq.Socket) -> None:
-        router = self._ctx.socket(zmq.ROUTER)
-        router.setsockopt(zmq.LINGER, 0)
-        router.setsockopt(zmq.ROUTER_MANDATORY, 0)  # a client that has gone: drop its outputs
-        # No high-water mark: at one (1,000 messages by default) a ROUTER silently drops
-        # what a connected but slow client has not read yet, and its streams lose tokens.
-        # Unbounded as vLLM's sockets: the queue grows only while a live client lags.
-        router.setsockopt(zmq.SNDHWM, 0)
-        router.setsockopt(zmq.RCVHWM, 0)
-        if self._curve is not None:
-            self._curve.apply(router)
-        try:
-            router.bind(self.address)
-        except zmq.ZMQError as exc:
-            self._bind_error = exc
-            self._bound.set()
-            router.close()
-            outbox.close()
-            return
-        self._bound.set()
-        poller = zmq.Poller()
-        poller.register(router, zmq.POLLIN)
-        poller.register(outbox, zmq.POLLIN)
-        heartbeat = msgspec.msgpack.Encoder()
-        # when each client was last sent anything: a heartbeat goes to every client that
-        # heard nothing for an interval, each on its own clock (one clock for all let a
-        # client with streams keep the others' heartbeats from ever going out: an idle
-        # ingress replica, a coordinator, took a busy engine for dead)
-        sent_at: dict[bytes, float] = {}
-        try:
-            while not self._stopped.is_set():
-                ready = dict(poller.poll(timeout=int(self.heartbeat_interval_s * 1000)))
-                if router in ready:
-                    while True:
-                        try:
-                            frames = router.recv_multipart(zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
-                        self._on_frames(frames)
-                if outbox in ready:
-                    while True:
-                        # as zmq frames, forwarded without a copy: a bytes payload sent
-                        # with copy=False (over 64 KiB) would start pyzmq's garbage
-                        # collector, a context and a thread of its own, at the first big
-                        # batch (seen as three new threads in a soak's leak check)
-                        try:
-                            frames = outbox.recv_multipart(zmq.NOBLOCK, copy=False)
-                        except zmq.Again:
-                            break
-                        router.send_multipart(frames)
-                        sent_at[frames[0].bytes] = time.monotonic()
-                self._forget_silent_clients()
-                self._send_heartbeats(router, heartbeat, sent_at)
-        finally:
-            router.close(linger=0)
-            outbox.close(linger=0)
-
-    def _send_heartbeats(self, router: zmq.Socket, encoder: msgspec.msgpack.Encoder,
-                         sent_at: dict[bytes, float]) -> None:
-        """A heartbeat (stats, the loop's time on its current work) to each client sent nothing for an interval
-        (io thread); `sent_at` keeps only the current clients."""
-        now = time.monotonic()
-        clients = list(self._clients)
-        for c in clients:  # a client's clock starts when it joins: its READY goes first
-            sent_at.setdefault(c, now)
-        due = [c for c in clients if now - sent_at[c] >= self.heartbeat_interval_s]
-        if due:
-            beat = encoder.encode(EngineCoreOutputs(
-                self.engine_index, timestamp=time.time(), scheduler_stats=self._safe_stats(),
-                step_running_s=self.loop_watch.busy_for()))
-            for identity in due:
-                router.send_multipart([identity, OUTPUTS, beat])
-                sent_at[identity] = now
-        if len(sent_at) > len(clients):
-            for gone in set(sent_at).difference(clients):
-                del sent_at[gone]
-
-    def _forget_silent_clients(self) -> None:
-        """Hand the core loop every client silent past client_timeout_s (io thread).
-        After a stall of this thread itself (the process stopped, a VM paused) its
-        clients' PINGs may still sit in ZMQ's queues: it judges no one until they had a
-        new chance to arrive."""
-        now = time.monotonic()
-        if now - self._io_pass_at > self.client_timeout_s / 2:
-            self._client_seen = dict.fromkeys(self._client_seen, now)
-        self._io_pass_at = now
-        for identity, seen in list(self._client_seen.items()):
-            if now - seen > self.client_timeout_s:
-                del self._client_seen[identity]
-                self._inputs.put((identity, _CLIENT_GONE, None))
-
-    def _on_frames(self, frames: list[bytes]) -> None:
-        """Decode one client message onto the input queue (errors: log + error output)."""
-        if len(frames) != 3:
-            logger.warning("engine %d: dropped a malformed message of %d frames",
-                           self.engine_index, len(frames))
-            return
-        identity, kind, payload = frames
-        if identity not in self._client_seen and kind != HELLO:
-            self._inputs.put((identity, _CLIENT_BACK, None))  # forgotten, yet it speaks
-        self._client_seen[identity] = time.monotonic()
-        if kind == PING:
-            return
-        try:
-            if kind == ADD:
-                msg = msgspec.msgpack.decode(payload, type=EngineCoreRequest)
-                if self._adds_in - self._adds_out >= self.max_queued_adds:
-                    self._send(identity, EngineCoreOutputs(self.engine_index, [EngineCoreOutput(
-                        msg.request_id, [], FINISH_ERROR, error="EngineOverloadedError: "
-                        f"{self.max_queued_adds} requests are queued for engine "
-                        f"{self.engine_index} behind a step still running; retry shortly")],
-                        # sent from this thread: 0 would tell the client a stuck loop moved
-                        step_running_s=self.loop_watch.busy_for()))
-                    return
-                self._adds_in += 1
-            elif kind == ABORT:
-                msg = msgspec.msgpack.decode(payload, type=list[str])
-            elif kind == UTILITY:
-                msg = msgspec.msgpack.decode(payload, type=UtilityRequest)
-            elif kind == START_DP_WAVE:
-                msg = msgspec.msgpack.decode(payload, type=StartDPWave)
-            elif kind == HELLO:
-                msg = msgspec.msgpack.decode(payload, type=Hello)
-                if not self._answer_hello(identity, msg):
-                    return
-            else:
-                logger.warning("engine %d: unknown request type %r", self.engine_index, kind)
-                return
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            logger.warning("engine %d: bad %r payload: %s", self.engine_index, kind, exc)
-            request_id = _request_id_of(payload) if kind == ADD else None
-            if request_id is not None:
-                self._send(identity, EngineCoreOutputs(self.engine_index, [EngineCoreOutput(
-                    request_id, [], FINISH_ERROR, error=f"invalid request: {exc}")]))
-            return
-        self._inputs.put((identity, kind, msg))
-
-    def _answer_hello(self, identity: bytes, hello: Hello) -> bool:
-        """READY at once, from the io thread, whatever step is running: a handshake (an
-        ingress reconnecting, the coordinator's liveness probe) waited behind the step
-        before. ready_response reads only values fixed at start. The welcome (KV
-        snapshot, heartbeats) follows on the core loop, after READY in the encoder's
-        queue. False for a client of another protocol: it would not PING, not served."""
-        if hello.protocol_version != PROTOCOL_VERSION:
-            logger.error("engine %d: client %s speaks protocol %d, this engine %d: "
-                         "not answered", self.engine_index, hello.client_id,
-                         hello.protocol_version, PROTOCOL_VERSION)
-            return False
-        ready = _stamped(self.core.ready_response(self.engine_index))
-        self._to_encode.put((identity, READY, ready))
-        return True
-
     # ---- encoder thread -----------------------------------------------------------------
     def _encode_loop(self) -> None:
         push = self._ctx.socket(zmq.PUSH)
@@ -492,24 +318,17 @@ class EngineCoreServer:
             self.core.abort_requests(msg)
             self._stats_due = True
         elif kind == UTILITY:  # a wake_up or add_lora that never returns shows on the watch
-            result = self._call_utility(msg)
+            result = call_utility(self.core, self.engine_index, msg)
             self._send(identity, EngineCoreOutputs(
                 self.engine_index, utility_output=result,
                 timestamp=time.time(), scheduler_stats=self._safe_stats()))
         elif kind == START_DP_WAVE:
             self._wave = max(self._wave, msg.wave)
-        elif kind == _CLIENT_GONE and identity in self._clients:
-            self._clients.discard(identity)
-            orphans = [r for r, owner in self._owner_of.items() if owner == identity]
-            if orphans:
-                logger.warning("engine %d: client %s silent for %.0fs: aborting its %d "
-                               "requests", self.engine_index, identity[:8].decode(errors="replace"),
-                               self.client_timeout_s, len(orphans))
-                self.core.abort_requests(orphans)
-                self._stats_due = True
+        elif kind == CLIENT_GONE:
+            self._drop_client(identity)
         elif kind == HELLO:  # answered READY on the io thread already
             self._welcome(identity)
-        elif kind == _CLIENT_BACK:  # it was silent past the timeout, and spoke again
+        elif kind == CLIENT_BACK:  # it was silent past the timeout, and spoke again
             self._welcome(identity)
 
     def _welcome(self, identity: bytes) -> None:
@@ -519,23 +338,6 @@ class EngineCoreServer:
         self._clients.add(identity)
         self._send(identity, EngineCoreOutputs(self.engine_index, timestamp=time.time(),
                                                kv_events=self.core.kv_cache_snapshot()))
-
-    def _call_utility(self, req: UtilityRequest) -> UtilityOutput:
-        if req.method not in UTILITY_METHODS:
-            return UtilityOutput(req.call_id, failure_message=f"unknown method {req.method!r}")
-        method = getattr(self.core, req.method, None)
-        if method is None:
-            return UtilityOutput(req.call_id, failure_message=(
-                f"engine {self.engine_index} ({type(self.core).__name__}) does not support "
-                f"{req.method!r}"))
-        try:
-            result = method(*req.args, **req.kwargs)
-            if req.method == "ready_response":
-                result = _stamped(result)
-            return UtilityOutput(req.call_id, result=result)
-        except Exception as exc:
-            logger.warning("engine %d: utility %s failed: %s", self.engine_index, req.method, exc)
-            return UtilityOutput(req.call_id, failure_message=f"{type(exc).__name__}: {exc}")
 
     def _due_kv_events(self, force: bool = False) -> KVEvents | None:
         """The core's KV events when a batch is due (force: now), else None."""
@@ -595,24 +397,7 @@ class EngineCoreServer:
             return None
 
 
-def _stamped(ready: EngineCoreReadyResponse) -> EngineCoreReadyResponse:
-    """A core's ready response as this server sends it: with the wire's PROTOCOL_VERSION,
-    which the core (below the wire) does not know."""
-    return msgspec.structs.replace(ready, protocol_version=PROTOCOL_VERSION)
-
-
 def _next_delay(core: EngineCoreLike) -> float:
     """How long the loop may wait for input before the next step is due."""
     value = core.next_step_delay()
     return 0 if value is None else max(0.0, value)
-
-
-def _request_id_of(payload: bytes) -> str | None:
-    """Best effort: the request id of an ADD payload that failed validation."""
-    try:
-        raw = msgspec.msgpack.decode(payload)
-    except msgspec.DecodeError:
-        return None
-    if isinstance(raw, list) and raw and isinstance(raw[0], str):
-        return raw[0]
-    return None
