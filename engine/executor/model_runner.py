@@ -47,9 +47,7 @@ from engine.model.layers.linear import can_pack, pack_linears
 from engine.model.registry import model_class
 from engine.model.shape import ModelShape
 from engine.model.loader import is_gguf_checkpoint, iter_weights
-from engine.quant import checkpoint_quantization, fp8_block_size, int4_scheme
-from engine.quant.dummy import dummy_weights
-from engine.quant.int4_groups import iter_int4_weights
+from engine.quant import checkpoint_quantization, quant_format
 from engine.core.kv_groups import KVGroups
 from engine.model.stack import build_stack
 
@@ -155,16 +153,14 @@ class ModelRunner(StepMetadataBuilder, KVBudget):
         if self.config.load_format == "dummy" and fmt is None:
             _random_weights(model)
         else:  # a dummy load of a quantized config: its format's bytes, loaded as a file's
-            scheme = int4_scheme(self.hf_config, str(self.checkpoint))
-            if self.config.load_format == "dummy":
-                weights = dummy_weights(self.shape, fmt, scheme.group_size if scheme else 128)
-            else:
-                weights = iter_weights(self.checkpoint)
-            if scheme is not None:  # AWQ / GPTQ: their groups read as Q4_1 blocks
-                weights = iter_int4_weights(weights, scheme)
-            held = model.load_weights(weights, quant_kernels=self._quant_kernels(),
-                                      fp8_block=fp8_block_size(self.hf_config))
-            if held == 0 and fmt in ("fp8", "compressed-tensors"):
+            method = quant_format(fmt)  # what the format reads and holds (engine.quant)
+            scheme = method.scheme(self.hf_config, str(self.checkpoint))
+            weights = method.dummy(self.shape, scheme) if self.config.load_format == "dummy" \
+                else iter_weights(self.checkpoint)
+            held = model.load_weights(method.read(weights, scheme),
+                                      quant_kernels=self._quant_kernels(),
+                                      fp8_block=method.scale_block(scheme))
+            if held == 0 and method.needs_quantized_tensors:
                 raise UnsupportedQuantizationError(
                     f"model {str(self.checkpoint)!r} declares {fmt!r} quantization, but none "
                     "of its linear weights is int8 or float8_e4m3fn: a float checkpoint "

@@ -12,12 +12,9 @@ from __future__ import annotations
 
 import os
 
-import torch
 from torch import nn
 
 from engine.model.layers.linear import Linear
-from engine.quant.fp8 import Fp8Weight
-from engine.quant.int8_w8a8 import Int8Weight
 
 
 def stack_enabled() -> bool:
@@ -30,16 +27,9 @@ def _linear_spec(layer: Linear) -> tuple | None:
     q = layer.quant
     if layer.input_order is not None:  # GPTQ act-order gathers x's columns: the modules do
         return None
-    if isinstance(q, Int8Weight):
-        return [("int8", q.packed, "", q.rows, [q.comp, q.scales], q.input_scale)], layer.bias, False
-    if isinstance(q, Fp8Weight):
-        extras = [q.scales] if q.block_scales is None else \
-            [q.scales, q.block_scales, torch.tensor([q.block_k])]
-        return [("fp8", q.packed, "", q.rows, extras, 0.0)], layer.bias, False
-    if q is not None:
-        segments = [("gguf_regrouped" if s.regrouped else "gguf", s.data, s.format, s.rows,
-                     [], 0.0) for s in q.segments]
-        return segments, layer.bias, False
+    if q is not None:  # a HeldWeight (engine.quant.held): its own segments
+        segments = q.stack_segments()
+        return None if segments is None else (segments, layer.bias, False)
     if layer.packing() == "native":
         return ([("native", layer.packed_weight, "", layer.out_features, [], 0.0)], layer.bias,
                 layer._paired)

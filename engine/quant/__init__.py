@@ -28,19 +28,16 @@ to the activation dtype at load, and the engine says so in its log.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Iterable
 
 from engine.errors import UnsupportedQuantizationError
 from engine.model.registry import family
+from engine.quant.compressed_tensors import CompressedTensorsFormat
+from engine.quant.fp8 import Fp8Format
 from engine.quant.gguf_blocks import BLOCK_FORMATS, FLOAT_TYPES
-
-
-@dataclass(frozen=True)
-class QuantFormat:
-    name: str  # vLLM's --quantization value
-    variants: tuple[str, ...]  # what of the format is read (GGUF: its tensor types)
-
+from engine.quant.gguf_weights import GGUF
+from engine.quant.int4_groups import AWQ, GPTQ
+from engine.quant.method import QuantFormat
 
 QUANT_FORMATS: dict[str, QuantFormat] = {}
 # vLLM's names for a kernel choice over the same checkpoint format: the format is served
@@ -54,15 +51,14 @@ def register(fmt: QuantFormat) -> QuantFormat:
     return fmt
 
 
-register(QuantFormat("gguf", tuple(BLOCK_FORMATS)))
-register(QuantFormat("awq", ("4-bit, groups of a multiple of 32, GEMM layout",)))
-register(QuantFormat("gptq", ("4-bit, groups of a multiple of 32, with or without act-order",)))
-register(QuantFormat("compressed-tensors", ("int8 W8A8: weights per channel or tensor, "
-                                            "activations per token or static",
-                                            "FP8: e4m3 weights per channel, tensor or block, "
-                                            "activations dynamic, static or none")))
-register(QuantFormat("fp8", ("e4m3 weights per channel, tensor or block (weight_block_size), "
-                             "activations dynamic or static",)))
+for _fmt in (GGUF, AWQ, GPTQ, CompressedTensorsFormat(), Fp8Format()):
+    register(_fmt)
+
+
+def quant_format(name: str | None) -> QuantFormat:
+    """The format object of a quant_method name; for None (unquantized) or a name no
+    entry reads, the base QuantFormat, which reads the tensors as they are."""
+    return QUANT_FORMATS.get(name) or QuantFormat(name or "none", ())
 
 
 def supported_summary() -> str:
@@ -83,51 +79,14 @@ def checkpoint_quantization(hf_config: Any) -> str | None:
 def check_checkpoint(hf_config: Any, model: str) -> None:
     """Refuse a Hugging Face checkpoint whose quantization no entry reads."""
     method = checkpoint_quantization(hf_config)
-    if method is None or method == "gguf":  # transformers marks a GGUF file's config so
+    if method is None:
         return
-    if method == "compressed-tensors":
-        from engine.quant.compressed_tensors import check_scheme
-        check_scheme(_as_dict(hf_config.quantization_config), model)
-        return
-    if method == "fp8":
-        from engine.quant.fp8 import check_fp8_config
-        check_fp8_config(_as_dict(hf_config.quantization_config), model)
-        return
-    if method in ("awq", "gptq"):
-        int4_scheme(hf_config, model)
-        return
-    raise UnsupportedQuantizationError(
-        f"model {model!r} is quantized with {method!r} (its config's quantization_config), "
-        f"which Flotilla does not serve; quantized formats it reads: {supported_summary()}")
-
-
-def _as_dict(qc: Any) -> dict:
-    return qc if isinstance(qc, dict) else qc.to_dict()
-
-
-def fp8_block_size(hf_config: Any) -> tuple[int, int] | None:
-    """(rows, columns) of a block-wise fp8 checkpoint's scale blocks (vLLM fp8's
-    weight_block_size, compressed-tensors' block_structure), else None."""
-    method = checkpoint_quantization(hf_config)
-    if method not in ("fp8", "compressed-tensors"):
-        return None
-    qc = _as_dict(hf_config.quantization_config)
-    if method == "fp8":
-        block = qc.get("weight_block_size")
-    else:
-        from engine.quant.compressed_tensors import block_structure
-        block = block_structure(qc)
-    return (int(block[0]), int(block[1])) if block else None
-
-
-def int4_scheme(hf_config: Any, model: str):
-    """The int4 scheme (engine.quant.int4_groups.Int4Scheme) of an AWQ or GPTQ
-    checkpoint, else None."""
-    method = checkpoint_quantization(hf_config)
-    if method not in ("awq", "gptq"):
-        return None
-    from engine.quant.int4_groups import read_scheme
-    return read_scheme(method, _as_dict(hf_config.quantization_config), model)
+    fmt = QUANT_FORMATS.get(method)
+    if fmt is None:
+        raise UnsupportedQuantizationError(
+            f"model {model!r} is quantized with {method!r} (its config's quantization_config), "
+            f"which Flotilla does not serve; quantized formats it reads: {supported_summary()}")
+    fmt.check(hf_config, model)  # transformers marks a GGUF file's config gguf: nothing to check
 
 
 def resolve_quantization(requested: str | None, checkpoint_format: str | None,
@@ -182,4 +141,4 @@ def check_gguf_types(types: Iterable[str], model: str) -> None:
 
 __all__ = ["QUANT_FORMATS", "QuantFormat", "UnsupportedQuantizationError", "check_checkpoint",
            "check_gguf_types", "check_quantized_family", "checkpoint_quantization",
-           "int4_scheme", "register", "resolve_quantization", "supported_summary"]
+           "quant_format", "register", "resolve_quantization", "supported_summary"]

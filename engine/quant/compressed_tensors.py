@@ -15,7 +15,10 @@ v_scale tensors (or the older k_proj / v_proj output_scale) scale an fp8 KV cach
 """
 from __future__ import annotations
 
+from typing import Any
+
 from engine.errors import UnsupportedQuantizationError
+from engine.quant.method import QuantFormat, config_dict
 
 SERVED = ("int8 W8A8: int8 symmetric weights per channel or per tensor, with int8 symmetric "
           "activations per token (dynamic) or per tensor (static); FP8: e4m3 weights per "
@@ -105,4 +108,27 @@ def check_scheme(qc: dict, model: str) -> str:
     return kind
 
 
-__all__ = ["KV_SERVED", "SERVED", "block_structure", "check_scheme", "kv_scheme_difference"]
+class CompressedTensorsFormat(QuantFormat):
+    """vLLM's `compressed-tensors`: its int8 W8A8 and FP8 schemes (check_scheme)."""
+
+    needs_quantized_tensors = True
+
+    def __init__(self) -> None:
+        super().__init__("compressed-tensors", (
+            "int8 W8A8: weights per channel or tensor, activations per token or static",
+            "FP8: e4m3 weights per channel, tensor or block, activations dynamic, static "
+            "or none"))
+
+    def check(self, hf_config: Any, model: str) -> None:
+        check_scheme(config_dict(hf_config), model)
+
+    def scheme(self, hf_config: Any, model: str) -> tuple[int, int] | None:
+        """The scale blocks' (rows, columns) of an FP8_BLOCK scheme, else None."""
+        block = block_structure(config_dict(hf_config))
+        return (int(block[0]), int(block[1])) if block else None
+
+    def scale_block(self, scheme: tuple[int, int] | None) -> tuple[int, int] | None:
+        return scheme
+
+
+__all__ = ["CompressedTensorsFormat", "KV_SERVED", "SERVED", "block_structure", "check_scheme", "kv_scheme_difference"]

@@ -14,10 +14,12 @@ Two ways to multiply them, neither a decode at load:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from engine.errors import UnsupportedQuantizationError
+from engine.quant.method import QuantFormat, config_dict
 
 E4M3_MAX = 448.0  # the largest finite e4m3 value
 
@@ -50,6 +52,27 @@ def check_fp8_config(qc: dict, model: str) -> None:
         raise refuse(f"activation_scheme {qc.get('activation_scheme')!r}")
     if qc.get("fmt", "e4m3") != "e4m3":
         raise refuse(f"fmt {qc.get('fmt')!r}")
+
+
+class Fp8Format(QuantFormat):
+    """vLLM's `fp8` checkpoints: e4m3 weights, scales per channel, tensor or block."""
+
+    needs_quantized_tensors = True
+
+    def __init__(self) -> None:
+        super().__init__("fp8", ("e4m3 weights per channel, tensor or block "
+                                 "(weight_block_size), activations dynamic or static",))
+
+    def check(self, hf_config: Any, model: str) -> None:
+        check_fp8_config(config_dict(hf_config), model)
+
+    def scheme(self, hf_config: Any, model: str) -> tuple[int, int] | None:
+        """The scale blocks' (rows, columns) of weight_block_size, else None."""
+        block = config_dict(hf_config).get("weight_block_size")
+        return (int(block[0]), int(block[1])) if block else None
+
+    def scale_block(self, scheme: tuple[int, int] | None) -> tuple[int, int] | None:
+        return scheme
 
 
 VECTOR_ROWS = 16  # fp8_linear.cpp's vectors: output rows that share a block scale
@@ -91,6 +114,12 @@ class Fp8Weight:
 
     def packing(self) -> str:
         return "fp8"
+
+    def stack_segments(self) -> list[tuple]:
+        """The weight as the decoder stack calls it (engine.model.stack)."""
+        extras = [self.scales] if self.block_scales is None else \
+            [self.scales, self.block_scales, torch.tensor([self.block_k])]
+        return [("fp8", self.packed, "", self.rows, extras, 0.0)]
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None, float_out: bool = False,
                dense_rows: int | None = None) -> torch.Tensor:
@@ -151,6 +180,10 @@ class Fp8ScaledMM:
     def packing(self) -> str:
         return "fp8-scaled-mm"
 
+    def stack_segments(self) -> None:
+        """None: a CUDA holder, which the CPU decoder stack does not call."""
+        return None
+
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None, float_out: bool = False,
                dense_rows: int | None = None) -> torch.Tensor:
         shape = x.shape
@@ -170,6 +203,6 @@ class Fp8ScaledMM:
         return y.reshape(*shape[:-1], self.rows)
 
 
-__all__ = ["E4M3_MAX", "Fp8ScaledMM", "Fp8Weight", "VECTOR_ROWS", "check_fp8_config",
+__all__ = ["E4M3_MAX", "Fp8Format", "Fp8ScaledMM", "Fp8Weight", "VECTOR_ROWS", "check_fp8_config",
            "to_e4m3",
            "vector_block_scales"]

@@ -117,6 +117,11 @@ class GGUFWeight:
         """What Linear.packing reports for a layer holding it."""
         return "gguf:" + self.describe()
 
+    def stack_segments(self) -> list[tuple]:
+        """Each row segment as the decoder stack calls it (engine.model.stack)."""
+        return [("gguf_regrouped" if s.regrouped else "gguf", s.data, s.format, s.rows, [], 0.0)
+                for s in self.segments]
+
     def _product(self, s: Segment, x: torch.Tensor, bias: torch.Tensor | None,
                  float_out: bool, dense_rows: int) -> torch.Tensor:
         if s.regrouped:

@@ -24,6 +24,7 @@ import torch
 from engine.errors import UnsupportedModelError
 from engine.quant.gguf_blocks import BLOCK_FORMATS, dequantize
 from engine.quant.gguf_index import GGUFIndex
+from engine.quant.method import QuantFormat
 
 # GGUF name -> Hugging Face name; {i} is the layer
 _NAMES = {
@@ -131,4 +132,9 @@ def _hf_name(gguf_name: str) -> str:
     return template.format(i=layer)
 
 
-__all__ = ["GGUFBlocks", "iter_gguf_weights", "unpermute_order"]
+# gguf's format object: the base's behaviour (a file's types are checked by
+# engine.quant.check_gguf_types as the loader opens it, its tensors read as blocks)
+GGUF = QuantFormat("gguf", tuple(BLOCK_FORMATS))
+
+
+__all__ = ["GGUF", "GGUFBlocks", "iter_gguf_weights", "unpermute_order"]

@@ -29,7 +29,9 @@ from typing import Any, Iterable, Iterator
 import torch
 
 from engine.errors import UnsupportedModelError, UnsupportedQuantizationError
+from engine.quant.dummy import dummy_weights
 from engine.quant.gguf_weights import GGUFBlocks
+from engine.quant.method import QuantFormat, config_dict
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 _SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
@@ -179,5 +181,29 @@ def iter_int4_weights(weights: Iterable[tuple[str, Any]], scheme: Int4Scheme
                                     "holds no qweight / qzeros / scales tensors")
 
 
-__all__ = ["AWQ_ORDER", "INPUT_ORDER", "Int4Scheme", "awq_weight", "gptq_weight",
+class Int4Format(QuantFormat):
+    """AWQ or GPTQ (one object each): int4 groups, read into Q4_1 blocks at load."""
+
+    def __init__(self, name: str, variant: str) -> None:
+        super().__init__(name, (variant,))
+
+    def check(self, hf_config: Any, model: str) -> None:
+        self.scheme(hf_config, model)
+
+    def scheme(self, hf_config: Any, model: str) -> Int4Scheme:
+        return read_scheme(self.name, config_dict(hf_config), model)
+
+    def read(self, weights: Iterable[tuple[str, Any]], scheme: Int4Scheme
+             ) -> Iterator[tuple[str, Any]]:
+        return iter_int4_weights(weights, scheme)
+
+    def dummy(self, shape: Any, scheme: Int4Scheme) -> Iterator[tuple[str, torch.Tensor]]:
+        return dummy_weights(shape, self.name, scheme.group_size)
+
+
+AWQ = Int4Format("awq", "4-bit, groups of a multiple of 32, GEMM layout")
+GPTQ = Int4Format("gptq", "4-bit, groups of a multiple of 32, with or without act-order")
+
+
+__all__ = ["AWQ", "AWQ_ORDER", "GPTQ", "INPUT_ORDER", "Int4Format", "Int4Scheme", "awq_weight", "gptq_weight",
            "iter_int4_weights", "q4_1_blocks", "read_scheme"]

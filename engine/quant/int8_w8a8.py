@@ -47,6 +47,10 @@ class Int8Weight:
         """What Linear.packing reports for a layer holding it."""
         return "int8"
 
+    def stack_segments(self) -> list[tuple]:
+        """The weight as the decoder stack calls it (engine.model.stack)."""
+        return [("int8", self.packed, "", self.rows, [self.comp, self.scales], self.input_scale)]
+
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None, float_out: bool = False,
                dense_rows: int | None = None) -> torch.Tensor:
         """x @ (W * scales).T (+ bias), x quantized per token; dense_rows is GGUF's and has

@@ -95,6 +95,10 @@ class Int4Weight:
         """What Linear.packing reports for a layer holding it."""
         return "int4-triton"
 
+    def stack_segments(self) -> None:
+        """None: a GPU holder, which the CPU decoder stack does not call."""
+        return None
+
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None, float_out: bool = False,
                dense_rows: int | None = None) -> torch.Tensor:
         """x @ W.T (+ bias); float_out: float32 holding x-dtype-rounded values."""
