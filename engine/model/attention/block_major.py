@@ -47,3 +47,16 @@ def padded_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor
 
 
 __all__ = ["cache_shape", "cache_views", "gather_keys", "gather_values", "padded_tables"]
+
+
+class BlockMajorCache:
+    """The cache methods of a backend over this layout (native and torch share them);
+    mixed in before AttentionBackend, whose `spec` and `block_size` they read."""
+
+    def cache_shape(self, slots: int, num_blocks: int) -> tuple[int, ...]:
+        return cache_shape(slots, num_blocks, self.spec.num_kv_heads, self.block_size,
+                           self.spec.head_dim)
+
+    def cache_views(self, layer_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return cache_views(layer_cache)
+

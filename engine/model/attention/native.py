@@ -36,7 +36,7 @@ class NativeMetadata(AttentionMetadata):
     query_start: torch.Tensor | None = None  # [S + 1] int64 row offsets
 
 
-class NativeBackend(AttentionBackend):
+class NativeBackend(block_major.BlockMajorCache, AttentionBackend):
     name = "native"
     runs_stack = True
     lazy_cpu_pool = True
@@ -52,13 +52,6 @@ class NativeBackend(AttentionBackend):
             return ("attention_backend 'native' needs the CPU kernels "
                     f"(device {spec.device}, kernels unavailable or off)")
         return None
-
-    def cache_shape(self, slots: int, num_blocks: int) -> tuple[int, ...]:
-        return block_major.cache_shape(slots, num_blocks, self.spec.num_kv_heads,
-                                       self.block_size, self.spec.head_dim)
-
-    def cache_views(self, layer_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return block_major.cache_views(layer_cache)
 
     def build_metadata(self, query_lens: list[int], seq_lens: list[int],
                        tables: list[list[int]], slot_mapping: torch.Tensor,

@@ -73,16 +73,9 @@ class TorchMetadata(AttentionMetadata):
         return bias
 
 
-class TorchBackend(AttentionBackend):
+class TorchBackend(block_major.BlockMajorCache, AttentionBackend):
     name = "torch"
     lazy_cpu_pool = True
-
-    def cache_shape(self, slots: int, num_blocks: int) -> tuple[int, ...]:
-        return block_major.cache_shape(slots, num_blocks, self.spec.num_kv_heads,
-                                       self.block_size, self.spec.head_dim)
-
-    def cache_views(self, layer_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return block_major.cache_views(layer_cache)
 
     def build_metadata(self, query_lens: list[int], seq_lens: list[int],
                        tables: list[list[int]], slot_mapping: torch.Tensor,
