@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from engine.config import EngineConfig  # noqa: E402
 from engine.core.engine_core import EngineCore  # noqa: E402
 from engine.core_messages import EngineCoreRequest  # noqa: E402
-from engine.quant.dummy import quantization_config  # noqa: E402
+from engine.quant import quantization_config  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 
 LLAMA = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256,

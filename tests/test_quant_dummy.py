@@ -15,7 +15,7 @@ from engine.cpu_features import cpu_has_native_bf16
 from engine.core.engine_core import EngineCore
 from engine.core_messages import EngineCoreRequest
 from engine.errors import UnsupportedQuantizationError
-from engine.quant.dummy import dummy_weights, quantization_config
+from engine.quant import dummy_weights, quantization_config
 from engine.sampling_params import SamplingParams
 
 
@@ -95,5 +95,5 @@ def test_dummy_tensors_are_the_formats_own():
     grouped = dict(dummy_weights(shape, "awq", group_size=32))
     assert grouped["model.layers.0.mlp.down_proj.scales"].shape == (256 // 32, 128)
     assert "lm_head.weight" not in awq  # tied: the embedding is the head
-    with pytest.raises(UnsupportedQuantizationError, match="fp8, awq"):
+    with pytest.raises(UnsupportedQuantizationError, match="awq, fp8"):
         next(dummy_weights(shape, "gptq"))

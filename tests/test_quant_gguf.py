@@ -305,7 +305,7 @@ def test_engine_on_gguf_blocks_matches_transformers(tiny_gguf, monkeypatch, stac
     model = runner.model
     assert (model.stack is not None) == (stack == "1")
     assert model.layers[0].self_attn.qkv_proj.packing() == "gguf:Q4_1+Q8_0"
-    assert model.embed_tokens.weight is None and model.embed_tokens.gguf.describe() == "Q8_0"
+    assert model.embed_tokens.weight is None and model.embed_tokens.quant.describe() == "Q8_0"
     assert model.lm_head.packing() == "gguf:Q4_1"
     # the file's bytes: its blocks as stored (the tied embedding once), its float32 norms
     in_file = sum(v.nbytes if isinstance(v, GGUFBlocks) else v.numel() * 4

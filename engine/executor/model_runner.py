@@ -48,6 +48,7 @@ from engine.model.registry import model_class
 from engine.model.shape import ModelShape
 from engine.model.loader import is_gguf_checkpoint, iter_weights
 from engine.quant import checkpoint_quantization, quant_format
+from engine.quant.native_holder import NativeHolder
 from engine.core.kv_groups import KVGroups
 from engine.model.stack import build_stack
 
@@ -158,7 +159,7 @@ class ModelRunner(StepMetadataBuilder, KVBudget):
             weights = method.dummy(self.shape, scheme) if self.config.load_format == "dummy" \
                 else iter_weights(self.checkpoint)
             held = model.load_weights(method.read(weights, scheme),
-                                      quant_kernels=self._quant_kernels(),
+                                      holder=self._weight_holder(),
                                       fp8_block=method.scale_block(scheme))
             if held == 0 and method.needs_quantized_tensors:
                 raise UnsupportedQuantizationError(
@@ -202,9 +203,10 @@ class ModelRunner(StepMetadataBuilder, KVBudget):
                            "cache stores keys and values unscaled (1.0), saturating past "
                            "+-448", self.config.kv_cache_dtype)
 
-    def _quant_kernels(self):
-        """The kernels that multiply a quantized checkpoint's weights (GGUF blocks, AWQ and
-        GPTQ read as such, int8 W8A8, fp8) as stored, or None: they are then decoded to
+    def _weight_holder(self):
+        """Who multiplies a quantized checkpoint's weights (GGUF blocks, AWQ and GPTQ read
+        as such, int8 W8A8, fp8) as stored: the native CPU kernels, the attention
+        backend's own (engine.quant.held.WeightHolder), or None: they are then decoded to
         the activation dtype (said in the log, not silently; int8's activations are then
         not quantized either)."""
         fmt = "gguf" if is_gguf_checkpoint(self.checkpoint) \
@@ -213,10 +215,10 @@ class ModelRunner(StepMetadataBuilder, KVBudget):
             return None
         if (self.device.type == "cpu" and self.kernels is not None and native_enabled()
                 and not self.attention.own_layer_kernels):
-            return self.kernels
-        held = self.attention.quant_kernels(fmt, self.dtype)
-        if held is not None:
-            return held
+            return NativeHolder(self.kernels)
+        holder = self.attention.weight_holder(fmt, self.dtype)
+        if holder is not None:
+            return holder
         logger.warning("no kernel here reads %s weights (device %s, attention backend %s, "
                        "native kernels %s): the weights are decoded to %s at load", fmt,
                        self.device, self.attention.name, "on" if self.kernels is not None else "off",
@@ -333,10 +335,10 @@ class ModelRunner(StepMetadataBuilder, KVBudget):
             weights += sum(m.packed_bytes() for m in self.model.modules()
                            if callable(getattr(m, "packed_bytes", None))
                            and getattr(m, "quant", None) is None)
-            # weights held quantized (GGUF blocks of linears and the embedding, int8
-            # linears), a shared one once
+            # weights held quantized (engine.quant.held: the linears' and the
+            # embedding's), a shared one (a tied LM head's) once
             held = {id(g): g for m in self.model.modules()
-                    if (g := getattr(m, "quant", None) or getattr(m, "gguf", None)) is not None}
+                    if (g := getattr(m, "quant", None)) is not None}
             weights += sum(g.nbytes for g in held.values())
         kv = 0 if self.kv_caches is None else self.kv_caches.numel() * self.kv_caches.element_size()
         return {"weights_bytes": weights, "kv_cache_bytes": kv}

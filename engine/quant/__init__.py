@@ -61,6 +61,32 @@ def quant_format(name: str | None) -> QuantFormat:
     return QUANT_FORMATS.get(name) or QuantFormat(name or "none", ())
 
 
+def dummy_formats() -> list[str]:
+    """The formats load_format dummy makes random weights in (their dummy_linear)."""
+    return [f.name for f in QUANT_FORMATS.values() if f.makes_dummies()]
+
+
+def quantization_config(name: str, group_size: int = 128) -> dict[str, Any]:
+    """The quantization_config a dummy checkpoint of format `name` declares (bench/gpu.py
+    writes it into a config.json of a model's shapes)."""
+    return quant_format(name).dummy_config(group_size)
+
+
+def dummy_weights(shape: Any, name: str, group_size: int = 128
+                  ) -> Iterable[tuple[str, Any]]:
+    """(HF name, tensor) of a random checkpoint of these shapes in format `name`, as that
+    format's checkpoint holds them (before its read() conversion)."""
+    fmt = quant_format(name)
+    return fmt.dummy(shape, fmt.scheme(_Declared(fmt.dummy_config(group_size)), "dummy"))
+
+
+class _Declared:
+    """A config carrying only a quantization_config (what scheme() reads)."""
+
+    def __init__(self, quantization_config: dict) -> None:
+        self.quantization_config = quantization_config
+
+
 def supported_summary() -> str:
     """What is read, for error messages: "gguf (Q8_0, Q4_0, ...)"."""
     return "; ".join(f"{f.name} ({', '.join(f.variants)})" for f in QUANT_FORMATS.values())
@@ -141,4 +167,5 @@ def check_gguf_types(types: Iterable[str], model: str) -> None:
 
 __all__ = ["QUANT_FORMATS", "QuantFormat", "UnsupportedQuantizationError", "check_checkpoint",
            "check_gguf_types", "check_quantized_family", "checkpoint_quantization",
-           "quant_format", "register", "resolve_quantization", "supported_summary"]
+           "dummy_formats", "dummy_weights", "quant_format", "quantization_config", "register",
+           "resolve_quantization", "supported_summary"]

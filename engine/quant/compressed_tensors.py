@@ -15,9 +15,10 @@ v_scale tensors (or the older k_proj / v_proj output_scale) scale an fp8 KV cach
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable
 
 from engine.errors import UnsupportedQuantizationError
+from engine.quant.fp8 import current_kv_scale_names
 from engine.quant.method import QuantFormat, config_dict
 
 SERVED = ("int8 W8A8: int8 symmetric weights per channel or per tensor, with int8 symmetric "
@@ -129,6 +130,10 @@ class CompressedTensorsFormat(QuantFormat):
 
     def scale_block(self, scheme: tuple[int, int] | None) -> tuple[int, int] | None:
         return scheme
+
+    def read(self, weights: Iterable[tuple[str, Any]], scheme: Any
+             ) -> Iterable[tuple[str, Any]]:
+        return current_kv_scale_names(weights)
 
 
 __all__ = ["CompressedTensorsFormat", "KV_SERVED", "SERVED", "block_structure", "check_scheme", "kv_scheme_difference"]

@@ -14,11 +14,12 @@ Two ways to multiply them, neither a decode at load:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable, Iterator
 
 import torch
 
 from engine.errors import UnsupportedQuantizationError
+from engine.quant.dummy import tiled
 from engine.quant.method import QuantFormat, config_dict
 
 E4M3_MAX = 448.0  # the largest finite e4m3 value
@@ -73,6 +74,35 @@ class Fp8Format(QuantFormat):
 
     def scale_block(self, scheme: tuple[int, int] | None) -> tuple[int, int] | None:
         return scheme
+
+    def read(self, weights: Iterable[tuple[str, Any]], scheme: Any
+             ) -> Iterable[tuple[str, Any]]:
+        return current_kv_scale_names(weights)
+
+    def dummy_config(self, group_size: int = 128) -> dict[str, Any]:
+        return {"quant_method": "fp8", "activation_scheme": "dynamic"}
+
+    def dummy_linear(self, out: int, inp: int, scheme: Any, generator: torch.Generator,
+                     device: torch.device) -> dict[str, torch.Tensor]:
+        """Random e4m3 bytes but NaN's (0x7F, 0xFF), one scale a tensor."""
+        raw = tiled(out, lambda n: torch.randint(0, 255, (n, inp), generator=generator,
+                                                 device=device, dtype=torch.uint8))
+        raw = torch.where(raw == 0x7F, 0x7E, raw)
+        return {"weight": raw.view(torch.float8_e4m3fn),
+                "weight_scale": torch.tensor(1e-3 / E4M3_MAX, device=device)}
+
+
+def current_kv_scale_names(weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+    """A checkpoint's tensors, an fp8 cache's scales under their current names: older
+    fp8 checkpoints (AutoFP8's, llm-compressor's first) wrote them as
+    self_attn.k_proj / v_proj.output_scale, now self_attn.k_scale / v_scale, which the
+    loader reads."""
+    for name, tensor in weights:
+        head, _, last = name.rpartition(".")
+        prefix, _, module = head.rpartition(".")
+        if last == "output_scale" and module in ("k_proj", "v_proj"):
+            name = f"{prefix}.{module[0]}_scale"
+        yield name, tensor
 
 
 VECTOR_ROWS = 16  # fp8_linear.cpp's vectors: output rows that share a block scale
@@ -204,5 +234,4 @@ class Fp8ScaledMM:
 
 
 __all__ = ["E4M3_MAX", "Fp8Format", "Fp8ScaledMM", "Fp8Weight", "VECTOR_ROWS", "check_fp8_config",
-           "to_e4m3",
-           "vector_block_scales"]
+           "current_kv_scale_names", "to_e4m3", "vector_block_scales"]

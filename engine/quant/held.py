@@ -1,9 +1,15 @@
-"""HeldWeight: what every weight a linear holds quantized offers its layer.
+"""HeldWeight: what every weight a layer holds quantized offers it; WeightHolder: who
+makes them for a load.
 
-Why a protocol: a Linear (engine.model.layers.linear), the runner's memory count and the
-decoder stack (engine.model.stack) serve a quantized weight without knowing its format;
-each held weight (GGUFWeight, Int8Weight, Fp8Weight, Fp8ScaledMM, Int4Weight) shares
-these members, and tests/test_quant_held.py checks that none drifts from them.
+Why protocols: a Linear (engine.model.layers.linear), the embedding
+(engine.model.layers.embedding), the runner's memory count and the decoder stack
+(engine.model.stack) serve a quantized weight without knowing its format; each held
+weight (GGUFWeight, Int8Weight, Fp8Weight, Fp8ScaledMM, Int4Weight) shares these
+members. And the loader (engine.quant.holding) holds a load's pieces without asking
+which device or backend multiplies them: the runner hands it a WeightHolder (the CPU's
+NativeHolder, the Triton backend's TritonHolder), which makes each HeldWeight or
+declines it (the piece is then decoded to floats). tests/test_quant_held.py checks that
+none drifts from them.
 """
 from __future__ import annotations
 
@@ -36,4 +42,20 @@ class HeldWeight(Protocol):
         extras, input_scale), ...], or None where the stack cannot (a GPU holder)."""
 
 
-__all__ = ["HeldWeight"]
+@runtime_checkable
+class WeightHolder(Protocol):
+    """The kernels one load's quantized weights are multiplied by, as a maker of HeldWeights.
+    Each method answers None for a weight its kernels do not multiply: the loader then
+    decodes that weight into its float parameter."""
+
+    def hold_blocks(self, pieces: list, rows: int, embedding: bool) -> HeldWeight | None:
+        """A weight of `rows` rows from (row offset, GGUFBlocks) pieces that tile it (rows
+        past the last piece are vocabulary padding, zero); embedding: it is the token
+        embedding, whose HeldWeight must also serve rows(ids, dtype)."""
+
+    def hold_scaled(self, weight) -> HeldWeight | None:
+        """An 8-bit weight with its scales (engine.quant.scaled_pieces.ScaledWeight: int8
+        or e4m3)."""
+
+
+__all__ = ["HeldWeight", "WeightHolder"]

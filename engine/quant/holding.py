@@ -4,10 +4,11 @@ gathered by the fused parameter they fill, then held by its layer (a Linear's
 set_quantized, the embedding's GGUF rows) or decoded into the parameter.
 
 Why apart from the model: the model's loader knows names, fused parameters and tensor
-parallel slices; this knows the formats and who multiplies them: the native CPU kernel
-module, the Triton backend's holder (engine.model.triton_kernels.int4_linear.TritonInt4:
-Q4_1 blocks, and fp8 weights through torch._scaled_mm), or none (everything decoded to
-floats, which the runner logs).
+parallel slices; this knows the pieces a format's tensors give and hands each whole
+weight to the load's WeightHolder (engine.quant.held: the native CPU kernels'
+NativeHolder, the Triton backend's TritonHolder), which makes its HeldWeight or declines
+it; a declined weight, or every weight of a load without a holder, is decoded to floats
+(which the runner logs).
 """
 from __future__ import annotations
 
@@ -18,29 +19,25 @@ import torch
 from torch import nn
 
 from engine.errors import UnsupportedModelError, UnsupportedQuantizationError
-from engine.model.layers.linear import Linear
-from engine.quant.gguf_linear import GGUFWeight
 from engine.quant.gguf_weights import GGUFBlocks
+from engine.quant.held import WeightHolder
 from engine.quant.int4_groups import INPUT_ORDER
-from engine.quant.fp8 import Fp8ScaledMM, Fp8Weight
-from engine.quant.int8_w8a8 import Int8Weight
-from engine.quant.scaled_pieces import SIDECARS, STORAGE, ScaledPieces, ScaledWeight
+from engine.quant.scaled_pieces import SIDECARS, STORAGE, ScaledPieces
 
 logger = logging.getLogger(__name__)
 
 
 class QuantizedPieces:
-    """One load's quantized pieces. kernels: the native kernel module, a holder with
-    `holds_blocks` (Triton), or None."""
+    """One load's quantized pieces. holder: who makes their HeldWeights, or None (every
+    piece decoded)."""
 
-    def __init__(self, kernels: Any, tensor_parallel: bool,
+    def __init__(self, holder: WeightHolder | None, tensor_parallel: bool,
                  fp8_block: tuple[int, int] | None = None) -> None:
         """fp8_block: (rows, columns) of a block-wise fp8 checkpoint's scale blocks."""
         if fp8_block is not None and tensor_parallel:
             raise UnsupportedQuantizationError(
                 "block-wise fp8 (weight_block_size) is not served under tensor parallelism")
-        self.kernels = kernels
-        self.triton = bool(getattr(kernels, "holds_blocks", False))
+        self.holder = holder
         self.tensor_parallel = tensor_parallel
         self.blocks: dict[str, list[tuple[int, GGUFBlocks]]] = {}
         self.scaled = ScaledPieces(fp8_block)  # int8 and fp8 weights with their scales
@@ -74,7 +71,7 @@ class QuantizedPieces:
                 raise UnsupportedModelError(f"checkpoint tensor {name!r} is {piece.dtype}")
             self.scaled.add_weight(target, offset, piece)
             return True
-        if isinstance(piece, GGUFBlocks) and self.kernels is not None and kind == "weight":
+        if isinstance(piece, GGUFBlocks) and self.holder is not None and kind == "weight":
             rows = param.shape[0] if offset is None else piece.shape[0]
             if piece.shape[1] != param.shape[1] or piece.shape[0] > rows:
                 raise UnsupportedModelError(
@@ -93,50 +90,38 @@ class QuantizedPieces:
         shapes = {t: params[t].shape for t in self.scaled.targets()}
         decoded_blocks = 0
         for target, weight in self.scaled.weights(shapes).items():
-            held = self._hold_scaled(weight)
-            if held is None:  # no kernel: decoded (the runner says so)
+            held = None if self.holder is None else self.holder.hold_scaled(weight)
+            if held is None:  # no kernel for it: decoded (the runner says so)
                 with torch.no_grad():
                     params[target].copy_(weight.decoded())
-                decoded_blocks += int(self.kernels is not None and weight.block_k > 0)
+                decoded_blocks += int(self.holder is not None and weight.block_k > 0)
             else:
                 model.get_submodule(target.rsplit(".", 1)[0]).set_quantized(held)
         if decoded_blocks:
-            logger.warning("%d block-wise fp8 weights decoded to floats: torch._scaled_mm's "
-                           "row-wise scaling cannot hold their block scales (the CPU kernel "
-                           "reads them as stored)", decoded_blocks)
+            logger.warning("%d block-wise fp8 weights decoded to floats: this device's "
+                           "kernels cannot hold their block scales (torch._scaled_mm's "
+                           "row-wise scaling; the CPU kernel reads them as stored)",
+                           decoded_blocks)
         for target, pieces in self.blocks.items():
             module = model.get_submodule(target.rsplit(".", 1)[0])
-            rows = params[target].shape[0]
-            if self.triton:  # the Triton backend's int4 kernel, or decoded
-                weight = self.kernels.hold(pieces, rows) if isinstance(module, Linear) else None
-                if weight is None:
-                    _copy_decoded(params[target], pieces)
-                else:
-                    module.set_quantized(weight)
-                continue
-            _hold_gguf(module, GGUFWeight.fuse(pieces, rows, self.kernels))
+            held = self.holder.hold_blocks(pieces, params[target].shape[0],
+                                           embedding=target == "embed_tokens.weight")
+            if held is None:
+                _copy_decoded(params[target], pieces)
+            else:
+                module.set_quantized(held)
         for target, held in self.orders.items():
             if any(not torch.equal(o, held[0]) for o in held[1:]):
                 raise UnsupportedQuantizationError(
                     f"GPTQ act-order: the fused pieces of {target} order their input "
                     "columns differently")
-            if self.kernels is None:  # decoded: back to the input's own order
+            if self.holder is None:  # decoded: back to the input's own order
                 with torch.no_grad():
                     params[target].copy_(params[target][:, torch.argsort(held[0])])
             else:
                 model.get_submodule(target.rsplit(".", 1)[0]).input_order = held[0]
-        if tied_embeddings and "embed_tokens.weight" in self.blocks and not self.triton:
-            _hold_gguf(model.lm_head, model.embed_tokens.gguf)
-
-    def _hold_scaled(self, weight: ScaledWeight):
-        """An int8 or fp8 weight as a kernel here multiplies it, or None (decode it)."""
-        if self.kernels is None:
-            return None
-        if weight.weight.dtype == torch.int8:  # W8A8: the native CPU kernel only
-            return None if self.triton else Int8Weight.of(weight, self.kernels)
-        if self.triton:
-            return Fp8ScaledMM.of(weight, self.kernels.device)
-        return Fp8Weight.of(weight, self.kernels)
+        if tied_embeddings and model.embed_tokens.quant is not None:
+            model.lm_head.set_quantized(model.embed_tokens.quant)  # the one held weight
 
 
 def _copy_decoded(param: torch.Tensor, pieces: list[tuple[int, GGUFBlocks]]) -> None:
@@ -145,16 +130,6 @@ def _copy_decoded(param: torch.Tensor, pieces: list[tuple[int, GGUFBlocks]]) -> 
         param.zero_()
         for offset, piece in pieces:
             param.narrow(0, offset, piece.shape[0]).copy_(piece.dequantize())
-
-
-def _hold_gguf(module: nn.Module, weight: GGUFWeight) -> None:
-    """Have a Linear or the embedding serve its weight as GGUF blocks."""
-    if isinstance(module, Linear):
-        module.set_quantized(weight)
-        return
-    module.gguf = weight  # the embedding: _lookup decodes its rows
-    del module.weight
-    module.register_parameter("weight", None)
 
 
 __all__ = ["QuantizedPieces"]

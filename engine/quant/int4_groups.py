@@ -29,7 +29,7 @@ from typing import Any, Iterable, Iterator
 import torch
 
 from engine.errors import UnsupportedModelError, UnsupportedQuantizationError
-from engine.quant.dummy import dummy_weights
+from engine.quant.dummy import tiled
 from engine.quant.gguf_weights import GGUFBlocks
 from engine.quant.method import QuantFormat, config_dict
 
@@ -197,13 +197,37 @@ class Int4Format(QuantFormat):
              ) -> Iterator[tuple[str, Any]]:
         return iter_int4_weights(weights, scheme)
 
-    def dummy(self, shape: Any, scheme: Int4Scheme) -> Iterator[tuple[str, torch.Tensor]]:
-        return dummy_weights(shape, self.name, scheme.group_size)
 
 
-AWQ = Int4Format("awq", "4-bit, groups of a multiple of 32, GEMM layout")
+class AwqFormat(Int4Format):
+    """AWQ, which a dummy load can make too (bench/gpu.py times its decode steps)."""
+
+    def dummy_config(self, group_size: int = 128) -> dict[str, Any]:
+        return {"quant_method": "awq", "bits": 4, "group_size": group_size,
+                "zero_point": True, "version": "gemm"}
+
+    def dummy_linear(self, out: int, inp: int, scheme: Int4Scheme, generator: torch.Generator,
+                     device: torch.device) -> dict[str, torch.Tensor]:
+        """Random AutoAWQ words, zero points and half scales for scheme's groups (-1:
+        one group over all of the inputs)."""
+        group_size = inp if scheme.group_size == -1 else scheme.group_size
+        if inp % group_size or out % 8:
+            raise UnsupportedQuantizationError(
+                f"load_format dummy, awq: a {out} x {inp} linear is not a whole number of "
+                f"{group_size}-input groups and 8-output words")
+        words = tiled(inp, lambda n: torch.randint(-2 ** 31, 2 ** 31 - 1, (n, out // 8),
+                                                   generator=generator, device=device,
+                                                   dtype=torch.int32))
+        zeros = torch.randint(-2 ** 31, 2 ** 31 - 1, (inp // group_size, out // 8),
+                              generator=generator, device=device, dtype=torch.int32)
+        scales = (torch.rand((inp // group_size, out), generator=generator, device=device)
+                  * 2e-4).to(torch.float16)
+        return {"qweight": words, "qzeros": zeros, "scales": scales}
+
+
+AWQ = AwqFormat("awq", "4-bit, groups of a multiple of 32, GEMM layout")
 GPTQ = Int4Format("gptq", "4-bit, groups of a multiple of 32, with or without act-order")
 
 
-__all__ = ["AWQ", "AWQ_ORDER", "GPTQ", "INPUT_ORDER", "Int4Format", "Int4Scheme", "awq_weight", "gptq_weight",
+__all__ = ["AWQ", "AWQ_ORDER", "AwqFormat", "GPTQ", "INPUT_ORDER", "Int4Format", "Int4Scheme", "awq_weight", "gptq_weight",
            "iter_int4_weights", "q4_1_blocks", "read_scheme"]

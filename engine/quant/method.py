@@ -13,7 +13,10 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-from engine.quant.dummy import dummy_weights
+import torch
+
+from engine.errors import UnsupportedQuantizationError
+from engine.quant.dummy import dummy_tensors
 
 
 def config_dict(hf_config: Any) -> dict:
@@ -31,9 +34,19 @@ class QuantFormat:
     # checkpoint with a quantization_config is not quantized at load)
     needs_quantized_tensors = False
 
+    # names of the formats whose objects make dummy weights (override dummy_linear), in
+    # the order they were made: what a refusal of a dummy load lists
+    dummy_makers: list[str] = []
+
     def __init__(self, name: str, variants: tuple[str, ...]) -> None:
         self.name = name  # vLLM's --quantization value
         self.variants = variants  # what of the format is read (GGUF: its tensor types)
+        if self.makes_dummies() and name not in QuantFormat.dummy_makers:
+            QuantFormat.dummy_makers.append(name)
+
+    def makes_dummies(self) -> bool:
+        """Whether load_format dummy can make this format's weights (dummy_linear)."""
+        return type(self).dummy_linear is not QuantFormat.dummy_linear
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r})"
@@ -58,10 +71,28 @@ class QuantFormat:
         the format's tensors are not ones it holds (AWQ / GPTQ into Q4_1 blocks)."""
         return weights
 
+    def dummy_config(self, group_size: int = 128) -> dict[str, Any]:
+        """The quantization_config of a checkpoint dummy() makes (load_format dummy);
+        UnsupportedQuantizationError for a format that makes none."""
+        raise self._no_dummy()
+
+    def dummy_linear(self, out: int, inp: int, scheme: Any, generator: torch.Generator,
+                     device: torch.device) -> dict[str, torch.Tensor]:
+        """One linear's random checkpoint tensors in this format, by name suffix."""
+        raise self._no_dummy()
+
     def dummy(self, shape: Any, scheme: Any) -> Iterable[tuple[str, Any]]:
         """Random tensors as this format's checkpoint holds them, for load_format dummy
-        (engine.quant.dummy refuses the formats it cannot make)."""
-        return dummy_weights(shape, self.name)
+        (engine.quant.dummy walks the decoder; dummy_linear makes each linear's)."""
+        if not self.makes_dummies():
+            raise self._no_dummy()
+        return dummy_tensors(shape, lambda out, inp, generator, device: self.dummy_linear(
+            out, inp, scheme, generator, device))
+
+    def _no_dummy(self) -> UnsupportedQuantizationError:
+        return UnsupportedQuantizationError(
+            f"load_format dummy makes random weights in {', '.join(self.dummy_makers)} only, "
+            f"not {self.name!r}: serve that format from its checkpoint")
 
 
 __all__ = ["QuantFormat", "config_dict"]

@@ -170,9 +170,9 @@ class AttentionBackend(ABC):
         the CPU kernels (or None: torch ops)."""
         return kernels
 
-    def quant_kernels(self, fmt: str, dtype: torch.dtype) -> Any:
-        """Kernels of its own that multiply a quantized checkpoint's weights of format
-        fmt as stored, or None."""
+    def weight_holder(self, fmt: str, dtype: torch.dtype) -> Any:
+        """A WeightHolder (engine.quant.held) of its own kernels for a quantized
+        checkpoint of format fmt, or None (the weights are then decoded at load)."""
         return None
 
     # ---- a step -----------------------------------------------------------------------

@@ -5,7 +5,7 @@ engine/model/layers/triton_paged.py turns a step into the kernels' launches.
 Its forward takes the layer's fused qkv rows: one launch rotates q and k and writes k
 and v into the cache, then the decodes' and the prefills' attention launches. Its
 kernels run the layers' element-wise work too (TritonLayerOps) and the int4 linears
-(TritonInt4), and its decode steps replay CUDA graphs. On CPU it runs only under
+(TritonHolder), and its decode steps replay CUDA graphs. On CPU it runs only under
 Triton's interpreter (tests).
 
 This module imports no triton at load (the registry lists every backend; triton is
@@ -36,8 +36,6 @@ if TYPE_CHECKING:
 # the runner's log, where its other load-time lines are
 logger = logging.getLogger("engine.executor.model_runner")
 
-# the formats whose weights its kernels multiply as stored (quant_kernels)
-_HELD_FORMATS = ("gguf", "awq", "gptq", "fp8", "compressed-tensors")
 
 
 @dataclass
@@ -84,14 +82,12 @@ class TritonBackend(AttentionBackend):
         from engine.model.triton_kernels.fused_ops import TritonLayerOps
         return TritonLayerOps()
 
-    def quant_kernels(self, fmt: str, dtype: torch.dtype) -> Any:
-        if fmt not in _HELD_FORMATS:
-            return None
-        from engine.model.triton_kernels.int4_linear import TritonInt4
+    def weight_holder(self, fmt: str, dtype: torch.dtype) -> Any:
+        from engine.model.triton_kernels.weight_holder import TritonHolder
         logger.info("%s weights on the Triton backend: Q4_1 blocks (AWQ and GPTQ are read "
                     "as such) are multiplied by the int4 kernel, fp8 weights by "
-                    "torch._scaled_mm, other formats decoded to %s at load", fmt, dtype)
-        return TritonInt4(self.device)
+                    "torch._scaled_mm, the others decoded to %s at load", fmt, dtype)
+        return TritonHolder(self.device)
 
     # ---- a step -----------------------------------------------------------------------
     def build_metadata(self, query_lens: list[int], seq_lens: list[int],

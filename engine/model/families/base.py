@@ -27,6 +27,7 @@ from transformers import PretrainedConfig
 from engine.executor.parallel import ShardPlan, TPGroup
 from engine.model.attention.base import AttentionMetadata
 from engine.model.families.loading import expected_keys, load_checkpoint
+from engine.model.layers.embedding import VocabEmbedding
 from engine.model.layers.linear import Linear
 from engine.model.layers.norm import RMSNorm
 from engine.model.layers.rotary import Rope, RotaryEmbedding, apply_rotary
@@ -195,9 +196,9 @@ class DecoderForCausalLM(nn.Module):
         # its weight made empty, not drawn at random: built on the meta device, normal_
         # runs through torch's Python references, whose first call imports torch._dynamo
         # (1.7 s of every engine start); the checkpoint fills it
-        self.embed_tokens = nn.Embedding(plan.vocab_per_rank, shape.hidden_size,
-                                         _weight=torch.empty(plan.vocab_per_rank,
-                                                             shape.hidden_size))
+        self.embed_tokens = VocabEmbedding(plan.vocab_per_rank, shape.hidden_size,
+                                           _weight=torch.empty(plan.vocab_per_rank,
+                                                               shape.hidden_size))
         self.layers = nn.ModuleList(
             self.layer_class(shape, plan, self.tp, kernels, self.make_mlp(i, kernels), i)
             for i in range(shape.num_layers))
@@ -241,10 +242,7 @@ class DecoderForCausalLM(nn.Module):
                 block.lora, block.layer_index = slots, i
 
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        gguf = getattr(self.embed_tokens, "gguf", None)
-        if gguf is not None:  # the rows decoded from their blocks
-            return gguf.rows(ids, self.norm.weight.dtype)
-        return self.embed_tokens(ids)
+        return self.embed_tokens.lookup(ids, self.norm.weight.dtype)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp is None:
@@ -305,21 +303,21 @@ class DecoderForCausalLM(nn.Module):
             return None
         return logits[:, :self.shape.vocab_size].float()
 
-    def load_weights(self, weights: Iterable[tuple[str, Any]], quant_kernels=None,
+    def load_weights(self, weights: Iterable[tuple[str, Any]], holder: Any = None,
                      fp8_block: tuple[int, int] | None = None) -> int:
         """Copy this rank's slice of each checkpoint tensor (HF names) into the fused
         parameters. weights yields (name, t) where t is a tensor, a lazy safetensors
         slice or GGUF blocks (engine.quant.gguf_weights); only the sliced rows/columns
-        are read. quant_kernels: the native kernel module that multiplies quantized
-        weights (GGUF blocks, int8 W8A8) as they are; the linears and the embedding then
-        keep them (their dense weights are released), and without it they are decoded to
-        floats. fp8_block: (rows, columns) of a block-wise fp8 checkpoint's scale blocks.
+        are read. holder: the WeightHolder (engine.quant.held) whose kernels multiply
+        quantized weights (GGUF blocks, int8 W8A8, fp8) as they are; the linears and the
+        embedding then keep what it holds (their dense weights are released), and what
+        it declines, or all of them without one, is decoded to floats. fp8_block: (rows, columns) of a block-wise fp8 checkpoint's scale blocks.
 
         Returns how many of the parameters came quantized (int8 or e4m3 weights; GGUF
         blocks where a kernel holds them). Raises UnsupportedModelError naming any
         parameter the checkpoint left unset.
         """
-        return load_checkpoint(self, weights, quant_kernels, fp8_block)
+        return load_checkpoint(self, weights, holder, fp8_block)
 
     def checkpoint_name(self, name: str) -> str:
         """A checkpoint tensor's name (without "model.") in this module's terms."""

@@ -136,9 +136,9 @@ class GraniteHybridForCausalLM(DecoderForCausalLM):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         return super().compute_logits(hidden / self.logits_scaling)
 
-    def load_weights(self, weights: Iterable[tuple[str, Any]], quant_kernels=None,
+    def load_weights(self, weights: Iterable[tuple[str, Any]], holder: Any = None,
                      fp8_block: tuple[int, int] | None = None) -> int:
-        return super().load_weights(self._renamed(weights), quant_kernels, fp8_block)
+        return super().load_weights(self._renamed(weights), holder, fp8_block)
 
     def _renamed(self, weights: Iterable[tuple[str, Any]]):
         """Checkpoint names in this module's terms; shared_mlp.input_linear (gate rows,

@@ -25,7 +25,7 @@ ROW_PARALLEL = ("o_proj", "down_proj")  # split by input: biases stay whole
 VOCAB_PARALLEL = ("embed_tokens", "lm_head")  # split by vocabulary rows
 
 
-def load_checkpoint(model: nn.Module, weights: Iterable[tuple[str, Any]], quant_kernels=None,
+def load_checkpoint(model: nn.Module, weights: Iterable[tuple[str, Any]], holder: Any = None,
                     fp8_block: tuple[int, int] | None = None) -> int:
     """Copy this rank's slice of each checkpoint tensor (HF names) into the model's fused
     parameters (see DecoderForCausalLM.load_weights for the arguments; the model gives
@@ -33,7 +33,7 @@ def load_checkpoint(model: nn.Module, weights: Iterable[tuple[str, Any]], quant_
     raises UnsupportedModelError naming any parameter the checkpoint left unset."""
     params = dict(model.named_parameters())
     loaded: set[str] = set()
-    quantized = QuantizedPieces(quant_kernels, model.tp is not None, fp8_block)
+    quantized = QuantizedPieces(holder, model.tp is not None, fp8_block)
     rules = shard_rules(model.shape, model.plan)
     for name, tensor in weights:
         if "rotary_emb" in name:
@@ -47,9 +47,6 @@ def load_checkpoint(model: nn.Module, weights: Iterable[tuple[str, Any]], quant_
             continue
         parts = name.split(".")
         module, kind = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", name)
-        if kind == "output_scale" and module in ("k_proj", "v_proj"):
-            kind = module[0] + "_scale"  # compressed-tensors' older k_scale / v_scale
-            parts, module = parts[:-2] + [kind], "self_attn"
         target, offset, src = name, None, None
         if module in rules:
             fused_name, offset, src = rules[module]

@@ -18,9 +18,9 @@ from engine.model.shape import FUSED_PROJECTIONS, fused_pieces
 
 
 class Phi3ForCausalLM(DecoderForCausalLM):
-    def load_weights(self, weights: Iterable[tuple[str, Any]], quant_kernels=None,
+    def load_weights(self, weights: Iterable[tuple[str, Any]], holder: Any = None,
                      fp8_block: tuple[int, int] | None = None) -> int:
-        return super().load_weights(self._split_fused(weights), quant_kernels, fp8_block)
+        return super().load_weights(self._split_fused(weights), holder, fp8_block)
 
     def _split_fused(self, weights: Iterable[tuple[str, Any]]):
         """Each fused qkv_proj / gate_up_proj tensor as its pieces, rows read lazily."""

@@ -117,31 +117,4 @@ class Int4Weight:
         return y.float() if float_out else y
 
 
-class TritonInt4:
-    """What the weight loader holds quantized weights with on the Triton backend: Q4_1
-    blocks (GGUF files, AWQ and GPTQ checkpoints) as Int4Weight; None for any other
-    format, which the loader then decodes."""
-
-    holds_blocks = True  # what the loader asks of a holder (the CPU kernel module is not one)
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-
-    def hold(self, pieces: list, rows: int) -> Int4Weight | None:
-        """The weight of `rows` rows from (row offset, GGUFBlocks) pieces that tile it
-        (rows past the last are zero blocks: vocabulary padding), or None."""
-        if any(p.format != "Q4_1" for _, p in pieces):
-            return None
-        pieces = sorted(pieces, key=lambda p: p[0])
-        raws, at = [], 0
-        for offset, p in pieces:
-            if offset != at:
-                return None
-            raws.append(p.raw)
-            at += p.raw.shape[0]
-        if at < rows:
-            raws.append(torch.zeros(rows - at, raws[0].shape[1], dtype=torch.uint8))
-        return Int4Weight.from_q4_1(torch.cat(raws), pieces[0][1].columns, self.device)
-
-
-__all__ = ["Int4Weight", "TritonInt4", "int4_linear_kernel"]
+__all__ = ["Int4Weight", "int4_linear_kernel"]
