@@ -18,7 +18,16 @@ class UnsupportedQuantizationError(UnsupportedModelError):
 
 
 class InvalidRequestError(FlotillaError, ValueError):
-    """A request the engine cannot take: bad sampling params, prompt too long, ..."""
+    """A request the engine cannot take: bad sampling params, prompt too long, ...
+
+    param: the request field at fault, when one is (SamplingParams names its own
+    fields), so that the HTTP APIs, which leave those ranges to SamplingParams, still
+    answer with a 400 naming the field. Kept in the instance's __dict__, so it survives
+    pickling (Ray) with the message."""
+
+    def __init__(self, *args: object, param: str | None = None) -> None:
+        super().__init__(*args)
+        self.param = param
 
 
 class PromptTooLongError(InvalidRequestError):

@@ -1,7 +1,9 @@
 """Checks every request passes, shared by the frontend Processor and the engine cores.
 
 The frontend checks first, to answer bad input before it travels; engines check
-again because anything can reach their socket.
+again because anything can reach their socket. Each check runs once on each side:
+value rules in SamplingParams.__post_init__ (run when it is built, and by msgspec when
+an engine decodes it), the limits of the model and engine here.
 """
 from __future__ import annotations
 
@@ -24,9 +26,12 @@ def check_prompt(token_ids: list[int], max_model_len: int, vocab_size: int) -> N
 
 
 def check_params(params: SamplingParams, max_logprobs: int, vocab_size: int,
-                 limits: RequestLimits) -> None:
-    """What SamplingParams cannot check by itself: limits of this engine and its model."""
-    check_limits(params, limits)
+                 limits: RequestLimits | None) -> None:
+    """What SamplingParams cannot check by itself: limits of this engine and its model.
+    limits None: the caller has checked them itself (the frontend Processor does, in two
+    parts around tokenizing bad words), so that they run once."""
+    if limits is not None:
+        check_limits(params, limits)
     if params.logprobs is not None and params.logprobs > max_logprobs:
         raise InvalidRequestError(f"logprobs must be <= {max_logprobs}")
     if params.prompt_logprobs is not None and params.prompt_logprobs > max_logprobs:

@@ -13,9 +13,14 @@ is an InvalidRequestError (HTTP 400) that names the option.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import msgspec
 
 from engine.errors import InvalidRequestError
+
+if TYPE_CHECKING:  # sampling_params is above this module
+    from engine.sampling_params import SamplingParams
 
 
 class RequestLimits(msgspec.Struct, frozen=True, kw_only=True):
@@ -71,6 +76,13 @@ def check_limits(params, limits: RequestLimits) -> None:
     if spec is not None:
         _refuse(f"the structured-outputs {spec.kind}'s characters", constraint_chars(spec),
                 limits.max_structured_output_chars, "max_structured_output_chars")
+    check_bad_word_tokens(params, limits)
+
+
+def check_bad_word_tokens(params: "SamplingParams", limits: RequestLimits) -> None:
+    """The part of check_limits about bad_words_token_ids: on its own for the frontend,
+    which checks the rest before it tokenizes the bad words (the limits bound that work)
+    and this part once it has."""
     # as the engine gets them: each word with and without a leading space; byte-level
     # tokenizers may spend up to 4 tokens on a character
     _refuse("bad word token sequences", len(params.bad_words_token_ids),

@@ -2,7 +2,10 @@
 
 A msgspec Struct so the same object travels over the engine-core wire protocol;
 validation runs in __post_init__, so an invalid object cannot be built (msgspec
-also runs it when decoding).
+also runs it when decoding). __post_init__ is the one place each value rule is
+written: the HTTP APIs only document these ranges (deployments/apis/common/
+sampling.py), and every refusal is an InvalidRequestError whose `param` names the
+field, which the APIs answer with a 400 naming it.
 """
 from __future__ import annotations
 
@@ -53,46 +56,58 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             self.stop = [self.stop]
         if self.top_k == -1:
             self.top_k = 0
-        _check(self.n >= 1, f"n must be >= 1, got {self.n}")
-        _check(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}")
-        _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
-        _check(self.top_k >= 0, f"top_k must be -1, 0 (disabled) or positive, got {self.top_k}")
-        _check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
+        # NaN fails every comparison below, so it is refused wherever a range is checked
+        _check(self.n >= 1, f"n must be >= 1, got {self.n}", "n")
+        _check(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}",
+               "temperature")
+        _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}", "top_p")
+        _check(self.top_k >= 0, f"top_k must be -1, 0 (disabled) or positive, got {self.top_k}",
+               "top_k")
+        _check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}", "min_p")
         _check(-2.0 <= self.presence_penalty <= 2.0,
-               f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+               f"presence_penalty must be in [-2, 2], got {self.presence_penalty}",
+               "presence_penalty")
         _check(-2.0 <= self.frequency_penalty <= 2.0,
-               f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+               f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",
+               "frequency_penalty")
         _check(self.repetition_penalty > 0.0,
-               f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+               f"repetition_penalty must be > 0, got {self.repetition_penalty}",
+               "repetition_penalty")
         _check(self.max_tokens is None or self.max_tokens >= 1,
-               f"max_tokens must be >= 1, got {self.max_tokens}")
-        _check(self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens}")
+               f"max_tokens must be >= 1, got {self.max_tokens}", "max_tokens")
+        _check(self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens}",
+               "min_tokens")
         _check(self.max_tokens is None or self.min_tokens <= self.max_tokens,
-               f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+               f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})",
+               "min_tokens")
         _check(self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
-               f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+               f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}", "logprobs")
         _check(self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
-               f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
-        _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty")
+               f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}",
+               "prompt_logprobs")
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty",
+               "stop")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
-               "stop_token_ids must be non-negative ints")
+               "stop_token_ids must be non-negative ints", "stop_token_ids")
         _check(self.structured_outputs is None or self.min_tokens == 0,
                "min_tokens cannot be combined with structured outputs (the constraint "
-               "decides where the output ends)")
+               "decides where the output ends)", "min_tokens")
         if self.logit_bias is not None:
             _check(all(isinstance(t, int) and t >= 0 for t in self.logit_bias),
-                   "logit_bias keys must be non-negative token ids")
+                   "logit_bias keys must be non-negative token ids", "logit_bias")
             _check(all(-100.0 <= b <= 100.0 for b in self.logit_bias.values()),
-                   "logit_bias values must be in [-100, 100]")
+                   "logit_bias values must be in [-100, 100]", "logit_bias")
         if self.allowed_token_ids is not None:
             _check(bool(self.allowed_token_ids)
                    and all(isinstance(t, int) and t >= 0 for t in self.allowed_token_ids),
-                   "allowed_token_ids must be a non-empty list of non-negative token ids")
+                   "allowed_token_ids must be a non-empty list of non-negative token ids",
+                   "allowed_token_ids")
         _check(all(isinstance(w, str) and w for w in self.bad_words),
-               "bad_words must be non-empty strings")
+               "bad_words must be non-empty strings", "bad_words")
         _check(all(seq and all(isinstance(t, int) and t >= 0 for t in seq)
                    for seq in self.bad_words_token_ids),
-               "bad_words_token_ids must be non-empty lists of non-negative token ids")
+               "bad_words_token_ids must be non-empty lists of non-negative token ids",
+               "bad_words_token_ids")
 
     def token_ids_in_params(self) -> list[int]:
         """Every token id these params name (checked against the vocabulary)."""
@@ -111,6 +126,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         return msgspec.structs.replace(self, **changes)
 
 
-def _check(ok: bool, message: str) -> None:
+def _check(ok: bool, message: str, param: str) -> None:
+    """Refuse unless ok; param: the field at fault, so an HTTP 400 names it."""
     if not ok:
-        raise InvalidRequestError(message)
+        raise InvalidRequestError(message, param=param)

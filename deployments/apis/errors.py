@@ -33,8 +33,7 @@ class ParamError(InvalidRequestError):
     """A request field that is valid JSON but cannot be honoured; `param` names it."""
 
     def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param = param
+        super().__init__(message, param=param)
 
 
 # the request fields a structured-outputs constraint comes from, in each API

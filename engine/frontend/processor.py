@@ -15,7 +15,7 @@ from engine.frontend.output_processor import child_request_id
 from engine.lora.request import LoRARequest
 from engine.pooling import PoolingParams
 from engine.request_checks import check_params, check_prompt
-from engine.request_limits import RequestLimits, check_limits
+from engine.request_limits import RequestLimits, check_bad_word_tokens, check_limits
 from engine.sampling_params import SamplingParams
 from engine.structured.grammar import check_structured_outputs, preload_xgrammar
 
@@ -93,10 +93,13 @@ class Processor:
                                       pooling_params=pooling_params,
                                       lora_request=lora_request)]
         check_prompt(prompt_token_ids, self.max_model_len, self.vocab_size)
-        check_limits(params, self.limits)  # before tokenizing thousands of bad words
+        # the limits, once each: those on what was asked before tokenizing (up to
+        # thousands of) bad words, those on their token sequences once filled in
+        check_limits(params, self.limits)
         if params.bad_words and not params.bad_words_token_ids:
             params = params.clone(bad_words_token_ids=self.bad_words_token_ids(params.bad_words))
-        check_params(params, self.max_logprobs, self.vocab_size, self.limits)
+            check_bad_word_tokens(params, self.limits)
+        check_params(params, self.max_logprobs, self.vocab_size, limits=None)
         if params.structured_outputs is not None:
             check_structured_outputs(params.structured_outputs)
         arrival = arrival_time or time.time()

@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from deployments.apis.common.chat_prep import ChatInput
-from deployments.apis.common.sampling import build_sampling_params
+from deployments.apis.common.sampling import build_sampling_params, documented_range
 from deployments.apis.errors import ParamError
 from engine.sampling_params import SamplingParams
 
@@ -291,8 +291,10 @@ class MessagesRequest(CountTokensRequest):
 
     max_tokens: int = Field(ge=1, lt=1 << 63)
     stop_sequences: list[Annotated[str, Field(min_length=1)]] | None = None
-    temperature: float | None = Field(None, ge=0.0, le=1.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    # documented_range: SamplingParams checks that range (deployments/apis/common/sampling.py);
+    # temperature's maximum 1 and top_k's minimum 0 (no -1) are Anthropic's own
+    temperature: float | None = documented_range(None, minimum=0.0, le=1.0)
+    top_p: float | None = documented_range(None, exclusive_minimum=0.0, maximum=1.0)
     top_k: int | None = Field(None, ge=0, lt=1 << 63)  # 0: off
     stream: bool = False
     metadata: Metadata | None = None

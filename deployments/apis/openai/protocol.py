@@ -16,11 +16,11 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from deployments.apis.common.sampling import build_sampling_params
+from deployments.apis.common.sampling import build_sampling_params, documented_range
 from deployments.apis.errors import ParamError, first_unsupported
 from engine.errors import InvalidRequestError
 from engine.generation_defaults import SAMPLING_KEYS
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from engine.structured.params import StructuredOutputsParams
 
 
@@ -105,26 +105,29 @@ class _SchedulingFields(_Strict):
 
 
 class _SamplingFields(_SchedulingFields):
+    # documented_range: SamplingParams checks that range (a 400 naming the field); a
+    # constraint given as a keyword is the API's own and is checked here
     model: str | None = None
-    n: int = Field(1, ge=1, le=128)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    n: int = documented_range(1, minimum=1, le=128)
+    temperature: float | None = documented_range(None, minimum=0.0, le=2.0)
+    top_p: float | None = documented_range(None, exclusive_minimum=0.0, maximum=1.0)
     top_k: Int64 | None = None
-    min_p: float | None = Field(None, ge=0.0, le=1.0)
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(None, gt=0.0)
+    min_p: float | None = documented_range(None, minimum=0.0, maximum=1.0)
+    presence_penalty: float | None = documented_range(None, minimum=-2.0, maximum=2.0)
+    frequency_penalty: float | None = documented_range(None, minimum=-2.0, maximum=2.0)
+    repetition_penalty: float | None = documented_range(None, exclusive_minimum=0.0)
     seed: Int64 | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[Int64] | None = None
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0, lt=1 << 63)
+    min_tokens: int = documented_range(0, minimum=0, lt=1 << 63)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted and not used (as vLLM): OpenAI's abuse tracking
-    prompt_logprobs: int | None = Field(None, ge=0, le=20)  # vLLM's extension
+    # vLLM's extension
+    prompt_logprobs: int | None = documented_range(None, minimum=0, maximum=MAX_LOGPROBS)
     logit_bias: dict[Int64, float] | None = None
     allowed_token_ids: list[Int64] | None = None
     bad_words: list[str] | None = None
@@ -142,6 +145,8 @@ class _SamplingFields(_SchedulingFields):
     metadata: Any = None
 
     UNSUPPORTED: ClassVar[dict[str, Any]] = _UNSUPPORTED_COMMON
+    # this API's name of a SamplingParams field where it differs (for a refusal's param)
+    ENGINE_NAMES: ClassVar[dict[str, str]] = {}
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> "_SamplingFields":
@@ -210,13 +215,13 @@ class _SamplingFields(_SchedulingFields):
             skip_special_tokens=self.skip_special_tokens,
             logit_bias=self.logit_bias or None, allowed_token_ids=self.allowed_token_ids,
             bad_words=list(self.bad_words or []), structured_outputs=structured,
-            speculative_decoding=self.speculative_decoding)
+            speculative_decoding=self.speculative_decoding, names=self.ENGINE_NAMES)
 
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[Int64] | list[str] | list[list[Int64]]
     max_tokens: int | None = Field(16, ge=1, lt=1 << 63)
-    logprobs: int | None = Field(None, ge=0, le=20)
+    logprobs: int | None = documented_range(None, minimum=0, maximum=MAX_LOGPROBS)
     best_of: int | None = Field(None, ge=1, lt=1 << 63)
     echo: bool | None = False
     suffix: str | None = None
@@ -234,10 +239,13 @@ class CompletionRequest(_SamplingFields):
 
     def engine_prompt_logprobs(self) -> int | None:
         """Prompt logprobs the engine computes: those asked, and with echo + logprobs
-        the prompt's part of the logprobs object."""
+        the prompt's part of the logprobs object. A negative one is passed on, for
+        SamplingParams to refuse (the larger of the two would hide it)."""
         asked = [k for k in (self.prompt_logprobs,
                              self.logprobs if self.echo else None) if k is not None]
-        return max(asked) if asked else None
+        if not asked:
+            return None
+        return min(asked) if min(asked) < 0 else max(asked)
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts in order: a string, token ids, or a list of either."""
@@ -312,7 +320,7 @@ class ChatCompletionRequest(_SamplingFields):
     max_tokens: int | None = Field(None, ge=1, lt=1 << 63)
     max_completion_tokens: int | None = Field(None, ge=1, lt=1 << 63)
     logprobs: bool | None = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = documented_range(None, minimum=0, maximum=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[ToolDefinition] | None = None
@@ -327,6 +335,7 @@ class ChatCompletionRequest(_SamplingFields):
     reasoning_effort: Any = None
 
     UNSUPPORTED: ClassVar[dict[str, Any]] = {**_UNSUPPORTED_COMMON, **_UNSUPPORTED_CHAT}
+    ENGINE_NAMES: ClassVar[dict[str, str]] = {"logprobs": "top_logprobs"}
 
     @model_validator(mode="after")
     def _template_kwargs(self) -> "ChatCompletionRequest":

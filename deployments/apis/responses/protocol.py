@@ -18,7 +18,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from deployments.apis.common.sampling import build_sampling_params
+from deployments.apis.common.sampling import build_sampling_params, documented_range
 from deployments.apis.errors import ParamError, first_unsupported
 from deployments.apis.openai.protocol import Int64, check_template_kwargs
 from engine.errors import InvalidRequestError
@@ -96,8 +96,9 @@ class ResponsesRequest(_Strict):
     input: str | list[dict[str, Any]]
     instructions: str | None = None
     max_output_tokens: int | None = Field(None, ge=1, lt=1 << 63)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    # documented_range: SamplingParams checks that range (deployments/apis/common/sampling.py)
+    temperature: float | None = documented_range(None, minimum=0.0, le=2.0)
+    top_p: float | None = documented_range(None, exclusive_minimum=0.0, maximum=1.0)
     text: TextConfig | None = None
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
