@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from engine.cpu_features import cpu_has_native_bf16, missing_bf16_message
 from engine.errors import InvalidRequestError
+from engine.kv_transfer.config import KVTransferConfig, kv_transfer_from_options
 from engine.lora.modules_flag import parse_lora_modules
 from engine.model.attention.names import BACKEND_NAMES
 from engine.options import option
@@ -142,6 +143,19 @@ class EngineConfig:
         '{"method": "suffix"} (suffix_decoding_max_tree_depth, _max_cached_requests, '
         '_max_spec_factor, _min_token_prob); disable_by_batch_size turns it off for '
         'larger batches. Proposed tokens are verified in one step; outputs are the same')
+    kv_transfer_config: KVTransferConfig | None = option(
+        None, 'a KV connector (vLLM\'s JSON): {"kv_connector": NAME, "kv_role": "kv_producer" '
+        '| "kv_consumer" | "kv_both", "kv_connector_extra_config": {...}} with vLLM\'s other '
+        'keys (kv_load_failure_policy fail | recompute, engine_id, kv_port, kv_buffer_device '
+        'cpu | cuda); a connector, key or value not served is refused by name')
+    kv_offloading_size: float | None = option(
+        None, "GiB of host memory that KV blocks are offloaded to (vLLM's shorthand for "
+        'kv_transfer_config {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", '
+        '"kv_connector_extra_config": {"cpu_bytes_to_use": GiB x 2^30}}); none: no '
+        "offloading")
+    kv_offloading_backend: str = option(
+        "native", "what kv_offloading_size offloads through: native (OffloadingConnector); "
+        "vLLM's lmcache is not served")
     override_generation_config: dict | None = option(
         None, "sampling defaults (JSON) that take precedence over generation_config, "
         'e.g. {"temperature": 0.6}')
@@ -192,6 +206,9 @@ class EngineConfig:
                 raise InvalidRequestError(message)
         from engine.spec_decode.config import SpeculativeConfig
         SpeculativeConfig.from_dict(self.speculative_config)  # refused here if invalid
+        # parsed once, here: the engine_id drawn now is kept by every copy of the config
+        object.__setattr__(self, "kv_transfer_config", kv_transfer_from_options(
+            self.kv_transfer_config, self.kv_offloading_size, self.kv_offloading_backend))
 
     def torch_device(self) -> torch.device:
         import torch

@@ -63,6 +63,11 @@ DOC_LINES = [
      {"speculative_config": {"method": "ngram", "num_speculative_tokens": 5,
                              "prompt_lookup_max": 4}}),
     ("serve m -sc '{\"method\": \"suffix\"}'", {"speculative_config": {"method": "suffix"}}),
+    ("serve m --kv-transfer-config '{\"kv_connector\": \"OffloadingConnector\", "
+     "\"kv_role\": \"kv_both\"}' --kv-offloading-backend native",
+     {"kv_transfer_config": {"kv_connector": "OffloadingConnector", "kv_role": "kv_both"},
+      "kv_offloading_backend": "native"}),
+    ("serve m --kv-offloading-size 4", {"kv_offloading_size": 4.0}),
     ("serve m --scheduling-policy priority --load-format dummy",
      {"scheduling_policy": "priority", "load_format": "dummy"}),
 ]
@@ -83,7 +88,7 @@ def test_the_host_and_port_flags_are_vllms():
 @pytest.mark.parametrize("line,named", [
     ("serve m --pipeline-parallel-size 2", "--pipeline-parallel-size"),
     ("serve m -pp 2 --port 8000", "--pipeline-parallel-size"),
-    ("serve m --kv-offloading-size 4", "--kv-offloading-size"),
+    ("serve m --kv-sharing-fast-prefill", "--kv-sharing-fast-prefill"),
     ("serve m --trust-remote-code", "--trust-remote-code"),
     ("serve m --cpu-offload-gb 4", "--cpu-offload-gb"),
 ])

@@ -58,6 +58,8 @@ from engine.pooling import Pooler, pooling_method
 from engine.request_checks import check_params, check_prompt
 from engine.request_limits import RequestLimits
 from engine.sampling_params import SamplingParams
+from engine.kv_transfer.steps import KVTransferSteps
+from engine.kv_transfer.steps import connect as connect_kv_transfer
 from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.decoder import SpecDecoder
 from engine.spec_decode.proposers import ProposerContext
@@ -147,9 +149,12 @@ class EngineCore(StepOutputs, CoreUtilities, EngineLoRA):
         self._iteration_counts = [0] * (len(ITERATION_TOKENS_BUCKETS) + 1)
         self._iteration_sum = 0
         self._sleep_level = 0  # 0 awake; 1 KV cache freed (weights off GPU); 2 weights freed
+        self.kv_transfer: KVTransferSteps | None = None
         self.startup_s["rest"], mark = time.perf_counter() - mark, time.perf_counter()
         self._warm_up()
         self.startup_s["warm_up"] = time.perf_counter() - mark
+        # after the warm-up, whose blocks must not reach a KV tier
+        self.kv_transfer = connect_kv_transfer(self)
         logger.info("engine ready: %s on %s/%s, %d KV blocks of %d tokens, max_model_len %d, "
                     "sampling defaults %s (generation_config=%s)", self.shape.architecture,
                     self.device, self.dtype, self.num_blocks, config.block_size,
@@ -301,18 +306,25 @@ class EngineCore(StepOutputs, CoreUtilities, EngineLoRA):
         outputs, self._aborted = self._aborted, []
         for request, why in self.structured.poll():
             outputs.append(self._fail(request, why))
+        transfer = self.kv_transfer  # a KV connector (engine/kv_transfer/steps.py)
+        if transfer is not None:
+            outputs.extend(self._fail(r, why) for r, why in transfer.before_schedule())
         if self.spec is not None:
             self.spec.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
+        if sched and self.lora is not None:
+            outputs.extend(self._place_adapters(sched))
+        if transfer is not None:
+            transfer.after_schedule(sched)
         if not sched:
+            if transfer is not None:
+                transfer.idle()  # only loads may be left: do not spin
             if self.structured.has_pending():
                 self.structured.wait()  # only compiles are left: do not spin
             return outputs
-        if self.lora is not None:
-            outputs.extend(self._place_adapters(sched))
-            if not sched:
-                return outputs
         result = self.runner.execute(sched)
+        if transfer is not None:
+            transfer.after_forward()
         if self.spec is not None:
             self.spec.proposer.after_step()
         logits, rows = result.logits, result.sample_rows
@@ -351,8 +363,11 @@ class EngineCore(StepOutputs, CoreUtilities, EngineLoRA):
         return outputs
 
     def shutdown(self) -> None:
-        """Stop the grammar compile thread and the tensor-parallel workers, if any."""
+        """Stop the grammar compile thread, a KV connector's threads and the
+        tensor-parallel workers, if any."""
         self.structured.shutdown()
+        if self.kv_transfer is not None:
+            self.kv_transfer.shutdown()
         stop = getattr(self.runner, "shutdown", None)
         if stop is not None:
             stop()

@@ -109,7 +109,7 @@ class KVCacheManager:
         parent = root_seed(request.lora)
         for i in range(usable):
             block_tokens = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
-            chunk = _key(root, block_tokens)
+            chunk = block_key(root, block_tokens)
             h = block_hash(parent, block_tokens)
             found = [cache.get(h) for cache in self.caches]
             if any(b is None or self.blocks[b].token_ids != chunk for b in found):
@@ -138,9 +138,11 @@ class KVCacheManager:
 
     # ---- allocation -------------------------------------------------------------------
     def allocate(self, request: Request, num_new_tokens: int,
-                 hits: list[list[int]] | None = None) -> bool:
+                 hits: list[list[int]] | None = None, register: bool = True) -> bool:
         """Give the request blocks for num_new_tokens more tokens (after its prefix-cache
-        hits, each group's, from find_cached_prefix), in every group.
+        hits, each group's, from find_cached_prefix), in every group. register False:
+        the new tokens' full blocks are not made findable yet (KV a connector is still
+        loading into them: register_computed once it is in).
 
         Returns False, changing nothing, when the pool cannot cover them.
         """
@@ -165,9 +167,15 @@ class KVCacheManager:
         for table, count in zip(tables, needed):
             for _ in range(count):
                 table.append(self._pop_free())
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and register:
             self._register_full_blocks(request, min(total, request.num_tokens))
         return True
+
+    def register_computed(self, request: Request) -> None:
+        """Make the request's full blocks up to its computed tokens findable (after a
+        connector filled them)."""
+        if self.enable_prefix_caching:
+            self._register_full_blocks(request, request.num_computed_tokens)
 
     def _pop_free(self) -> int:
         """The least recently freed block, forgotten by the prefix cache, held once."""
@@ -255,7 +263,7 @@ class KVCacheManager:
             for g, (cache, table) in enumerate(zip(self.caches, request.group_blocks)):
                 block = self.blocks[table[i]]
                 if block.block_hash is None and table[i] != self.null_block:
-                    block.block_hash, block.token_ids = h, _key(root, block_tokens)
+                    block.block_hash, block.token_ids = h, block_key(root, block_tokens)
                     block.group = g
                     if h not in cache:
                         cache[h] = block.block_id
@@ -272,7 +280,7 @@ class KVCacheManager:
         return self.events.snapshot(self.cached)
 
 
-def _key(root, tokens: tuple[int, ...]) -> tuple:
+def block_key(root, tokens: tuple[int, ...]) -> tuple:
     """A block's identity beside its hash: its tokens, and the adapter it was computed
     under (compared on a hit, so not even a hash collision mixes adapters)."""
     return tokens if root is None else (root, tokens)

@@ -15,6 +15,7 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"
+    WAITING_FOR_KV = "waiting_for_kv"  # its blocks are being filled by a KV connector
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
@@ -63,6 +64,10 @@ class Request:
         self.state_block = -1  # a hybrid model's state block (engine.model.layers.mamba)
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
+        self.kv_load_failed = False  # a connector's load failed: it recomputes instead
+        self.pending_external = 0  # tokens a connector is loading (WAITING_FOR_KV)
+        # what a KV connector gave its final output (engine.kv_transfer.base)
+        self.kv_transfer_params: dict | None = None
         # engine clock (monotonic): in the queue, first scheduled, first token sampled;
         # they become the request's RequestTimings when it finishes
         self.queued_at = time.monotonic()

@@ -17,16 +17,27 @@ arrival) (engine.core.request_queue), running requests are served in that order
 and preempted lowest first, and a waiting request that does not fit (no free
 sequence slot or too few free blocks for its first chunk) preempts running
 requests of a strictly lower priority (a higher value) until it does.
+
+With a KV connector (engine/kv_transfer), a waiting request's prefix continues past the
+pool's hits into what the connector holds: its blocks are allocated at admission, the
+request waits apart (WAITING_FOR_KV, outside both queues) while the connector fills
+them and other requests run, then rejoins the head of the waiting queue with those
+tokens computed (kv_arrived). A failed load recomputes the request or fails it
+(kv_load_failed, by kv_load_failure_policy).
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.config import EngineConfig
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request, RequestStatus
 from engine.core.request_queue import PriorityQueue, make_queue
+
+if TYPE_CHECKING:  # the connectors sit above the core
+    from engine.kv_transfer.base import ConnectorScheduler
 
 
 @dataclass
@@ -52,12 +63,15 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.on_finish = None  # called with each request that finishes (its proposer's)
+        self.connector: ConnectorScheduler | None = None  # a KV connector's scheduler half
+        self.waiting_for_kv: dict[str, Request] = {}  # admitted, their KV being loaded
+        self.held_for_send: dict[str, Request] = {}  # finished, blocks read by a send
 
     def add(self, request: Request) -> None:
         self.waiting.add(request)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.waiting_for_kv)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -112,11 +126,16 @@ class Scheduler:
                 if request.waiting_for_grammar:
                     passed.append(self.waiting.pop())
                     continue
-                # an embedding request computes every token (mean pooling needs them all),
-                # and so does one that asks for prompt logprobs (they need the logits)
-                recompute = request.pooling is not None or request.needs_prompt_logits
-                hits = None if recompute else self.kv.find_cached_prefix(request)
-                computed = self.kv.hit_tokens(hits)
+                if request.block_ids:  # its KV arrived from a connector: blocks held
+                    computed, hits = request.num_computed_tokens, None
+                else:
+                    # an embedding request computes every token (mean pooling needs them
+                    # all), and so does one that asks for prompt logprobs (the logits)
+                    recompute = request.pooling is not None or request.needs_prompt_logits
+                    hits = None if recompute else self.kv.find_cached_prefix(request)
+                    computed = self.kv.hit_tokens(hits)
+                    if not recompute and self._load_external(request, computed, hits):
+                        continue
                 n = min(request.num_tokens - computed, budget)
                 if not self.kv.allocate(request, n, hits):
                     break
@@ -136,6 +155,66 @@ class Scheduler:
             self.waiting.put_back(passed)
         out.requests = scheduled
         return out
+
+    def _load_external(self, request: Request, computed: int,
+                       hits: list[list[int]] | None) -> bool:
+        """Admit the head request to wait for the KV a connector holds past its pool hits
+        (True); False: the connector has none for it, or its blocks do not fit now
+        (it is then computed, as without a connector)."""
+        if self.connector is None or request.kv_load_failed:
+            return False
+        external, _ = self.connector.get_num_new_matched_tokens(request, computed)
+        if external <= 0 or not self.kv.allocate(request, external, hits, register=False):
+            return False
+        self.waiting.pop()
+        request.num_computed_tokens = computed
+        first = computed // self.kv.block_size
+        blocks = request.block_ids[first:first + external // self.kv.block_size]
+        self.connector.update_state_after_alloc(request, blocks, external)
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = computed + external
+        request.pending_external = external
+        request.status = RequestStatus.WAITING_FOR_KV
+        self.waiting_for_kv[request.request_id] = request
+        return True
+
+    def kv_arrived(self, request_ids: set[str]) -> None:
+        """Loads done: those requests rejoin the head of the waiting queue, their loaded
+        tokens computed and their full blocks findable."""
+        for request_id in request_ids:
+            request = self.waiting_for_kv.pop(request_id, None)
+            if request is None:
+                continue
+            request.num_computed_tokens += request.pending_external
+            request.pending_external = 0
+            self.kv.register_computed(request)
+            request.status = RequestStatus.WAITING
+            self.waiting.add_preempted(request)
+
+    def kv_load_failed(self, request_id: str, recompute: bool) -> Request | None:
+        """A failed load: recompute (its blocks freed, back to the waiting queue's head,
+        never asking the connector again) or give the request back for the engine to fail
+        (None when it is no longer waiting)."""
+        request = self.waiting_for_kv.pop(request_id, None)
+        if request is None:
+            return None
+        self.connector.request_dropped(request)
+        self.kv.free_request(request)
+        request.num_computed_tokens = request.pending_external = 0
+        request.kv_load_failed = True
+        if not recompute:
+            self.waiting_for_kv[request_id] = request  # finish() takes it out
+            return request
+        request.status = RequestStatus.WAITING
+        self.waiting.add_preempted(request)
+        return None
+
+    def kv_sent(self, request_ids: set[str]) -> None:
+        """Sends done: the finished requests' held blocks go back to the pool."""
+        for request_id in request_ids:
+            request = self.held_for_send.pop(request_id, None)
+            if request is not None:
+                self.kv.free_request(request)
 
     def _preempt(self, request: Request) -> None:
         self.kv.free_request(request)
@@ -175,11 +254,20 @@ class Scheduler:
         request.status = status
         if request in self.running:
             self.running.remove(request)
+        elif self.waiting_for_kv.pop(request.request_id, None) is not None:
+            if self.connector is not None:
+                self.connector.request_dropped(request)
         else:
             self.waiting.remove(request)
         if isinstance(self.waiting, PriorityQueue):
             self.waiting.forget(request)
-        self.kv.free_request(request)
+        hold = False
+        if self.connector is not None:
+            hold, request.kv_transfer_params = self.connector.request_finished(request)
+        if hold:  # a send still reads its blocks: freed when the worker says it is done
+            self.held_for_send[request.request_id] = request
+        else:
+            self.kv.free_request(request)
         if self.on_finish is not None:
             self.on_finish(request)
 

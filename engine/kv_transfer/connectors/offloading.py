@@ -1,0 +1,221 @@
+"""OffloadingConnector: the shared KV tier as a connector (vLLM's name for its native
+CPU offloading; `--kv-offloading-size` sets it up the same way here).
+
+Every full block a step computes is copied out to a host-memory tier (and, with a
+`disk_path`, written in the background to a disk tier that several engines, and nodes
+on shared storage, can share); a waiting request's prefix lookup continues past the
+pool's hits into the tier, and the blocks found there are read on a background thread
+and copied into the pool between steps while the request waits apart. Keys are the
+prefix cache's block hashes (adapter folded in), and each read compares the block's
+identity (its tokens and adapter), so no request reads another's KV.
+
+kv_connector_extra_config:
+- cpu_bytes_to_use: the host tier's bound in bytes (vLLM's key; default 1 GiB);
+- disk_path: a directory for the disk tier (none: host memory only);
+- disk_bytes_to_use: the disk tier's bound in bytes (default 8 GiB).
+"""
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.core.block_hash import block_hash, root_seed
+from engine.core.kv_cache_manager import block_key
+from engine.core.request import Request
+from engine.errors import InvalidRequestError
+from engine.kv_transfer.base import (BlockRef, Connector, ConnectorContext,
+                                     ConnectorScheduler, ConnectorWorker,
+                                     FinishedTransfers, KVLayout, StepTransfers)
+from engine.kv_transfer.tier import DiskTier, HostTier, TierCorruptError, TieredStore
+
+NAME = "OffloadingConnector"
+DEFAULTS = {"cpu_bytes_to_use": 1 << 30, "disk_path": None, "disk_bytes_to_use": 8 << 30}
+
+
+def _chain(request: Request, blocks: int, block_size: int) -> list[tuple[int, tuple]]:
+    """(hash, identity) of the request's first `blocks` full blocks: the prefix cache's
+    own chain (the hashes it registered, continued where it stopped)."""
+    tokens, root = request.all_token_ids, request.cache_root
+    chain = []
+    parent = root_seed(request.lora)
+    for i in range(blocks):
+        piece = tuple(tokens[i * block_size:(i + 1) * block_size])
+        h = request.block_hashes[i] if i < len(request.block_hashes) \
+            else block_hash(parent, piece)
+        chain.append((h, block_key(root, piece)))
+        parent = h
+    return chain
+
+
+class OffloadingScheduler(ConnectorScheduler):
+    def __init__(self, store: TieredStore, block_size: int) -> None:
+        self.store = store
+        self.block_size = block_size
+        self._pending: dict[str, list[BlockRef]] = {}  # loads ordered, not yet started
+        self._saved: dict[str, int] = {}  # request id -> its leading blocks in the tier
+
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int, bool]:
+        first = num_computed_tokens // self.block_size
+        usable = (request.num_tokens - 1) // self.block_size  # one token left to compute
+        if usable <= first:
+            return 0, False
+        found = 0
+        for h, identity in _chain(request, usable, self.block_size)[first:]:
+            if not self.store.contains(h, identity):
+                break
+            found += 1
+        return found * self.block_size, found > 0
+
+    def update_state_after_alloc(self, request: Request, block_ids: list[int],
+                                 num_external_tokens: int) -> None:
+        first = request.num_computed_tokens // self.block_size
+        chain = _chain(request, first + len(block_ids), self.block_size)[first:]
+        self._pending[request.request_id] = [
+            BlockRef(b, h, identity) for b, (h, identity) in zip(block_ids, chain)]
+        # what it loads is in the tier already: no save of those
+        self._saved[request.request_id] = first + len(block_ids)
+
+    def build_step_transfers(self, scheduled: list[tuple[Request, int]]) -> StepTransfers:
+        loads, self._pending = self._pending, {}
+        saves: list[BlockRef] = []
+        for request, n in scheduled:
+            full = min(request.num_computed_tokens + n, request.num_tokens) // self.block_size
+            start = self._saved.get(request.request_id, 0)
+            if full <= start or len(request.block_hashes) < full:
+                continue  # nothing newly full (or no hashes: prefix caching off)
+            tokens, root = request.all_token_ids, request.cache_root
+            for i in range(start, full):
+                piece = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
+                saves.append(BlockRef(request.block_ids[i], request.block_hashes[i],
+                                      block_key(root, piece)))
+            self._saved[request.request_id] = full
+        return StepTransfers(loads, saves)
+
+    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        self._saved.pop(request.request_id, None)
+        return False, None
+
+    def request_dropped(self, request: Request) -> None:
+        self._pending.pop(request.request_id, None)
+        self._saved.pop(request.request_id, None)
+
+
+class OffloadingWorker(ConnectorWorker):
+    def __init__(self, store: TieredStore) -> None:
+        self.store = store
+        self.caches: torch.Tensor | None = None
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="kv-tier-load")
+        self._done: dict[str, list[tuple[int, torch.Tensor]] | str] = {}
+        self._arrived = threading.Condition()
+        self._in_flight = 0
+        self.blocks_loaded = self.blocks_saved = 0
+
+    def register_kv_caches(self, caches: torch.Tensor, layout: KVLayout) -> None:
+        self.caches = caches
+
+    def start_load_kv(self, loads: dict[str, list[BlockRef]]) -> None:
+        for request_id, refs in loads.items():
+            with self._arrived:
+                self._in_flight += 1
+            self._reader.submit(self._read, request_id, refs)
+
+    def _read(self, request_id: str, refs: list[BlockRef]) -> None:
+        """On the reader thread: every block's payload, or why one could not be read."""
+        result: list[tuple[int, torch.Tensor]] | str = []
+        for ref in refs:
+            try:
+                payload = self.store.get(ref.block_hash, ref.identity)
+            except TierCorruptError as exc:
+                result = f"block {ref.block_hash & (2 ** 64 - 1):016x} is corrupt ({exc})"
+                break
+            except Exception as exc:  # a disk error: the request's policy decides
+                result = f"block {ref.block_hash & (2 ** 64 - 1):016x}: {exc!r}"
+                break
+            if payload is None:
+                result = (f"block {ref.block_hash & (2 ** 64 - 1):016x} left the tier "
+                          "before it was read")
+                break
+            result.append((ref.block_id, payload))
+        with self._arrived:
+            self._done[request_id] = result
+            self._in_flight -= 1
+            self._arrived.notify_all()
+
+    def get_finished(self, waiting: set[str]) -> FinishedTransfers:
+        with self._arrived:
+            done, self._done = self._done, {}
+        finished = FinishedTransfers()
+        for request_id, result in done.items():
+            if request_id not in waiting:
+                continue  # aborted while its blocks were read: they may be reused now
+            if isinstance(result, str):
+                finished.failed[request_id] = result
+                continue
+            for block_id, payload in result:
+                self.caches[:, block_id].copy_(payload.view(self.caches[:, block_id].shape))
+            self.blocks_loaded += len(result)
+            finished.received.add(request_id)
+        return finished
+
+    def save_kv(self, saves: list[BlockRef]) -> None:
+        for ref in saves:
+            self.store.put(ref.block_hash, ref.identity, self.caches[:, ref.block_id])
+        self.blocks_saved += len(saves)
+
+    def wait(self, timeout: float) -> None:
+        with self._arrived:
+            if not self._done and self._in_flight:
+                self._arrived.wait(timeout)
+
+    def shutdown(self) -> None:
+        self._reader.shutdown(wait=True, cancel_futures=True)
+        self.store.close()
+
+
+def build(extra: dict[str, Any], context: ConnectorContext) -> Connector:
+    """The connector over a pool, its extra config checked (unknown keys refused)."""
+    unknown = sorted(set(extra) - set(DEFAULTS))
+    if unknown:
+        raise InvalidRequestError(f"kv_connector_extra_config: {NAME} does not read "
+                          f"{', '.join(map(repr, unknown))}; it reads {', '.join(DEFAULTS)}")
+    settings = {**DEFAULTS, **extra}
+    check_pool(context)
+    for key in ("cpu_bytes_to_use", "disk_bytes_to_use"):
+        if not isinstance(settings[key], int) or isinstance(settings[key], bool) \
+                or settings[key] <= 0:
+            raise InvalidRequestError(f"kv_connector_extra_config {key} must be a positive number "
+                              f"of bytes, got {settings[key]!r}")
+    layout = context.layout
+    disk = None
+    if settings["disk_path"] is not None:
+        disk = DiskTier(Path(settings["disk_path"]), layout.fingerprint,
+                        settings["disk_bytes_to_use"], layout.block_shape, layout.dtype)
+    store = TieredStore(HostTier(settings["cpu_bytes_to_use"]), disk)
+    worker = OffloadingWorker(store)
+    worker.register_kv_caches(context.caches, layout)
+    return Connector(NAME, OffloadingScheduler(store, layout.block_size), worker)
+
+
+def check_pool(context: ConnectorContext) -> None:
+    """Refuse, naming it, a pool whose blocks this connector cannot move whole."""
+    why = None
+    if not context.prefix_caching:
+        why = "prefix caching is off (the tier's keys are the prefix cache's block hashes)"
+    elif context.tensor_parallel_size > 1:
+        why = "tensor parallelism (each rank's share of a block is in another process)"
+    elif context.state_blocks:
+        why = "a hybrid model (its recurrent state is not in the tier)"
+    elif context.kv_groups > 1:
+        why = "a model whose layers keep separate block tables (sliding-window groups)"
+    elif not context.block_major:
+        why = "this attention backend's head-major cache (native and torch keep blocks whole)"
+    if why is not None:
+        raise InvalidRequestError(f"kv_transfer_config: {NAME} is not served with {why}")
+
+
+__all__ = ["NAME", "OffloadingScheduler", "OffloadingWorker", "build", "check_pool"]
