@@ -16,6 +16,7 @@ kv_connector_extra_config:
 """
 from __future__ import annotations
 
+import math
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -34,6 +35,9 @@ from engine.kv_transfer.tier import DiskTier, HostTier, TierCorruptError, Tiered
 
 NAME = "OffloadingConnector"
 DEFAULTS = {"cpu_bytes_to_use": 1 << 30, "disk_path": None, "disk_bytes_to_use": 8 << 30}
+# blocks waiting for the disk writer, at most (past it a write is dropped, not waited
+# for): a 4k-token prompt's blocks of SmolLM2 (94 MB) with room to spare
+WRITE_QUEUE_BYTES = 256 << 20
 
 
 def _chain(request: Request, blocks: int, block_size: int) -> list[tuple[int, tuple]]:
@@ -85,14 +89,19 @@ class OffloadingScheduler(ConnectorScheduler):
         saves: list[BlockRef] = []
         for request, n in scheduled:
             full = min(request.num_computed_tokens + n, request.num_tokens) // self.block_size
-            start = self._saved.get(request.request_id, 0)
+            # a request's pool hits were saved when they were computed: from its first
+            # computed block on
+            start = self._saved.setdefault(request.request_id,
+                                           request.num_computed_tokens // self.block_size)
             if full <= start or len(request.block_hashes) < full:
                 continue  # nothing newly full (or no hashes: prefix caching off)
             tokens, root = request.all_token_ids, request.cache_root
             for i in range(start, full):
                 piece = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
-                saves.append(BlockRef(request.block_ids[i], request.block_hashes[i],
-                                      block_key(root, piece)))
+                ref = BlockRef(request.block_ids[i], request.block_hashes[i],
+                               block_key(root, piece))
+                if not self.store.contains(ref.block_hash, ref.identity):
+                    saves.append(ref)
             self._saved[request.request_id] = full
         return StepTransfers(loads, saves)
 
@@ -193,8 +202,10 @@ def build(extra: dict[str, Any], context: ConnectorContext) -> Connector:
     layout = context.layout
     disk = None
     if settings["disk_path"] is not None:
+        block_bytes = layout.dtype.itemsize * math.prod(layout.block_shape)
         disk = DiskTier(Path(settings["disk_path"]), layout.fingerprint,
-                        settings["disk_bytes_to_use"], layout.block_shape, layout.dtype)
+                        settings["disk_bytes_to_use"], layout.block_shape, layout.dtype,
+                        queue_size=max(64, WRITE_QUEUE_BYTES // max(1, block_bytes)))
     store = TieredStore(HostTier(settings["cpu_bytes_to_use"]), disk)
     worker = OffloadingWorker(store)
     worker.register_kv_caches(context.caches, layout)
