@@ -210,3 +210,47 @@ def test_pools_the_connector_cannot_move_are_refused_by_name(change, named):
 def test_unknown_extra_config_is_refused_by_name(tiny_llama):
     with pytest.raises(InvalidRequestError, match="'disk_size'"):
         _engine(tiny_llama, disk_size=3)
+
+
+def test_a_full_tier_drops_its_oldest_blocks_and_serves_on(tiny_llama, tmp_path, reference):
+    """Tiers far smaller than the load: they keep their most recent blocks, every
+    request is still answered exactly, and nothing leaks."""
+    block_bytes = 2 * 2 * 2 * BLOCK * 16 * 4  # layers x (k, v) x kv heads x bs x dim x fp32
+    llm = _engine(tiny_llama, tmp_path / "tier", cpu_bytes_to_use=3 * block_bytes,
+                  disk_bytes_to_use=3 * block_bytes)
+    try:
+        prompts = [_prompt(20 + i) for i in range(4)]
+        assert _tokens(llm, prompts) == reference(prompts)
+        store = _core(llm).kv_transfer.connector.worker.store
+        assert len(store.host) <= 3 and store.host.evictions > 0
+        assert llm.reset_prefix_cache() is True
+        assert _tokens(llm, prompts) == reference(prompts)
+        _assert_idle(llm)
+    finally:
+        llm.shutdown()
+
+
+def test_blocks_computed_under_an_adapter_are_never_another_s(tiny_llama, tmp_path):
+    """The tier's keys fold the adapter in: a base-model request never loads blocks an
+    adapter request computed (nor the reverse)."""
+    from engine.lora.request import LoRARequest
+    from tests.test_lora import make_adapter
+    make_adapter(tiny_llama, tmp_path / "adapter", 8, ["q_proj", "v_proj"], seed=1)
+    adapter = tmp_path / "adapter"
+    llm = LLM(str(tiny_llama), dtype="float32", block_size=BLOCK, enable_lora=True,
+              max_lora_rank=8, kv_transfer_config={
+                  "kv_connector": "OffloadingConnector", "kv_role": "kv_both"})
+    try:
+        prompt = _prompt(30)
+        lora = LoRARequest("a", 1, str(adapter))
+        llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=lora)
+        assert llm.reset_prefix_cache() is True
+        base = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+        assert base.num_cached_tokens == 0  # the adapter's blocks are not the base's
+        assert llm.reset_prefix_cache() is True
+        first = llm.llm_engine.engine_core.kv_transfer.connector.worker.blocks_loaded
+        again = llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=lora)[0]
+        assert again.num_cached_tokens == 56  # its own, from the tier
+        assert _core(llm).kv_transfer.connector.worker.blocks_loaded - first == 7
+    finally:
+        llm.shutdown()

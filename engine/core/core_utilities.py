@@ -141,7 +141,8 @@ class CoreUtilities:
     def get_stats(self) -> SchedulerStats:
         return SchedulerStats(
             num_running_reqs=len(self.scheduler.running),
-            num_waiting_reqs=len(self.scheduler.waiting),
+            # those waiting for a KV connector's load wait too (as vLLM counts them)
+            num_waiting_reqs=len(self.scheduler.waiting) + len(self.scheduler.waiting_for_kv),
             kv_cache_usage=self.kv.usage,
             prefix_cache_queries=self.kv.prefix_queries,
             prefix_cache_hits=self.kv.prefix_hits,
