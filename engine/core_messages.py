@@ -167,6 +167,14 @@ class KVEvents(msgspec.Struct, array_like=True, omit_defaults=True):
     cleared: bool = False
     stored: list[int] = []
     removed: list[int] = []
+    # the engine's KV tiers (engine/kv_transfer/tier_events.py): blocks that entered or
+    # left its own host tier, and blocks it wrote to or evicted from the disk tier its
+    # deployment's engines share (a router applies those to every engine). `cleared`
+    # forgets this engine's host tier too; a snapshot lists both tiers' blocks.
+    host_stored: list[int] = []
+    host_removed: list[int] = []
+    disk_stored: list[int] = []
+    disk_removed: list[int] = []
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):

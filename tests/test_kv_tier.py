@@ -332,3 +332,20 @@ def test_thread_safety_smoke(tmp_path):
     for key in range(24):
         got = d.get(key, ident(key))
         assert got is None or torch.equal(got, block(key))
+
+
+def test_a_pinned_host_block_outlives_the_bound_until_unpinned():
+    """A block a load was decided on stays until the load read it, even while newer
+    blocks push the tier past its bound; then it goes first."""
+    import torch as _torch
+    from engine.kv_transfer.tier import HostTier
+    one = _torch.zeros(4, dtype=_torch.float32)
+    tier = HostTier(capacity_bytes=2 * one.nbytes)
+    tier.put(1, (1,), one)
+    tier.pin(1)
+    for h in (2, 3, 4):
+        tier.put(h, (h,), one)
+    assert tier.contains(1, (1,)) and tier.contains(4, (4,)) and not tier.contains(2, (2,))
+    tier.unpin(1)
+    tier.put(5, (5,), one)
+    assert not tier.contains(1, (1,)) and len(tier) == 2

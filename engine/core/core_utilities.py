@@ -59,11 +59,17 @@ class CoreUtilities:
     def take_kv_events(self) -> KVEvents | None:
         """Prefix-cache changes since the last call, for the server to publish to the
         routers (the first call, and the first after sleep, answer a full snapshot)."""
-        return self.kv.take_events()
+        events = self.kv.take_events()
+        if self.kv_transfer is not None:  # and where blocks live in a KV tier
+            events = self.kv_transfer.with_tier_events(events)
+        return events
 
     def kv_cache_snapshot(self) -> KVEvents:
         """Every cached block hash, for a router that just connected."""
-        return self.kv.snapshot_events()
+        events = self.kv.snapshot_events()
+        if self.kv_transfer is not None:
+            events = self.kv_transfer.with_tier_events(events, snapshot=True)
+        return events
 
     # ---- sleep mode -------------------------------------------------------------------
     def is_sleeping(self) -> bool:

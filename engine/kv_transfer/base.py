@@ -107,6 +107,12 @@ class ConnectorScheduler(ABC):
         """A request waiting for its KV was aborted: forget its pending load (the worker
         discards what it reads for it)."""
 
+    def take_events(self, snapshot: bool) -> dict[str, list[int]] | None:
+        """Where blocks live outside the pool, for the routers: KVEvents' host_* and
+        disk_* fields since the last call (snapshot: everything held now). None: this
+        connector keeps no tier."""
+        return None
+
 
 class ConnectorWorker(ABC):
     """The worker's half: owns the bytes' movement, beside the cache tensors."""

@@ -10,8 +10,11 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import msgspec
+
 from engine.core.request import Request
 from engine.core.scheduler import Scheduler, SchedulerOutput
+from engine.core_messages import KVEvents
 from engine.kv_transfer.base import Connector, ConnectorContext, KVLayout, StepTransfers
 from engine.kv_transfer.fingerprint import checkpoint_signature, pool_fingerprint
 
@@ -66,6 +69,19 @@ class KVTransferSteps:
         than spin."""
         if self.scheduler.waiting_for_kv:
             self.connector.worker.wait(timeout)
+
+    def with_tier_events(self, events: KVEvents | None, snapshot: bool = False
+                         ) -> KVEvents | None:
+        """The pool's events with the connector's tier events added (a snapshot of the
+        tiers where the pool's is one, or was cleared: a router then forgets this
+        engine's host tier)."""
+        snapshot = snapshot or (events is not None and events.cleared)
+        tiers = self.connector.scheduler.take_events(snapshot)
+        if not tiers or not any(tiers.values()):
+            return events
+        if events is None:
+            return KVEvents(**tiers)
+        return msgspec.structs.replace(events, **tiers)
 
     def shutdown(self) -> None:
         self.connector.worker.shutdown()

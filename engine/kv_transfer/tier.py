@@ -31,6 +31,7 @@ import time
 import zlib
 from collections import OrderedDict
 from pathlib import Path
+from typing import Callable
 
 import msgspec
 import torch
@@ -77,6 +78,23 @@ class HostTier:
         self._nbytes = 0
         self._lock = threading.Lock()
         self.hits = self.misses = self.evictions = 0
+        # called (block hash, stored) as a block enters or leaves (TierEvents.record)
+        self.on_change: Callable[[int, bool], None] | None = None
+        self._pinned: dict[int, int] = {}  # block hash -> loads that will read it
+
+    def pin(self, block_hash: int) -> None:
+        """Keep the block from eviction until as many unpin()s: a load was decided on it
+        and will read it (past the bound, briefly, if only pinned blocks are left)."""
+        with self._lock:
+            self._pinned[block_hash] = self._pinned.get(block_hash, 0) + 1
+
+    def unpin(self, block_hash: int) -> None:
+        with self._lock:
+            left = self._pinned.get(block_hash, 0) - 1
+            if left > 0:
+                self._pinned[block_hash] = left
+            else:
+                self._pinned.pop(block_hash, None)
 
     def get(self, block_hash: int, identity: tuple) -> torch.Tensor | None:
         """The block's payload (now the most recently used), or None when absent or when
@@ -98,16 +116,24 @@ class HostTier:
         size = payload.nbytes
         if size > self.capacity_bytes:
             return  # would evict everything and still not fit
+        changes = []
         with self._lock:
             old = self._entries.pop(block_hash, None)
             if old is not None:
                 self._nbytes -= old[1].nbytes
+            else:
+                changes.append((block_hash, True))
             self._entries[block_hash] = (identity, payload)
             self._nbytes += size
             while self._nbytes > self.capacity_bytes:
-                _, (_, evicted) = self._entries.popitem(last=False)
+                gone = next((h for h in self._entries if h not in self._pinned), None)
+                if gone is None:
+                    break  # only pinned blocks left: over the bound until they are read
+                _, evicted = self._entries.pop(gone)
                 self._nbytes -= evicted.nbytes
                 self.evictions += 1
+                changes.append((gone, False))
+        _tell(self.on_change, changes)
 
     def contains(self, block_hash: int, identity: tuple) -> bool:
         """Whether the block is here; leaves its recency as it was."""
@@ -124,10 +150,31 @@ class HostTier:
         """Bytes of payload held now (never above capacity_bytes)."""
         return self._nbytes
 
+    def hashes(self) -> list[int]:
+        """Every block hash held now (a router's snapshot)."""
+        with self._lock:
+            return list(self._entries)
+
     def clear(self) -> None:
         with self._lock:
+            gone = [(h, False) for h in self._entries]
             self._entries.clear()
             self._nbytes = 0
+        _tell(self.on_change, gone)
+
+
+def _hash_of(name: str) -> int:
+    """The (signed, as Python's) block hash a file is named by."""
+    value = int(name[:16], 16)
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _tell(on_change: Callable[[int, bool], None] | None,
+          changes: list[tuple[int, bool]]) -> None:
+    """Report (hash, stored) changes, outside the tier's lock."""
+    if on_change is not None:
+        for block_hash, stored in changes:
+            on_change(block_hash, stored)
 
 
 # File layout: header | identity (msgpack) | payload bytes.
@@ -188,9 +235,20 @@ class DiskTier:
         self.hits = self.misses = self.corrupt = self.evictions = 0
         self.bytes_written = self.bytes_read = 0
         self.dropped_writes = self.write_errors = 0
+        # called (block hash, stored) as this process writes or evicts a block's file
+        self.on_change: Callable[[int, bool], None] | None = None
 
     def _file(self, block_hash: int) -> Path:  # Python hashes are signed: mask to 64 bits
         return self.path / f"{block_hash & 0xFFFFFFFFFFFFFFFF:016x}.kv"
+
+    def hashes(self) -> list[int]:
+        """The block hashes of every file in the tier now (a router's snapshot)."""
+        try:
+            with os.scandir(self.path) as entries:
+                return [_hash_of(e.name) for e in entries
+                        if e.name.endswith(".kv") and len(e.name) == 19]
+        except FileNotFoundError:
+            return []
 
     def _count(self, **deltas: int) -> None:
         with self._lock:
@@ -244,7 +302,8 @@ class DiskTier:
             return None
         except TierCorruptError:
             self._count(corrupt=1)
-            _unlink(path)
+            if _unlink(path):
+                _tell(self.on_change, [(block_hash, False)])
             raise
         try:
             os.utime(path)
@@ -254,9 +313,17 @@ class DiskTier:
         return buf.view(self.dtype).view(self.block_shape)
 
     def contains(self, block_hash: int, identity: tuple) -> bool:
-        """Whether a file holds this block; reads only its header (no payload check, no
-        recency change)."""
-        return self._holds(self._file(block_hash), self._encoder.encode(identity))
+        """Whether a file holds this block; reads only its header (no payload check). A
+        found block becomes the most recently used: a load decided on it reads it next,
+        and the least recently used go first."""
+        path = self._file(block_hash)
+        if not self._holds(path, self._encoder.encode(identity)):
+            return False
+        try:
+            os.utime(path)
+        except FileNotFoundError:
+            return False
+        return True
 
     def _holds(self, path: Path, ident: bytes) -> bool:  # header and identity only
         try:
@@ -303,6 +370,7 @@ class DiskTier:
         except BaseException:
             _unlink(tmp)
             raise
+        _tell(self.on_change, [(block_hash, True)])
         written = len(header) + len(ident) + data.nbytes
         with self._lock:
             self.bytes_written += written
@@ -343,6 +411,7 @@ class DiskTier:
                         break
                     if _unlink(self.path / name):
                         evicted += 1
+                        _tell(self.on_change, [(_hash_of(name), False)])
                     total -= size  # gone either way
             with self._lock:
                 self._estimate = total

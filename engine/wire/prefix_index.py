@@ -11,6 +11,10 @@ Events lag (batched every ~100 ms), so the blocks of a prompt this client has ju
 routed count as held by that engine for RECENT_S or until its events say otherwise:
 a burst of requests with a new prefix follows the first one instead of computing the
 prefix on every engine before the first event arrives.
+
+Beside the pools, the engines' KV tiers (engine/kv_transfer): each engine's host tier,
+and the disk tier a deployment's engines share (one set, fed by every engine's events),
+so a prefix found there counts as a tier hit on any engine (tier_prefix).
 """
 from __future__ import annotations
 
@@ -27,6 +31,8 @@ class PrefixIndex:
     def __init__(self) -> None:
         self._blocks: dict[int, set[int]] = {}
         self._recent: dict[int, dict[int, float]] = {}  # engine -> hash -> until (monotonic)
+        self._host: dict[int, set[int]] = {}  # engine -> its host tier's hashes
+        self._disk: set[int] = set()  # the shared disk tier's hashes
 
     def apply(self, engine: int, events: KVEvents) -> None:
         """Apply one batch of an engine's events (cleared, then removed, then stored)."""
@@ -43,6 +49,15 @@ class PrefixIndex:
                     recent.pop(h, None)
         if events.stored:
             blocks.update(events.stored)
+        host = self._host.get(engine)
+        if events.cleared and host:
+            host.clear()
+        if events.host_stored or events.host_removed:
+            host = self._host.setdefault(engine, set())
+            host.difference_update(events.host_removed)
+            host.update(events.host_stored)
+        self._disk.difference_update(events.disk_removed)
+        self._disk.update(events.disk_stored)
 
     def routed(self, engine: int, hashes: list[int], now: float | None = None) -> None:
         """This client sent a prompt with these blocks to the engine: count them as held
@@ -59,9 +74,22 @@ class PrefixIndex:
             recent[h] = until
 
     def drop(self, engine: int) -> None:
-        """Forget an engine (it died or left): its cache is gone with it."""
+        """Forget an engine (it died or left): its cache and host tier are gone with it
+        (the shared disk tier stays)."""
         self._blocks.pop(engine, None)
         self._recent.pop(engine, None)
+        self._host.pop(engine, None)
+
+    def tier_prefix(self, engine: int, hashes: list[int], start: int) -> int:
+        """How many blocks of the chain from `start` (past the engine's pool prefix) its
+        host tier or the shared disk tier holds, consecutively."""
+        host = self._host.get(engine, ())
+        n = 0
+        for h in hashes[start:]:
+            if h not in host and h not in self._disk:
+                break
+            n += 1
+        return n
 
     def num_blocks(self, engine: int) -> int:
         """How many blocks the engine is known to hold."""

@@ -3,7 +3,8 @@
 Policies (EngineClient.connect(routing=...), the app's `routing` option):
 - "prefix" (default): the engine where the request costs least, the cost being the
   prefill it would need there (its prompt minus the prefix that engine has cached,
-  from the engines' KV events, engine/wire/prefix_index.py; weighted MISS_WEIGHT,
+  from the engines' KV events, engine/wire/prefix_index.py; a prefix a KV tier holds
+  past that counts TIER_WEIGHT a token; weighted MISS_WEIGHT,
   since a recompute delays the requests after it too) plus that engine's queue:
   the prefill tokens already waiting there, its running requests, KV pressure. Cache
   affinity therefore holds until an imbalance costs more than the cache saves; a hot
@@ -43,6 +44,11 @@ RUNNING_COST_BLOCKS = 1.0
 # mocks): weight 1 reaches 88 % of the ideal hit rate, 2 reaches 99 % with TTFT p50 down
 # a third and the busiest engine within 1.21x the mean; 3 overloads one engine (1.7x).
 MISS_WEIGHT = 2.0
+# A token a KV tier supplies (engine/kv_transfer), in prefill tokens: loaded, not
+# computed, so far cheaper than a miss, dearer than a pool hit (free). Measured on Zen 4
+# (bench/kv_tier.py): a 4,096-token prompt from the host tier 0.010x of recomputing it,
+# from the disk tier 0.023x (warm); 0.1 leaves room for a cold disk.
+TIER_WEIGHT = 0.1 * MISS_WEIGHT
 KV_PRESSURE_FROM = 0.9  # KV usage above which an engine's cost grows to a full recompute
 _MEAN_DECAY = 0.05  # weight of the newest request in the mean uncached prompt length
 
@@ -137,12 +143,18 @@ class Router:
             best = min(candidates, key=lambda e: (load(e), (e.index - turn) % n))
             return best, num_tokens
 
+        def found(e) -> tuple[int, int]:  # tokens in its pool, then in a KV tier
+            pool = self.index.cached_prefix(e.index, hashes)
+            return pool * self.block_size, self.index.tier_prefix(
+                e.index, hashes, pool) * self.block_size
+
         def cost(e) -> tuple[float, int]:
-            uncached = num_tokens - self.index.cached_prefix(e.index, hashes) * self.block_size
-            return self.cost(e, uncached, num_tokens), (e.index - turn) % n
+            pool, tier = found(e)
+            return (self.cost(e, num_tokens - pool - tier, num_tokens) + TIER_WEIGHT * tier,
+                    (e.index - turn) % n)
         best = min(candidates, key=cost)
-        uncached = num_tokens - self.index.cached_prefix(best.index, hashes) * self.block_size
-        return best, uncached
+        pool, tier = found(best)
+        return best, num_tokens - pool - tier
 
     def cost(self, engine: Any, uncached: int, num_tokens: int) -> float:
         """What a request with `uncached` prompt tokens to compute costs on `engine`, in

@@ -32,6 +32,7 @@ from engine.kv_transfer.base import (BlockRef, Connector, ConnectorContext,
                                      ConnectorScheduler, ConnectorWorker,
                                      FinishedTransfers, KVLayout, StepTransfers)
 from engine.kv_transfer.tier import DiskTier, HostTier, TierCorruptError, TieredStore
+from engine.kv_transfer.tier_events import DISK, HOST, TierEvents
 
 NAME = "OffloadingConnector"
 DEFAULTS = {"cpu_bytes_to_use": 1 << 30, "disk_path": None, "disk_bytes_to_use": 8 << 30}
@@ -59,6 +60,10 @@ class OffloadingScheduler(ConnectorScheduler):
     def __init__(self, store: TieredStore, block_size: int) -> None:
         self.store = store
         self.block_size = block_size
+        self.events = TierEvents()  # what the tiers gained and lost, for the routers
+        store.host.on_change = lambda h, stored: self.events.record(HOST, h, stored)
+        if store.disk is not None:
+            store.disk.on_change = lambda h, stored: self.events.record(DISK, h, stored)
         self._pending: dict[str, list[BlockRef]] = {}  # loads ordered, not yet started
         self._saved: dict[str, int] = {}  # request id -> its leading blocks in the tier
 
@@ -79,8 +84,10 @@ class OffloadingScheduler(ConnectorScheduler):
                                  num_external_tokens: int) -> None:
         first = request.num_computed_tokens // self.block_size
         chain = _chain(request, first + len(block_ids), self.block_size)[first:]
-        self._pending[request.request_id] = [
-            BlockRef(b, h, identity) for b, (h, identity) in zip(block_ids, chain)]
+        refs = [BlockRef(b, h, identity) for b, (h, identity) in zip(block_ids, chain)]
+        for ref in refs:  # not evicted by this engine's saves before the load reads it
+            self.store.host.pin(ref.block_hash)
+        self._pending[request.request_id] = refs
         # what it loads is in the tier already: no save of those
         self._saved[request.request_id] = first + len(block_ids)
 
@@ -110,8 +117,16 @@ class OffloadingScheduler(ConnectorScheduler):
         return False, None
 
     def request_dropped(self, request: Request) -> None:
-        self._pending.pop(request.request_id, None)
+        for ref in self._pending.pop(request.request_id, ()):  # its load never started
+            self.store.host.unpin(ref.block_hash)
         self._saved.pop(request.request_id, None)
+
+    def take_events(self, snapshot: bool) -> dict[str, list[int]]:
+        if snapshot or not self.events.enabled:
+            disk = self.store.disk
+            return self.events.snapshot(self.store.host.hashes(),
+                                        disk.hashes() if disk is not None else [])
+        return self.events.take()
 
 
 class OffloadingWorker(ConnectorWorker):
@@ -135,25 +150,30 @@ class OffloadingWorker(ConnectorWorker):
 
     def _read(self, request_id: str, refs: list[BlockRef]) -> None:
         """On the reader thread: every block's payload, or why one could not be read."""
-        result: list[tuple[int, torch.Tensor]] | str = []
-        for ref in refs:
-            try:
-                payload = self.store.get(ref.block_hash, ref.identity)
-            except TierCorruptError as exc:
-                result = f"block {ref.block_hash & (2 ** 64 - 1):016x} is corrupt ({exc})"
-                break
-            except Exception as exc:  # a disk error: the request's policy decides
-                result = f"block {ref.block_hash & (2 ** 64 - 1):016x}: {exc!r}"
-                break
-            if payload is None:
-                result = (f"block {ref.block_hash & (2 ** 64 - 1):016x} left the tier "
-                          "before it was read")
-                break
-            result.append((ref.block_id, payload))
+        try:
+            result = self._read_blocks(refs)
+        finally:
+            for ref in refs:
+                self.store.host.unpin(ref.block_hash)
         with self._arrived:
             self._done[request_id] = result
             self._in_flight -= 1
             self._arrived.notify_all()
+
+    def _read_blocks(self, refs: list[BlockRef]) -> list[tuple[int, torch.Tensor]] | str:
+        result: list[tuple[int, torch.Tensor]] = []
+        for ref in refs:
+            try:
+                payload = self.store.get(ref.block_hash, ref.identity)
+            except TierCorruptError as exc:
+                return f"block {ref.block_hash & (2 ** 64 - 1):016x} is corrupt ({exc})"
+            except Exception as exc:  # a disk error: the request's policy decides
+                return f"block {ref.block_hash & (2 ** 64 - 1):016x}: {exc!r}"
+            if payload is None:
+                return (f"block {ref.block_hash & (2 ** 64 - 1):016x} left the tier "
+                        "before it was read")
+            result.append((ref.block_id, payload))
+        return result
 
     def get_finished(self, waiting: set[str]) -> FinishedTransfers:
         with self._arrived:
