@@ -112,6 +112,17 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = []
+    # a KV connector (engine/kv_transfer): the tokens its lookups asked about and those
+    # it supplied (vLLM's external prefix cache), the blocks and bytes it moved into the
+    # pool and out of it, and the loads that failed
+    kv_connector: str = ""
+    external_prefix_cache_queries: int = 0
+    external_prefix_cache_hits: int = 0
+    kv_blocks_in: int = 0
+    kv_blocks_out: int = 0
+    kv_bytes_in: int = 0
+    kv_bytes_out: int = 0
+    kv_load_failures: int = 0
 
 
 class EngineCoreReadyResponse(msgspec.Struct, omit_defaults=True):

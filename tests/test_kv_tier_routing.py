@@ -97,3 +97,35 @@ def test_host_tier_evictions_are_removed_events(tiny_llama):
             prompt, BLOCK)[:4])
     finally:
         llm.shutdown()
+
+
+def test_the_connector_s_counts_reach_the_engine_s_stats_and_metrics(tiny_llama):
+    """SchedulerStats carries what the connector asked, supplied and moved; /metrics
+    renders it under vLLM's external-prefix-cache names and Flotilla's transfer names."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from deployments.serve.metrics import _EngineCollector
+    llm = LLM(str(tiny_llama), dtype="float32", block_size=BLOCK, kv_transfer_config={
+        "kv_connector": "OffloadingConnector", "kv_role": "kv_both"})
+    core = llm.llm_engine.engine_core
+    try:
+        prompt = _prompt(3)
+        llm.generate([prompt], GREEDY, use_tqdm=False)
+        assert llm.reset_prefix_cache() is True
+        llm.generate([prompt], GREEDY, use_tqdm=False)  # 7 blocks from the host tier
+        stats = core.get_stats()
+        block = core.runner.kv_caches[:, 0]
+        assert stats.kv_connector == "OffloadingConnector"
+        assert stats.external_prefix_cache_hits == 56 and stats.kv_blocks_in == 7
+        assert stats.external_prefix_cache_queries == 2 * len(prompt)
+        assert stats.kv_blocks_out == 8 and stats.kv_load_failures == 0
+        assert stats.kv_bytes_in == 7 * block.numel() * block.element_size()
+        engine = SimpleNamespace(index=0, stats=stats, ready=SimpleNamespace(
+            block_size=BLOCK, num_gpu_blocks=core.num_blocks))
+        registry = CollectorRegistry()
+        registry.register(_EngineCollector("m", lambda: SimpleNamespace(engines=[engine])))
+        text = generate_latest(registry).decode()
+        assert 'vllm:external_prefix_cache_hits_total{engine="0",model_name="m"} 56.0' in text
+        assert ('flotilla:kv_transfer_blocks_total{connector="OffloadingConnector",'
+                'direction="in",engine="0",model_name="m"} 7.0') in text
+    finally:
+        llm.shutdown()

@@ -70,6 +70,13 @@ class _EngineCollector:
                                                   "spec_num_draft_tokens"),
             "vllm:spec_decode_num_accepted_tokens": ("Speculative decoding: accepted tokens",
                                                      "spec_num_accepted_tokens"),
+            "vllm:external_prefix_cache_queries": (
+                "KV connector prefix lookups, in tokens queried", "external_prefix_cache_queries"),
+            "vllm:external_prefix_cache_hits": (
+                "KV connector prefix hits, in tokens it supplied", "external_prefix_cache_hits"),
+            "flotilla:kv_load_failures": ("KV connector loads that failed (the request "
+                                          "recomputed or failed: kv_load_failure_policy)",
+                                          "kv_load_failures"),
         }
         families = {name: GaugeMetricFamily(name, doc, labels=labels)
                     for name, (doc, _) in gauges.items()}
@@ -80,6 +87,10 @@ class _EngineCollector:
         iterations = HistogramMetricFamily("vllm:iteration_tokens_total",
                                            "Tokens computed per engine step (engine's count)",
                                            labels=labels)
+        moved = {unit: CounterMetricFamily(
+            f"flotilla:kv_transfer_{unit}", f"KV {unit} a connector moved, into the pool "
+            "(in) or out of it (out)", labels=labels + ["connector", "direction"])
+            for unit in ("blocks", "bytes")}
         per_pos = CounterMetricFamily(
             "vllm:spec_decode_num_accepted_tokens_per_pos",
             "Speculative decoding: accepted tokens by position in the proposal",
@@ -91,6 +102,11 @@ class _EngineCollector:
                 continue
             for name, (_, field) in {**gauges, **counters}.items():
                 families[name].add_metric(values, float(getattr(e.stats, field)))
+            if e.stats.kv_connector:
+                for unit, family in moved.items():
+                    for direction in ("in", "out"):
+                        family.add_metric(values + [e.stats.kv_connector, direction], float(
+                            getattr(e.stats, f"kv_{unit}_{direction}")))
             for pos, count in enumerate(e.stats.spec_accepted_per_pos):
                 per_pos.add_metric(values + [str(pos)], float(count))
             counts = e.stats.iteration_tokens_counts
@@ -99,6 +115,7 @@ class _EngineCollector:
                 iterations.add_metric(values, list(zip(bounds, itertools.accumulate(counts))),
                                       float(e.stats.iteration_tokens_sum))
         yield from families.values()
+        yield from moved.values()
         yield iterations
         yield per_pos
         yield info

@@ -156,5 +156,6 @@ class CoreUtilities:
             num_free_blocks=self.kv.num_free_blocks,
             iteration_tokens_counts=list(self._iteration_counts),
             iteration_tokens_sum=self._iteration_sum,
-            **(self.spec.stats.as_fields() if self.spec is not None else {}))
+            **(self.spec.stats.as_fields() if self.spec is not None else {}),
+            **(self.kv_transfer.stats() if self.kv_transfer is not None else {}))
 

@@ -66,6 +66,7 @@ class Scheduler:
         self.connector: ConnectorScheduler | None = None  # a KV connector's scheduler half
         self.waiting_for_kv: dict[str, Request] = {}  # admitted, their KV being loaded
         self.held_for_send: dict[str, Request] = {}  # finished, blocks read by a send
+        self.external_queries = self.external_hits = 0  # tokens asked of / found by it
 
     def add(self, request: Request) -> None:
         self.waiting.add(request)
@@ -164,6 +165,8 @@ class Scheduler:
         if self.connector is None or request.kv_load_failed:
             return False
         external, _ = self.connector.get_num_new_matched_tokens(request, computed)
+        self.external_queries += request.num_tokens  # as vLLM counts them
+        self.external_hits += max(0, external)
         if external <= 0 or not self.kv.allocate(request, external, hits, register=False):
             return False
         self.waiting.pop()

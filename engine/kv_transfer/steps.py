@@ -83,6 +83,18 @@ class KVTransferSteps:
             return KVEvents(**tiers)
         return msgspec.structs.replace(events, **tiers)
 
+    def stats(self) -> dict:
+        """SchedulerStats' connector fields: counters since the engine started."""
+        worker = self.connector.worker
+        block = getattr(worker, "block_bytes", 0)
+        loaded, saved = getattr(worker, "blocks_loaded", 0), getattr(worker, "blocks_saved", 0)
+        return {"kv_connector": self.connector.name,
+                "external_prefix_cache_queries": self.scheduler.external_queries,
+                "external_prefix_cache_hits": self.scheduler.external_hits,
+                "kv_blocks_in": loaded, "kv_blocks_out": saved,
+                "kv_bytes_in": loaded * block, "kv_bytes_out": saved * block,
+                "kv_load_failures": self.loads_failed}
+
     def shutdown(self) -> None:
         self.connector.worker.shutdown()
 

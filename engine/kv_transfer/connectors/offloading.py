@@ -138,9 +138,11 @@ class OffloadingWorker(ConnectorWorker):
         self._arrived = threading.Condition()
         self._in_flight = 0
         self.blocks_loaded = self.blocks_saved = 0
+        self.block_bytes = 0  # one block's bytes, every layer's (register_kv_caches)
 
     def register_kv_caches(self, caches: torch.Tensor, layout: KVLayout) -> None:
         self.caches = caches
+        self.block_bytes = layout.dtype.itemsize * math.prod(layout.block_shape)
 
     def start_load_kv(self, loads: dict[str, list[BlockRef]]) -> None:
         for request_id, refs in loads.items():
