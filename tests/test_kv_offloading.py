@@ -255,3 +255,60 @@ def test_blocks_computed_under_an_adapter_are_never_another_s(tiny_llama, tmp_pa
         assert _core(llm).kv_transfer.connector.worker.blocks_loaded - first == 7
     finally:
         llm.shutdown()
+
+
+def test_chunked_prefill_and_n_2_through_the_tier(tiny_llama, tmp_path, reference):
+    """Blocks saved chunk by chunk (a step budget of 16 tokens) load whole on another
+    engine; a request with n=2 loads once and both sequences match the reference."""
+    prompt = _prompt(40)
+    sampled = SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=8, n=2,
+                             ignore_eos=True)
+
+    def engine():
+        return LLM(str(tiny_llama), dtype="float32", block_size=BLOCK,
+                   max_num_batched_tokens=16, kv_transfer_config={
+                       "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                       "kv_connector_extra_config": {"disk_path": str(tmp_path / "t")}})
+    first = engine()
+    try:
+        assert _tokens(first, [prompt]) == reference([prompt])
+        expected = [c.token_ids for c in first.generate(
+            [prompt], sampled, use_tqdm=False)[0].outputs]
+    finally:
+        first.shutdown()
+    second = engine()
+    try:
+        out = second.generate([prompt], sampled, use_tqdm=False)[0]
+        assert [c.token_ids for c in out.outputs] == expected
+        assert out.num_cached_tokens == 56
+        assert _tokens(second, [prompt]) == reference([prompt])
+        _assert_idle(second)
+    finally:
+        second.shutdown()
+
+
+def test_a_sliding_window_model_through_the_tier(tiny_tokenizer_dir, tmp_path_factory,
+                                                 tmp_path):
+    """Mistral with a 16-token window (its sequences give back slid-out blocks): the
+    prefix is saved as it fills and loads on another engine with the same output."""
+    from tests.conftest import build_tiny_model
+    model = build_tiny_model(tmp_path_factory.mktemp("mistral-tier"), "mistral",
+                             tiny_tokenizer_dir, sliding_window=16)
+    prompt = [_prompt(50)]
+    plain = LLM(str(model), dtype="float32", block_size=BLOCK, max_num_batched_tokens=16)
+    try:
+        expected = _tokens(plain, prompt)
+    finally:
+        plain.shutdown()
+    first = _engine(model, tmp_path / "tier")
+    try:
+        assert _tokens(first, prompt) == expected
+    finally:
+        first.shutdown()
+    second = _engine(model, tmp_path / "tier")
+    try:
+        out = second.generate(prompt, GREEDY, use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == expected[0] and out.num_cached_tokens == 56
+        _assert_idle(second)
+    finally:
+        second.shutdown()
