@@ -276,9 +276,11 @@ async def answered_meanwhile(base_url: str, model: str, seconds: float,
             for method, path, body, want in probes:
                 try:
                     async with http.request(method, base_url + path, json=body) as r:
-                        await r.read()
+                        text = (await r.read()).decode(errors="replace")
+                        # a failure names its error (the first of its kind is what the
+                        # report shows: why a probe was not answered)
                         meanwhile["answered" if r.status == want else
-                                  f"{method} {path}: HTTP {r.status}"] += 1
+                                  f"{method} {path}: HTTP {r.status} {text[:160]}"] += 1
                 except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as exc:
                     meanwhile[f"{method} {path}: {type(exc).__name__}"] += 1
             await asyncio.sleep(max(0.0, min(1.0 - (time.monotonic() - started),
